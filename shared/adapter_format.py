@@ -1,0 +1,170 @@
+"""Validation of PEFT LoRA adapter directories, without torch.
+
+An adapter is accepted only if it is a directory under the adapter root holding
+`adapter_config.json` and `adapter_model.safetensors` (never a pickle), whose LoRA matrices match
+the base model's layers exactly. Each refusal carries an error code naming the problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import ErrorCode, LorafleetError
+from shared.model_info import PROJECTIONS, ModelInfo
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_ACCEPTED_DTYPES = {"F16", "BF16", "F32"}
+_MAX_HEADER_BYTES = 64 << 20
+# PEFT's saved names: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
+_LORA_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(PROJECTIONS) + r")\.lora_([AB])\.weight$"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterManifest:
+    """What validation learned about an adapter; stored in the registry beside its location."""
+
+    rank: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]  # subset of PROJECTIONS, in PROJECTIONS order
+    size_bytes: int
+    sha256: str  # of adapter_model.safetensors
+
+    @property
+    def scaling(self) -> float:
+        """The factor PEFT multiplies B·A·x by: alpha/r, or alpha/√r with rsLoRA."""
+        return self.lora_alpha / (self.rank**0.5 if self.use_rslora else self.rank)
+
+
+def _invalid(code: ErrorCode, message: str) -> LorafleetError:
+    return LorafleetError(code, message)
+
+
+def resolve_adapter_dir(adapter_root: Path, path: str | Path) -> Path:
+    """The adapter directory `path` (relative to the root, or absolute inside it), resolved.
+
+    Refuses `..` components and anything whose real path (after symlinks) leaves the root.
+    """
+    candidate = Path(path)
+    if ".." in candidate.parts:
+        raise _invalid(ErrorCode.ADAPTER_PATH_OUTSIDE_ROOT, "adapter path must not contain '..'")
+    root = Path(adapter_root).resolve()
+    full = candidate if candidate.is_absolute() else root / candidate
+    resolved = full.resolve()
+    if not resolved.is_relative_to(root):
+        raise _invalid(ErrorCode.ADAPTER_PATH_OUTSIDE_ROOT, f"adapter path {str(path)!r} is outside the adapter root")
+    if not resolved.is_dir():
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"adapter path {str(path)!r} is not a directory")
+    return resolved
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """The tensor table of a safetensors file: name → {dtype, shape, data_offsets}."""
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise _invalid(ErrorCode.INVALID_ADAPTER, f"{path.name} is not a safetensors file")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > _MAX_HEADER_BYTES:
+            raise _invalid(ErrorCode.INVALID_ADAPTER, f"{path.name}: safetensors header too large")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as exc:
+            raise _invalid(ErrorCode.INVALID_ADAPTER, f"{path.name}: unreadable safetensors header") from exc
+    if not isinstance(header, dict):
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"{path.name}: unreadable safetensors header")
+    header.pop("__metadata__", None)
+    return header
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_config(adapter_dir: Path) -> dict:
+    config_path = adapter_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"{CONFIG_FILE} is missing")
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as exc:
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"{CONFIG_FILE} is not valid JSON") from exc
+    if not isinstance(config, dict):
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"{CONFIG_FILE} must hold a JSON object")
+    if config.get("peft_type") != "LORA":
+        raise _invalid(ErrorCode.ADAPTER_UNSUPPORTED, f"peft_type {config.get('peft_type')!r} is not LORA")
+    unsupported = {
+        "use_dora": bool(config.get("use_dora")),
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "rank_pattern": bool(config.get("rank_pattern")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+        "bias": config.get("bias", "none") != "none",
+    }
+    refused = [name for name, present in unsupported.items() if present]
+    if refused:
+        raise _invalid(ErrorCode.ADAPTER_UNSUPPORTED, f"unsupported PEFT features: {', '.join(refused)}")
+    if not isinstance(config.get("r"), int) or config["r"] < 1:
+        raise _invalid(ErrorCode.INVALID_ADAPTER, "adapter_config.json: r must be a positive integer")
+    return config
+
+
+def inspect_adapter(adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_bytes: int) -> AdapterManifest:
+    """Validate an adapter directory against `model`; raise LorafleetError naming the first problem."""
+    config = _read_config(adapter_dir)
+    rank = config["r"]
+    if rank > max_rank:
+        raise _invalid(ErrorCode.ADAPTER_RANK_TOO_LARGE, f"rank {rank} exceeds the maximum rank {max_rank}")
+    weights = adapter_dir / WEIGHTS_FILE
+    if not weights.is_file():
+        pickled = [p.name for p in adapter_dir.glob("*.bin")] + [p.name for p in adapter_dir.glob("*.pt")]
+        hint = f" (found {', '.join(pickled)}: pickled weights are never loaded; convert to safetensors)" if pickled else ""
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"{WEIGHTS_FILE} is missing{hint}")
+    size = weights.stat().st_size
+    if size > max_bytes:
+        raise _invalid(ErrorCode.ADAPTER_TOO_LARGE, f"{WEIGHTS_FILE} is {size} bytes, over the limit of {max_bytes}")
+
+    seen: dict[tuple[int, str], set[str]] = {}
+    for name, entry in read_safetensors_header(weights).items():
+        match = _LORA_KEY.match(name)
+        if match is None:
+            raise _invalid(ErrorCode.ADAPTER_UNSUPPORTED, f"tensor {name!r} is not a LoRA A/B matrix of a decoder projection")
+        layer, projection, which = int(match[1]), match[2], match[3]
+        if layer >= model.num_layers:
+            raise _invalid(ErrorCode.ADAPTER_SHAPE_MISMATCH, f"{name}: the base model has {model.num_layers} layers")
+        if entry.get("dtype") not in _ACCEPTED_DTYPES:
+            raise _invalid(ErrorCode.INVALID_ADAPTER, f"{name}: dtype {entry.get('dtype')!r} is not F16, BF16 or F32")
+        in_features, out_features = model.projection_shape(projection)
+        expected = [rank, in_features] if which == "A" else [out_features, rank]
+        if list(entry.get("shape", [])) != expected:
+            raise _invalid(
+                ErrorCode.ADAPTER_SHAPE_MISMATCH,
+                f"{name}: shape {entry.get('shape')} does not match the base model's {expected}",
+            )
+        seen.setdefault((layer, projection), set()).add(which)
+    if not seen:
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"{WEIGHTS_FILE} holds no LoRA matrices")
+    unpaired = sorted(f"layers.{layer}.{proj}" for (layer, proj), parts in seen.items() if parts != {"A", "B"})
+    if unpaired:
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"LoRA A without B (or B without A) at {', '.join(unpaired[:3])}")
+    targets = {projection for _, projection in seen}
+    return AdapterManifest(
+        rank=rank,
+        lora_alpha=float(config.get("lora_alpha", rank)),
+        use_rslora=bool(config.get("use_rslora", False)),
+        target_modules=tuple(p for p in PROJECTIONS if p in targets),
+        size_bytes=size,
+        sha256=_file_sha256(weights),
+    )

@@ -1,0 +1,47 @@
+"""Machine-readable error codes shared by the gateway (HTTP errors) and the worker (failed jobs)."""
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    # client mistakes (4xx)
+    INVALID_JSON = "invalid_json"
+    INVALID_REQUEST = "invalid_request"  # a field has the wrong type or value; the message names it
+    MISSING_API_KEY = "missing_api_key"
+    INVALID_API_KEY = "invalid_api_key"
+    TENANT_DISABLED = "tenant_disabled"
+    FORBIDDEN = "forbidden"
+    NOT_FOUND = "not_found"
+    MODEL_NOT_FOUND = "model_not_found"
+    ADAPTER_NOT_FOUND = "adapter_not_found"
+    ADAPTER_MODEL_MISMATCH = "adapter_model_mismatch"
+    JOB_NOT_FOUND = "job_not_found"
+    EMPTY_PROMPT = "empty_prompt"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    INVALID_TOKEN_ID = "invalid_token_id"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    CONFLICT = "conflict"
+    QUEUE_FULL = "queue_full"
+    # adapter validation
+    INVALID_ADAPTER = "invalid_adapter"
+    ADAPTER_PATH_OUTSIDE_ROOT = "adapter_path_outside_root"
+    ADAPTER_UNSUPPORTED = "adapter_unsupported"
+    ADAPTER_RANK_TOO_LARGE = "adapter_rank_too_large"
+    ADAPTER_SHAPE_MISMATCH = "adapter_shape_mismatch"
+    ADAPTER_TOO_LARGE = "adapter_too_large"
+    # failures on the worker side (job.error.code)
+    ADAPTER_LOAD_FAILED = "adapter_load_failed"
+    NUMERICAL_ERROR = "numerical_error"
+    WORKER_CRASHED = "worker_crashed"
+    INTERNAL_ERROR = "internal_error"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+
+
+class LorafleetError(Exception):
+    """A failure with a machine-readable code; the gateway maps it onto an HTTP status."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

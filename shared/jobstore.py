@@ -1,0 +1,155 @@
+"""Job state in Redis: creation, the worker's start and finish, cancel, and long-poll waits.
+
+Every status change is one Lua script, so a cancel racing a finish, or a job redelivered after a
+worker crash, can never overwrite a terminal state: the first terminal write wins and the job has
+exactly one stored result.
+"""
+
+from __future__ import annotations
+
+import time
+
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.schema import JobError, JobMessage, JobOutput, JobRecord, JobStatus, encode_job, encode_output
+
+_CREATE = """
+-- KEYS: job hash, model queue, idempotency key   ARGV: use_idem, ttl_s, payload, job_id, field/value...
+if ARGV[1] == '1' then
+  local existing = redis.call('GET', KEYS[3])
+  if existing then return {0, existing} end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], '*', 'job', ARGV[3])
+if ARGV[1] == '1' then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[2]) end
+return {1, ARGV[4]}
+"""
+
+_START = """
+-- KEYS: job hash   ARGV: worker id, now_ms
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if status == 'queued' or status == 'running' then
+  redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
+  redis.call('HSETNX', KEYS[1], 'started_ms', ARGV[2])
+  redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+  return 'running'
+end
+return status
+"""
+
+_FINISH = """
+-- KEYS: job hash, job events   ARGV: ttl_s, new status, field/value...
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'queued' and status ~= 'running' then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'type', 'end', 'status', ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return 1
+"""
+
+_CANCEL = """
+-- KEYS: job hash, job events   ARGV: ttl_s, now_ms
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+if status == 'queued' or status == 'running' then
+  redis.call('HSET', KEYS[1], 'status', 'canceled', 'finished_ms', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], ARGV[1])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'type', 'end', 'status', 'canceled')
+  redis.call('EXPIRE', KEYS[2], ARGV[1])
+  return 'canceled'
+end
+return status
+"""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class JobStore:
+    """Owns the `lf:job:*` hashes and `lf:out:*` event streams; queues are written only through `create`."""
+
+    def __init__(self, redis: Redis, job_ttl_s: int) -> None:
+        self._redis = redis
+        self._ttl_s = job_ttl_s
+        self._create = redis.register_script(_CREATE)
+        self._start = redis.register_script(_START)
+        self._finish = redis.register_script(_FINISH)
+        self._cancel = redis.register_script(_CANCEL)
+
+    async def create(
+        self, record: JobRecord, message: JobMessage, idempotency_key: str | None = None
+    ) -> tuple[str, bool]:
+        """Write the job hash, then its queue entry, atomically. Returns (job id, newly created);
+        a repeated idempotency key returns the first job's id and queues nothing."""
+        idem_key = keys.idempotency(record.tenant, idempotency_key) if idempotency_key else keys.job(record.job_id)
+        flat: list[str | int | bytes] = []
+        for name, value in record.to_hash().items():
+            flat += [name, value]
+        created, job_id = await self._create(
+            keys=[keys.job(record.job_id), keys.queue(record.model), idem_key],
+            args=["1" if idempotency_key else "0", self._ttl_s, encode_job(message), record.job_id, *flat],
+        )
+        return job_id.decode() if isinstance(job_id, bytes) else job_id, bool(created)
+
+    async def get(self, job_id: str) -> JobRecord | None:
+        raw = await self._redis.hgetall(keys.job(job_id))
+        return JobRecord.from_hash(raw) if raw else None
+
+    async def start(self, job_id: str, worker_id: str) -> JobStatus | None:
+        """Mark a job running on this worker. Returns RUNNING when the worker should run it, the
+        terminal status when it should be skipped (canceled while queued, already finished by an
+        earlier delivery), or None when the record has expired."""
+        result = (await self._start(keys=[keys.job(job_id)], args=[worker_id, now_ms()])).decode()
+        return None if result == "missing" else JobStatus(result)
+
+    async def finish(
+        self,
+        job_id: str,
+        status: JobStatus,
+        *,
+        output: JobOutput | None = None,
+        error: JobError | None = None,
+        completion_tokens: int = 0,
+        first_token_ms: int = 0,
+    ) -> bool:
+        """Store the final result once. Returns False when the job already had a terminal status
+        (canceled meanwhile, or finished by another delivery): the caller must not publish twice."""
+        assert status.is_terminal, status
+        fields: list[str | int | bytes] = ["finished_ms", now_ms(), "completion_tokens", completion_tokens]
+        if first_token_ms:
+            fields += ["first_token_ms", first_token_ms]
+        if output is not None:
+            fields += ["output", encode_output(output)]
+        if error is not None:
+            fields += ["error_code", error.code, "error_message", error.message]
+        stored = await self._finish(
+            keys=[keys.job(job_id), keys.job_events(job_id)], args=[self._ttl_s, status.value, *fields]
+        )
+        return bool(stored)
+
+    async def cancel(self, job_id: str) -> JobStatus | None:
+        """Cancel a queued or running job. Returns the status after the call (None: no such job)."""
+        result = await self._cancel(keys=[keys.job(job_id), keys.job_events(job_id)], args=[self._ttl_s, now_ms()])
+        return None if result is None else JobStatus(result.decode())
+
+    async def wait(self, job_id: str, timeout_s: float) -> JobRecord | None:
+        """Long-poll: return the record once it is terminal or `timeout_s` has passed.
+
+        Blocks on the job's event stream rather than polling the hash. Reading the stream from the
+        start makes it race-free: an end event written between our HGETALL and XREAD is still seen.
+        """
+        deadline = time.monotonic() + timeout_s
+        last_event = "0-0"
+        while True:
+            record = await self.get(job_id)
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if record is None or record.status.is_terminal or remaining_ms <= 0:
+                return record
+            events = await self._redis.xread({keys.job_events(job_id): last_event}, block=remaining_ms)
+            if events:
+                last_event = events[0][1][-1][0]

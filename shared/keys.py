@@ -1,0 +1,59 @@
+"""Every Redis key lorafleet uses, in one place.
+
+| key                           | type   | what                                                      |
+| ----------------------------- | ------ | --------------------------------------------------------- |
+| lf:q:{model}                  | stream | queued jobs for one base model (consumer group `workers`) |
+| lf:job:{id}                   | hash   | job record (status, tenant, timings, result); TTL         |
+| lf:out:{id}                   | stream | job events (tokens, final) for long-poll / streaming; TTL |
+| lf:dlq                        | stream | jobs that failed delivery too many times (capped)         |
+| lf:models / lf:model:{name}   | set / hash | base models served: ModelInfo + tokenizer.json        |
+| lf:adapters / lf:adapter:{n}  | set / hash | adapter registry records                              |
+| lf:workers / lf:worker:{id}   | set / hash | worker heartbeats; the hash has a TTL                 |
+| lf:tenants / lf:tenant:{id}   | set / hash | tenants (name, salted key hash, disabled)             |
+| lf:apikey:{lookup}            | string | API-key lookup id → tenant id                             |
+| lf:idem:{tenant}:{key}        | string | Idempotency-Key → job id; TTL                             |
+"""
+
+PREFIX = "lf"
+WORKER_GROUP = "workers"
+DEAD_LETTER = f"{PREFIX}:dlq"
+MODELS = f"{PREFIX}:models"
+ADAPTERS = f"{PREFIX}:adapters"
+WORKERS = f"{PREFIX}:workers"
+TENANTS = f"{PREFIX}:tenants"
+
+
+def queue(model: str) -> str:
+    return f"{PREFIX}:q:{model}"
+
+
+def job(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}"
+
+
+def job_events(job_id: str) -> str:
+    return f"{PREFIX}:out:{job_id}"
+
+
+def model(name: str) -> str:
+    return f"{PREFIX}:model:{name}"
+
+
+def adapter(name: str) -> str:
+    return f"{PREFIX}:adapter:{name}"
+
+
+def worker(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def tenant(tenant_id: str) -> str:
+    return f"{PREFIX}:tenant:{tenant_id}"
+
+
+def api_key(lookup_id: str) -> str:
+    return f"{PREFIX}:apikey:{lookup_id}"
+
+
+def idempotency(tenant_id: str, key: str) -> str:
+    return f"{PREFIX}:idem:{tenant_id}:{key}"

@@ -1,0 +1,115 @@
+"""What lorafleet needs to know about a base model, parsed from its HF `config.json` without torch.
+
+The gateway uses it for context-length checks, the adapter validator for the shapes an adapter's
+A/B matrices must have, and the worker to build the network.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.errors import ErrorCode, LorafleetError
+
+# Decoder-only families that share the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
+# Qwen2 differs only by a bias on q/k/v; Mistral's sliding window is honoured as a context cap.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+# The seven projections an adapter may target, as PEFT names them.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int  # tokens (prompt + output) one sequence may hold
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
+
+    def projection_shape(self, projection: str) -> tuple[int, int]:
+        """(in_features, out_features) of one target module of a decoder layer."""
+        q_width = self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        return {
+            "q_proj": (self.hidden_size, q_width),
+            "k_proj": (self.hidden_size, kv_width),
+            "v_proj": (self.hidden_size, kv_width),
+            "o_proj": (q_width, self.hidden_size),
+            "gate_proj": (self.hidden_size, self.intermediate_size),
+            "up_proj": (self.hidden_size, self.intermediate_size),
+            "down_proj": (self.intermediate_size, self.hidden_size),
+        }[projection]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ModelInfo:
+        data = json.loads(text)
+        data["eos_token_ids"] = tuple(data["eos_token_ids"])
+        return cls(**data)
+
+    @classmethod
+    def from_pretrained(cls, name: str, model_dir: Path) -> ModelInfo:
+        path = Path(model_dir) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise LorafleetError(ErrorCode.INVALID_REQUEST, f"cannot read {path}: {exc}") from exc
+        architecture = (config.get("architectures") or [""])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise LorafleetError(
+                ErrorCode.INVALID_REQUEST,
+                f"{path}: architecture {architecture!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+            )
+        num_heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        max_context = config.get("max_position_embeddings", 4096)
+        if config.get("sliding_window") and config.get("use_sliding_window", True):
+            max_context = min(max_context, config["sliding_window"])
+        rope_theta = config.get("rope_theta")
+        rope_scaling = config.get("rope_scaling")
+        # transformers >= 5 folds rope settings into `rope_parameters`
+        rope_parameters = config.get("rope_parameters") or {}
+        if rope_theta is None:
+            rope_theta = rope_parameters.get("rope_theta", 10000.0)
+        if rope_scaling is None and rope_parameters.get("rope_type", "default") != "default":
+            rope_scaling = rope_parameters
+        return cls(
+            name=name,
+            architecture=architecture,
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            vocab_size=config["vocab_size"],
+            max_context=max_context,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", architecture == "Qwen2ForCausalLM")),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=config.get("torch_dtype") or config.get("dtype") or "float32",
+        )

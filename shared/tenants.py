@@ -1,0 +1,79 @@
+"""Tenants and their API keys.
+
+A key looks like `lf_<lookup>_<secret>`. Redis keeps `lookup → tenant` and, on the tenant, only a
+salted SHA-256 of the secret: the secret is 32 random bytes, so a slow password hash would add
+latency to every request without adding security. Comparison is constant-time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.errors import ErrorCode, LorafleetError
+
+TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_KEY_FORMAT = re.compile(r"^lf_([A-Za-z0-9]{16})_([A-Za-z0-9_-]{20,})$")
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    tenant_id: str
+    disabled: bool = False
+
+
+def _hash_secret(salt: bytes, secret: str) -> bytes:
+    return hashlib.sha256(salt + secret.encode()).digest()
+
+
+async def create_tenant(redis: Redis, name: str) -> str:
+    """Create tenant `name` and return its API key (shown once; only its hash is stored)."""
+    if not TENANT_NAME.match(name):
+        raise LorafleetError(
+            ErrorCode.INVALID_REQUEST, "tenant name must be 1-63 chars of a-z, 0-9, '_' or '-', starting alphanumeric"
+        )
+    if not await redis.sadd(keys.TENANTS, name):
+        raise LorafleetError(ErrorCode.CONFLICT, f"tenant {name!r} already exists")
+    return await issue_key(redis, name)
+
+
+async def issue_key(redis: Redis, tenant_id: str) -> str:
+    """Give the tenant a new API key; the previous one stops working."""
+    lookup = secrets.token_hex(8)
+    secret = secrets.token_urlsafe(32)
+    salt = secrets.token_bytes(16)
+    previous = await redis.hget(keys.tenant(tenant_id), "key_lookup")
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(
+            keys.tenant(tenant_id),
+            mapping={"key_lookup": lookup, "key_salt": salt, "key_hash": _hash_secret(salt, secret), "disabled": 0},
+        )
+        pipe.set(keys.api_key(lookup), tenant_id)
+        if previous:
+            pipe.delete(keys.api_key(previous.decode()))
+        await pipe.execute()
+    return f"lf_{lookup}_{secret}"
+
+
+async def authenticate(redis: Redis, api_key: str) -> Tenant:
+    """Map an API key to its tenant, or raise INVALID_API_KEY / TENANT_DISABLED."""
+    match = _KEY_FORMAT.match(api_key)
+    if match is None:
+        raise LorafleetError(ErrorCode.INVALID_API_KEY, "the API key is not valid")
+    lookup, secret = match.groups()
+    tenant_id = await redis.get(keys.api_key(lookup))
+    if tenant_id is None:
+        raise LorafleetError(ErrorCode.INVALID_API_KEY, "the API key is not valid")
+    stored = await redis.hmget(keys.tenant(tenant_id.decode()), ["key_salt", "key_hash", "disabled"])
+    salt, key_hash, disabled = stored
+    if salt is None or not hmac.compare_digest(_hash_secret(salt, secret), key_hash):
+        raise LorafleetError(ErrorCode.INVALID_API_KEY, "the API key is not valid")
+    if disabled == b"1":
+        raise LorafleetError(ErrorCode.TENANT_DISABLED, "this tenant is disabled")
+    return Tenant(tenant_id.decode())
