@@ -23,7 +23,9 @@ _ACCEPTED_DTYPES = {"F16", "BF16", "F32"}
 _MAX_HEADER_BYTES = 64 << 20
 # PEFT's saved names: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
 _LORA_KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(PROJECTIONS) + r")\.lora_([AB])\.weight$"
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.("
+    + "|".join(PROJECTIONS)
+    + r")\.lora_([AB])\.weight$"
 )
 
 
@@ -130,7 +132,11 @@ def inspect_adapter(adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_b
     weights = adapter_dir / WEIGHTS_FILE
     if not weights.is_file():
         pickled = [p.name for p in adapter_dir.glob("*.bin")] + [p.name for p in adapter_dir.glob("*.pt")]
-        hint = f" (found {', '.join(pickled)}: pickled weights are never loaded; convert to safetensors)" if pickled else ""
+        hint = (
+            f" (found {', '.join(pickled)}: pickled weights are never loaded; convert to safetensors)"
+            if pickled
+            else ""
+        )
         raise _invalid(ErrorCode.INVALID_ADAPTER, f"{WEIGHTS_FILE} is missing{hint}")
     size = weights.stat().st_size
     if size > max_bytes:
@@ -140,7 +146,9 @@ def inspect_adapter(adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_b
     for name, entry in read_safetensors_header(weights).items():
         match = _LORA_KEY.match(name)
         if match is None:
-            raise _invalid(ErrorCode.ADAPTER_UNSUPPORTED, f"tensor {name!r} is not a LoRA A/B matrix of a decoder projection")
+            raise _invalid(
+                ErrorCode.ADAPTER_UNSUPPORTED, f"tensor {name!r} is not a LoRA A/B matrix of a decoder projection"
+            )
         layer, projection, which = int(match[1]), match[2], match[3]
         if layer >= model.num_layers:
             raise _invalid(ErrorCode.ADAPTER_SHAPE_MISMATCH, f"{name}: the base model has {model.num_layers} layers")

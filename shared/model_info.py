@@ -76,7 +76,8 @@ class ModelInfo:
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise LorafleetError(
                 ErrorCode.INVALID_REQUEST,
-                f"{path}: architecture {architecture!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+                f"{path}: architecture {architecture!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
             )
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads

@@ -1,0 +1,89 @@
+"""Configuration dataclasses, one per process, built from CLI flags in cli/ and nowhere else."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A base model to serve: its public name and its HF-format directory."""
+
+    name: str
+    path: Path
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        """Parse `NAME=PATH` as given to `--model`."""
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--model expects NAME=PATH, got {text!r}")
+        return cls(name=name, path=Path(path).expanduser().resolve())
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the gateway accepts in one job; anything beyond is a 4xx, never queued."""
+
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int = 256_000
+    max_output_tokens: int = 4096
+    max_stop_strings: int = 8
+    max_stop_chars: int = 128
+    max_wait_s: float = 60.0  # longest long-poll one GET may hold
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    redis_url: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    job_ttl_s: int = 24 * 3600
+    limits: RequestLimits = field(default_factory=RequestLimits)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Sizes of one worker's engine. The KV cache gets `gpu_memory_utilization` of the GPU minus
+    weights and adapters on CUDA, or `cpu_kv_cache_gb` on CPU, unless `num_kv_blocks` is given."""
+
+    device: str = "cpu"
+    dtype: str | None = None  # None: the checkpoint's dtype
+    max_num_seqs: int = 64  # sequences in the running batch
+    max_num_batched_tokens: int = 2048  # tokens one step may process (prefill chunks + decodes)
+    block_size: int = 16  # tokens per KV-cache block
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 0.5
+    max_loras: int = 8  # adapter slots resident on the device at once
+    max_lora_rank: int = 64
+    max_adapter_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    redis_url: str
+    models: tuple[ModelSpec, ...]
+    adapter_root: Path
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    worker_id: str = field(default_factory=default_worker_id)
+    job_ttl_s: int = 24 * 3600
+    heartbeat_interval_s: float = 2.0
+    # a pending job whose worker has been silent this long is claimed by another worker
+    claim_idle_ms: int = 60_000
+    max_deliveries: int = 3

