@@ -87,7 +87,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     return header
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -174,5 +174,5 @@ def inspect_adapter(adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_b
         use_rslora=bool(config.get("use_rslora", False)),
         target_modules=tuple(p for p in PROJECTIONS if p in targets),
         size_bytes=size,
-        sha256=_file_sha256(weights),
+        sha256=file_sha256(weights),
     )

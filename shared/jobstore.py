@@ -30,14 +30,13 @@ return {1, ARGV[4]}
 _START = """
 -- KEYS: job hash   ARGV: worker id, now_ms
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 'missing' end
+if not status then return {'missing', 0} end
 if status == 'queued' or status == 'running' then
   redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
   redis.call('HSETNX', KEYS[1], 'started_ms', ARGV[2])
-  redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-  return 'running'
+  return {'running', redis.call('HINCRBY', KEYS[1], 'attempts', 1)}
 end
-return status
+return {status, redis.call('HGET', KEYS[1], 'attempts')}
 """
 
 _FINISH = """
@@ -100,12 +99,15 @@ class JobStore:
         raw = await self._redis.hgetall(keys.job(job_id))
         return JobRecord.from_hash(raw) if raw else None
 
-    async def start(self, job_id: str, worker_id: str) -> JobStatus | None:
-        """Mark a job running on this worker. Returns RUNNING when the worker should run it, the
-        terminal status when it should be skipped (canceled while queued, already finished by an
-        earlier delivery), or None when the record has expired."""
-        result = (await self._start(keys=[keys.job(job_id)], args=[worker_id, now_ms()])).decode()
-        return None if result == "missing" else JobStatus(result)
+    async def start(self, job_id: str, worker_id: str) -> tuple[JobStatus | None, int]:
+        """Mark a job running on this worker; returns (status, attempts so far including this one).
+
+        RUNNING: run it. A terminal status: skip it (canceled while queued, or already finished by
+        an earlier delivery). None: the record has expired.
+        """
+        status, attempts = await self._start(keys=[keys.job(job_id)], args=[worker_id, now_ms()])
+        status = status.decode()
+        return (None if status == "missing" else JobStatus(status)), int(attempts or 0)
 
     async def finish(
         self,

@@ -1,0 +1,141 @@
+"""Adapter validation: each kind of bad adapter is refused with the code that names it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from shared.adapter_format import inspect_adapter, resolve_adapter_dir
+from shared.errors import ErrorCode, LorafleetError
+from shared.model_info import ModelInfo
+
+MODEL = ModelInfo(
+    name="tiny",
+    architecture="LlamaForCausalLM",
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    vocab_size=100,
+    max_context=128,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    torch_dtype="float32",
+)
+
+
+def write_adapter(directory: Path, *, rank: int = 4, targets=("q_proj", "v_proj"), config_extra=None, tensors=None):
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": list(targets), "bias": "none"}
+    config.update(config_extra or {})
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    if tensors is None:
+        tensors = {}
+        for layer in range(MODEL.num_layers):
+            for proj in targets:
+                in_f, out_f = MODEL.projection_shape(proj)
+                block = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                prefix = f"base_model.model.model.layers.{layer}.{block}.{proj}"
+                tensors[f"{prefix}.lora_A.weight"] = np.ones((rank, in_f), np.float32)
+                tensors[f"{prefix}.lora_B.weight"] = np.ones((out_f, rank), np.float32)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
+def check(directory: Path):
+    return inspect_adapter(directory, MODEL, max_rank=16, max_bytes=1 << 20)
+
+
+def refusal(directory: Path) -> ErrorCode:
+    with pytest.raises(LorafleetError) as info:
+        check(directory)
+    return info.value.code
+
+
+def test_valid_adapter_is_described(tmp_path):
+    manifest = check(write_adapter(tmp_path / "a", rank=4, targets=("q_proj", "down_proj")))
+    assert manifest.rank == 4
+    assert manifest.target_modules == ("q_proj", "down_proj")
+    assert manifest.scaling == 2.0
+    assert len(manifest.sha256) == 64
+
+
+def test_rslora_scaling_uses_the_square_root_of_the_rank(tmp_path):
+    manifest = check(write_adapter(tmp_path / "a", rank=4, config_extra={"use_rslora": True}))
+    assert manifest.scaling == 4.0
+
+
+def test_rank_over_the_limit_is_refused(tmp_path):
+    assert refusal(write_adapter(tmp_path / "a", rank=32)) is ErrorCode.ADAPTER_RANK_TOO_LARGE
+
+
+@pytest.mark.parametrize("feature", [{"use_dora": True}, {"modules_to_save": ["lm_head"]}, {"peft_type": "IA3"}])
+def test_unsupported_peft_features_are_refused(tmp_path, feature):
+    assert refusal(write_adapter(tmp_path / "a", config_extra=feature)) is ErrorCode.ADAPTER_UNSUPPORTED
+
+
+def test_shapes_that_do_not_match_the_base_model_are_refused(tmp_path):
+    tensors = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.ones((4, 99), np.float32),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.ones((32, 4), np.float32),
+    }
+    assert refusal(write_adapter(tmp_path / "a", tensors=tensors)) is ErrorCode.ADAPTER_SHAPE_MISMATCH
+
+
+def test_layer_beyond_the_base_model_is_refused(tmp_path):
+    tensors = {
+        "base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight": np.ones((4, 32), np.float32),
+        "base_model.model.model.layers.9.self_attn.q_proj.lora_B.weight": np.ones((32, 4), np.float32),
+    }
+    assert refusal(write_adapter(tmp_path / "a", tensors=tensors)) is ErrorCode.ADAPTER_SHAPE_MISMATCH
+
+
+def test_a_without_b_is_refused(tmp_path):
+    tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.ones((4, 32), np.float32)}
+    assert refusal(write_adapter(tmp_path / "a", tensors=tensors)) is ErrorCode.INVALID_ADAPTER
+
+
+def test_pickled_weights_are_never_loaded(tmp_path):
+    directory = write_adapter(tmp_path / "a")
+    (directory / "adapter_model.safetensors").rename(directory / "adapter_model.bin")
+    with pytest.raises(LorafleetError, match="pickled weights are never loaded") as info:
+        check(directory)
+    assert info.value.code is ErrorCode.INVALID_ADAPTER
+
+
+def test_corrupt_safetensors_is_refused(tmp_path):
+    directory = write_adapter(tmp_path / "a")
+    (directory / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    assert refusal(directory) is ErrorCode.INVALID_ADAPTER
+
+
+def test_oversized_adapter_is_refused(tmp_path):
+    directory = write_adapter(tmp_path / "a")
+    with pytest.raises(LorafleetError) as info:
+        inspect_adapter(directory, MODEL, max_rank=16, max_bytes=10)
+    assert info.value.code is ErrorCode.ADAPTER_TOO_LARGE
+
+
+def test_paths_are_confined_to_the_adapter_root(tmp_path):
+    root = tmp_path / "root"
+    inside = write_adapter(root / "tenant" / "a")
+    outside = write_adapter(tmp_path / "elsewhere")
+    os.symlink(outside, root / "escape")
+    assert resolve_adapter_dir(root, "tenant/a") == inside.resolve()
+    assert resolve_adapter_dir(root, str(inside)) == inside.resolve()
+    for bad in ("../elsewhere", "escape", str(outside), "tenant/../../elsewhere"):
+        with pytest.raises(LorafleetError) as info:
+            resolve_adapter_dir(root, bad)
+        assert info.value.code is ErrorCode.ADAPTER_PATH_OUTSIDE_ROOT, bad

@@ -1,0 +1,182 @@
+"""The continuous-batching scheduler, block manager and adapter slots: torch-free behaviour."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.schema import SamplingParams
+from worker.engine.adapter_slots import AdapterSlots
+from worker.engine.block_manager import BlockManager
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, SequenceStatus
+
+_arrivals = iter(range(1_000_000))
+
+
+def make_seq(prompt_len: int, adapter: str | None = None, name: str | None = None) -> Sequence:
+    arrival = next(_arrivals)
+    return Sequence(
+        seq_id=name or f"s{arrival}",
+        prompt_token_ids=list(range(prompt_len)),
+        sampling=SamplingParams(max_tokens=100),
+        seed=0,
+        adapter_uid=adapter,
+        arrival=float(arrival),
+    )
+
+
+def make_scheduler(
+    *, num_blocks: int = 64, block_size: int = 4, max_seqs: int = 8, budget: int = 64, slots: int = 2
+) -> Scheduler:
+    return Scheduler(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        block_manager=BlockManager(num_blocks, block_size),
+        adapter_slots=AdapterSlots(slots),
+    )
+
+
+def run_step(scheduler: Scheduler) -> dict[str, int]:
+    """Schedule one step and pretend the model ran it: computed tokens advance, completed
+    prompts get one new output token. Returns {seq_id: tokens scheduled}."""
+    plan = scheduler.schedule()
+    for item in plan.scheduled:
+        completes = item.completes_prompt
+        item.seq.num_computed_tokens += item.num_new_tokens
+        if completes:
+            item.seq.output_token_ids.append(7)
+    return {item.seq.seq_id: item.num_new_tokens for item in plan.scheduled}
+
+
+def test_new_requests_join_a_running_batch_on_the_next_step():
+    scheduler = make_scheduler()
+    first = make_seq(5, name="first")
+    scheduler.add(first)
+    assert run_step(scheduler) == {"first": 5}
+    scheduler.add(make_seq(3, name="second"))
+    assert run_step(scheduler) == {"first": 1, "second": 3}
+    assert run_step(scheduler) == {"first": 1, "second": 1}
+
+
+def test_finished_sequences_leave_and_return_their_blocks():
+    scheduler = make_scheduler(num_blocks=8)
+    seq = make_seq(6)
+    scheduler.add(seq)
+    run_step(scheduler)
+    assert scheduler.blocks.num_free_blocks == 6
+    scheduler.finish(seq)
+    assert scheduler.blocks.num_free_blocks == 8
+    assert seq.status is SequenceStatus.FINISHED
+    assert not scheduler.has_unfinished
+
+
+def test_long_prompt_is_prefilled_in_chunks_beside_running_decodes():
+    scheduler = make_scheduler(budget=8)
+    short = make_seq(2, name="short")
+    scheduler.add(short)
+    run_step(scheduler)
+    scheduler.add(make_seq(20, name="long"))
+    steps = [run_step(scheduler) for _ in range(4)]
+    assert steps == [
+        {"short": 1, "long": 7},
+        {"short": 1, "long": 7},
+        {"short": 1, "long": 6},  # the last chunk completes the prompt...
+        {"short": 1, "long": 1},  # ...and the long sequence decodes from then on
+    ]
+
+
+def test_step_never_exceeds_the_token_budget():
+    scheduler = make_scheduler(budget=10)
+    for _ in range(5):
+        scheduler.add(make_seq(7))
+    for _ in range(10):
+        assert sum(run_step(scheduler).values()) <= 10
+
+
+def test_running_batch_is_capped_at_max_num_seqs():
+    scheduler = make_scheduler(max_seqs=2)
+    for _ in range(4):
+        scheduler.add(make_seq(1))
+    assert len(run_step(scheduler)) == 2
+    assert len(scheduler.waiting) == 2
+
+
+def test_admission_waits_for_free_kv_blocks():
+    scheduler = make_scheduler(num_blocks=3, block_size=4)
+    scheduler.add(make_seq(8, name="big"))
+    scheduler.add(make_seq(8, name="next"))
+    assert run_step(scheduler) == {"big": 8}
+    assert [s.seq_id for s in scheduler.waiting] == ["next"]
+
+
+def test_full_cache_preempts_the_newest_sequence_instead_of_failing():
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    old, new = make_seq(8, name="old"), make_seq(8, name="new")
+    scheduler.add(old)
+    scheduler.add(new)
+    assert run_step(scheduler) == {"old": 8, "new": 8}  # 4 blocks used, both at 9 tokens next
+    plan = scheduler.schedule()
+    assert [s.seq_id for s in plan.preempted] == ["new"]
+    assert [item.seq.seq_id for item in plan.scheduled] == ["old"]
+    assert new.status is SequenceStatus.WAITING
+    assert new.block_table == [] and new.num_computed_tokens == 0
+    assert scheduler.waiting[0] is new
+
+
+def test_preempted_sequence_is_recomputed_with_its_output_so_far():
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    old, new = make_seq(8, name="old"), make_seq(7, name="new")
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)
+    run_step(scheduler)  # preempts new (which has one output token)
+    scheduler.finish(old)
+    assert run_step(scheduler) == {"new": 8}  # 7 prompt tokens + its 1 output token
+
+
+def test_sequence_whose_adapter_has_no_free_slot_does_not_block_others():
+    scheduler = make_scheduler(slots=1)
+    scheduler.add(make_seq(2, adapter="a", name="a"))
+    run_step(scheduler)
+    scheduler.add(make_seq(2, adapter="b", name="b"))  # slot pinned by a
+    scheduler.add(make_seq(2, name="base"))
+    assert run_step(scheduler) == {"a": 1, "base": 2}
+    assert [s.seq_id for s in scheduler.waiting] == ["b"]
+
+
+def test_adapter_load_is_requested_once_per_newly_resident_adapter():
+    scheduler = make_scheduler(slots=2)
+    scheduler.add(make_seq(2, adapter="a"))
+    scheduler.add(make_seq(2, adapter="a"))
+    plan = scheduler.schedule()
+    assert [uid for uid, _ in plan.adapter_loads] == ["a"]
+
+
+def test_block_manager_slots_follow_the_block_table():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(6)
+    manager.allocate(seq, 6)
+    assert len(seq.block_table) == 2
+    assert manager.slot(seq, 5) == seq.block_table[1] * 4 + 1
+    with pytest.raises(RuntimeError):
+        manager.allocate(make_seq(40), 40)
+
+
+def test_adapter_slots_evict_least_recently_used_unpinned():
+    slots = AdapterSlots(2)
+    assert slots.acquire("a").needs_load
+    assert slots.acquire("b").needs_load
+    assert slots.acquire("c") is None  # both pinned
+    slots.release("a")
+    slots.release("b")
+    assert not slots.acquire("b").needs_load  # resident: reused without a load
+    grant = slots.acquire("c")
+    assert grant.needs_load and grant.evicted_uid == "a"
+    assert slots.slot_of("a") is None
+
+
+def test_adapter_slots_discard_frees_the_slot():
+    slots = AdapterSlots(1)
+    slots.acquire("bad")
+    slots.discard("bad")
+    assert slots.acquire("good").slot == 0

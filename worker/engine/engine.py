@@ -1,0 +1,229 @@
+"""The engine: requests in, finished results out, one `step()` at a time.
+
+Ties the scheduler (who runs), the model runner (the device work), adapter slots (which LoRA
+weights are resident) and detokenizers (text and stop strings) together. Single-threaded: the
+worker calls it from its engine thread only.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from tokenizers import Tokenizer
+
+from shared.adapter_format import WEIGHTS_FILE, file_sha256, resolve_adapter_dir
+from shared.config import EngineConfig, ModelSpec
+from shared.errors import ErrorCode, LorafleetError
+from shared.schema import AdapterRef, FinishReason, JobError, JobOutput, JobStatus, SamplingParams
+from worker.engine.adapter_slots import AdapterSlots, SlotGrant
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.model_runner import ModelRunner
+from worker.engine.scheduler import ScheduledSequence, Scheduler
+from worker.engine.sequence import Sequence
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    job_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    tenant: str = ""
+    adapter: AdapterRef | None = None
+    deadline: float | None = None  # unix seconds
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    job_id: str
+    status: JobStatus
+    output: JobOutput | None = None
+    error: JobError | None = None
+    completion_tokens: int = 0
+    first_token_ms: int = 0  # unix ms
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: EngineRequest
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    max_tokens: int  # max_tokens capped by the room left in the model's context
+    first_token_ms: int = 0
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, adapter_root: Path) -> None:
+        self.runner = runner
+        self.info = runner.info
+        self.tokenizer = tokenizer
+        self.config = config
+        self.adapter_root = adapter_root
+        self.blocks = BlockManager(runner.num_blocks, config.block_size)
+        self.adapter_slots = AdapterSlots(config.max_loras)
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            block_manager=self.blocks,
+            adapter_slots=self.adapter_slots,
+        )
+        self._tracked: dict[str, _Tracked] = {}
+
+    @classmethod
+    def from_spec(
+        cls, spec: ModelSpec, config: EngineConfig, adapter_root: Path, *, kv_memory_share: float = 1.0
+    ) -> LLMEngine:
+        runner = ModelRunner(spec, config, kv_memory_share=kv_memory_share)
+        tokenizer = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
+        return cls(runner, tokenizer, config, adapter_root)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._tracked)
+
+    def add(self, request: EngineRequest) -> EngineResult | None:
+        """Queue a request. Returns a failed result at once if it can never run here."""
+        prompt = list(request.prompt_token_ids)
+        room = self.info.max_context - len(prompt)
+        problem = None
+        if not prompt:
+            problem = LorafleetError(ErrorCode.EMPTY_PROMPT, "the prompt has no tokens")
+        elif room < 1:
+            problem = LorafleetError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"prompt of {len(prompt)} tokens leaves no room in the context of {self.info.max_context}",
+            )
+        elif min(prompt) < 0 or max(prompt) >= self.info.vocab_size:
+            problem = LorafleetError(ErrorCode.INVALID_TOKEN_ID, f"token ids must be in [0, {self.info.vocab_size})")
+        max_tokens = min(request.sampling.max_tokens, max(room, 0))
+        if problem is None and -(-(len(prompt) + max_tokens) // self.blocks.block_size) > self.blocks.num_blocks:
+            problem = LorafleetError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED, "prompt plus max_tokens exceeds this worker's whole KV cache"
+            )
+        if problem is not None:
+            return EngineResult(request.job_id, JobStatus.FAILED, error=JobError(problem.code, problem.message))
+
+        seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
+        seq = Sequence(
+            seq_id=request.job_id,
+            prompt_token_ids=prompt,
+            sampling=request.sampling,
+            seed=seed,
+            tenant=request.tenant,
+            adapter_uid=None if request.adapter is None else request.adapter.uid,
+            arrival=time.monotonic(),
+        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
+        self._tracked[request.job_id] = _Tracked(request, seq, detokenizer, max_tokens)
+        self.scheduler.add(seq)
+        return None
+
+    def abort(self, job_id: str) -> bool:
+        """Drop a request (canceled); its blocks and adapter pin are freed at once."""
+        tracked = self._tracked.pop(job_id, None)
+        if tracked is None:
+            return False
+        self.scheduler.finish(tracked.seq)
+        return True
+
+    def step(self) -> list[EngineResult]:
+        """Run one batch step. Returns the requests that finished in it."""
+        results = self._expire_overdue()
+        plan = self.scheduler.schedule()
+        results += self._load_adapters(plan.adapter_loads)
+        scheduled = [s for s in plan.scheduled if s.seq.seq_id in self._tracked]
+        if not scheduled:
+            return results
+        try:
+            logits = self.runner.execute(scheduled, self.adapter_slots.slot_of, self.blocks.block_size)
+            finite = logits.isfinite().all(dim=-1).tolist()
+            tokens = self.runner.sample(logits, scheduled)
+        except Exception as exc:  # a failed step fails its requests, not the worker
+            log.exception("engine_step_failed", num_seqs=len(scheduled))
+            error = JobError(ErrorCode.INTERNAL_ERROR, f"engine step failed: {type(exc).__name__}")
+            return results + [self._fail(s.seq.seq_id, error) for s in scheduled]
+        for item, token, ok in zip(scheduled, tokens, finite, strict=True):
+            if not ok:
+                error = JobError(ErrorCode.NUMERICAL_ERROR, "the model produced non-finite logits")
+                results.append(self._fail(item.seq.seq_id, error))
+                continue
+            result = self._advance(item, token)
+            if result is not None:
+                results.append(result)
+        return results
+
+    def _advance(self, item: ScheduledSequence, token: int) -> EngineResult | None:
+        completes = item.completes_prompt
+        seq = item.seq
+        seq.num_computed_tokens += item.num_new_tokens
+        if not completes:
+            return None  # a prefill chunk: the next token comes from a later step
+        tracked = self._tracked[seq.seq_id]
+        seq.output_token_ids.append(token)
+        if not tracked.first_token_ms:
+            tracked.first_token_ms = _now_ms()
+        hit_stop_string = tracked.detokenizer.append(token)
+        if hit_stop_string or (token in self.info.eos_token_ids and not seq.sampling.ignore_eos):
+            return self._succeed(tracked, FinishReason.STOP)
+        if len(seq.output_token_ids) >= tracked.max_tokens or seq.num_tokens >= self.info.max_context:
+            return self._succeed(tracked, FinishReason.LENGTH)
+        return None
+
+    def _succeed(self, tracked: _Tracked, reason: FinishReason) -> EngineResult:
+        seq = tracked.seq
+        del self._tracked[seq.seq_id]
+        self.scheduler.finish(seq)
+        output = JobOutput(text=tracked.detokenizer.text, token_ids=tuple(seq.output_token_ids), finish_reason=reason)
+        return EngineResult(
+            seq.seq_id,
+            JobStatus.SUCCEEDED,
+            output=output,
+            completion_tokens=len(seq.output_token_ids),
+            first_token_ms=tracked.first_token_ms,
+        )
+
+    def _fail(self, job_id: str, error: JobError, status: JobStatus = JobStatus.FAILED) -> EngineResult:
+        tracked = self._tracked.pop(job_id)
+        self.scheduler.finish(tracked.seq)
+        return EngineResult(
+            job_id,
+            status,
+            error=error,
+            completion_tokens=len(tracked.seq.output_token_ids),
+            first_token_ms=tracked.first_token_ms,
+        )
+
+    def _expire_overdue(self) -> list[EngineResult]:
+        now = time.time()
+        overdue = [t for t in self._tracked.values() if t.request.deadline is not None and t.request.deadline < now]
+        error = JobError(ErrorCode.DEADLINE_EXCEEDED, "the job's deadline passed before it finished")
+        return [self._fail(t.seq.seq_id, error, JobStatus.EXPIRED) for t in overdue]
+
+    def _load_adapters(self, loads: list[tuple[str, SlotGrant]]) -> list[EngineResult]:
+        """Copy newly granted adapters into their slots; a load that fails fails only its requests."""
+        results: list[EngineResult] = []
+        for uid, grant in loads:
+            users = [t for t in self._tracked.values() if t.seq.adapter_uid == uid]
+            ref = users[0].request.adapter
+            try:
+                adapter_dir = resolve_adapter_dir(self.adapter_root, ref.path)
+                if file_sha256(adapter_dir / WEIGHTS_FILE) != ref.sha256:
+                    raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "adapter files changed since registration")
+                self.runner.load_adapter(grant.slot, adapter_dir)
+            except Exception as exc:
+                log.warning("adapter_load_failed", adapter=uid, error=str(exc))
+                message = exc.message if isinstance(exc, LorafleetError) else f"{type(exc).__name__}: {exc}"
+                error = JobError(ErrorCode.ADAPTER_LOAD_FAILED, f"adapter {ref.name!r} could not be loaded: {message}")
+                results += [self._fail(t.seq.seq_id, error) for t in users]
+                self.adapter_slots.discard(uid)
+        return results

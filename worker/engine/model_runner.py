@@ -1,0 +1,154 @@
+"""The one place the engine touches the device: builds the step's tensors, runs the model, samples.
+
+Owns the model, its KV cache and the LoRA slot tensors; knows nothing about requests beyond what
+the scheduler hands it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import structlog
+import torch
+
+from kernels.lora import LoRABatch
+from shared.config import EngineConfig, ModelSpec
+from shared.model_info import ModelInfo
+from worker.engine.forward_batch import ForwardBatch
+from worker.engine.kv_cache import KVCache
+from worker.engine.model import CausalLM
+from worker.engine.peft_adapter import load_adapter_weights
+from worker.engine.sampler import sample
+from worker.engine.scheduler import ScheduledSequence
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Activations of the largest step, per batched token, as a multiple of the widest layer output:
+# generous so the KV cache sized from "what is left" never starves the forward pass.
+_ACTIVATION_HEADROOM = 16
+
+
+def resolve_dtype(name: str | None, info: ModelInfo, device: torch.device) -> torch.dtype:
+    chosen = name or info.torch_dtype
+    if chosen not in _DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}, got {chosen!r}")
+    dtype = _DTYPES[chosen]
+    if device.type == "cpu" and dtype is torch.float16:
+        return torch.float32  # CPU half-precision matmuls are slow and lossy; bf16 is fine
+    return dtype
+
+
+class ModelRunner:
+    def __init__(self, spec: ModelSpec, config: EngineConfig, *, kv_memory_share: float = 1.0) -> None:
+        self.info = ModelInfo.from_pretrained(spec.name, spec.path)
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.info, self.device)
+        self.model = CausalLM(
+            self.info,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.model.load_weights(spec.path)
+        self.num_blocks = config.num_kv_blocks or self._fit_kv_blocks(kv_memory_share)
+        self.kv_cache = KVCache.allocate(
+            num_layers=self.info.num_layers,
+            num_blocks=self.num_blocks,
+            block_size=config.block_size,
+            num_kv_heads=self.info.num_kv_heads,
+            head_dim=self.info.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        log.info(
+            "model_loaded", model=spec.name, dtype=str(self.dtype), device=str(self.device), kv_blocks=self.num_blocks
+        )
+
+    def _fit_kv_blocks(self, share: float) -> int:
+        """KV blocks that fit the memory left after weights, LoRA slots and activation headroom."""
+        info, config = self.info, self.config
+        per_block = KVCache.bytes_per_block(
+            num_layers=info.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            dtype=self.dtype,
+        )
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            widest = max(2 * info.intermediate_size, info.vocab_size)
+            activations = config.max_num_batched_tokens * widest * 4 * _ACTIVATION_HEADROOM
+            budget = (free - total * (1 - config.gpu_memory_utilization)) * share - activations
+        else:
+            budget = config.cpu_kv_cache_gb * (1 << 30) * share
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise RuntimeError("no memory left for the KV cache: lower max_num_batched_tokens or serve fewer models")
+        return blocks
+
+    def load_adapter(self, slot: int, adapter_dir: Path) -> None:
+        self.model.set_adapter_slot(slot, load_adapter_weights(adapter_dir, self.info))
+
+    def execute(
+        self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int
+    ) -> torch.Tensor:
+        """Run one step; returns float32 logits [B, V], one row per scheduled sequence."""
+        batch = self._build_batch(scheduled, slot_of, block_size)
+        with torch.inference_mode():
+            return self.model.forward(batch, self.kv_cache)
+
+    def sample(self, logits: torch.Tensor, scheduled: Sequence[ScheduledSequence]) -> list[int]:
+        seqs = [s.seq for s in scheduled]
+        tokens = sample(
+            logits, [s.sampling for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]
+        )
+        return tokens.tolist()
+
+    def _build_batch(
+        self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int
+    ) -> ForwardBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        token_slots: list[int] = []
+        for item in scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids += seq.token_ids(start, end)
+            positions += range(start, end)
+            slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            query_start.append(query_start[-1] + item.num_new_tokens)
+            context_lens.append(end)
+            logits_indices.append(query_start[-1] - 1)
+            adapter_slot = -1 if seq.adapter_uid is None else slot_of(seq.adapter_uid)
+            token_slots += [adapter_slot] * item.num_new_tokens
+        max_blocks = max(len(item.seq.block_table) for item in scheduled)
+        tables = [item.seq.block_table + [-1] * (max_blocks - len(item.seq.block_table)) for item in scheduled]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            # pinned host memory lets the copy overlap with the previous step's GPU work
+            pin = self.device.type == "cuda"
+            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+
+        lora = None
+        if any(s >= 0 for s in token_slots):
+            lora = LoRABatch.build(tensor(token_slots, torch.int32), self.model.slot_ranks, self.model.slot_scales)
+        return ForwardBatch(
+            input_ids=tensor(input_ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            query_start_loc=tensor(query_start, torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+            block_tables=tensor(tables, torch.int32),
+            logits_indices=tensor(logits_indices, torch.int64),
+            max_query_len=max(item.num_new_tokens for item in scheduled),
+            max_context_len=max(context_lens),
+            lora=lora,
+        )

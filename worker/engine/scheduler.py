@@ -1,0 +1,146 @@
+"""Continuous batching (torch-free): which sequences run in the next step, and how many tokens each.
+
+Every step, in this order:
+1. Running sequences, oldest first, each get their uncomputed tokens (one for a decode, a chunk of
+   the prompt for a prefill still in progress) within the step's token budget. When the KV cache is
+   full, the newest running sequences are preempted: their blocks are freed and they wait to be
+   recomputed, so memory pressure never becomes an out-of-memory error.
+2. Waiting sequences are admitted first-come first-served while the budget, the running-batch size,
+   KV blocks and adapter slots allow. A sequence whose adapter cannot get a slot (every slot pinned
+   by running sequences) is passed over, so it does not block base-model or resident-adapter work.
+Long prompts are prefilled in chunks that share each step with running decodes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from worker.engine.adapter_slots import AdapterSlots, SlotGrant
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this step every known token is cached, so the step's logits give a new token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    adapter_loads: list[tuple[str, SlotGrant]] = field(default_factory=list)  # (uid, grant) to load now
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_manager: BlockManager,
+        adapter_slots: AdapterSlots,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.blocks = block_manager
+        self.adapters = adapter_slots
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + num_new, out):
+                break  # seq itself was preempted: nothing newer is left to run
+            self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            scheduled_ids.add(id(seq))
+            budget -= num_new
+            index += 1
+
+        passed_over: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            grant = None
+            if seq.adapter_uid is not None:
+                grant = self.adapters.acquire(seq.adapter_uid)
+                if grant is None:
+                    passed_over.append(seq)
+                    continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            needed = self.blocks.blocks_needed(seq, seq.num_computed_tokens + num_new)
+            if not self.blocks.can_allocate(needed):
+                if grant is not None:
+                    self._undo_grant(seq.adapter_uid, grant)
+                self.waiting.appendleft(seq)
+                break
+            if grant is not None and grant.needs_load:
+                out.adapter_loads.append((seq.adapter_uid, grant))
+            self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
+        return out
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences until `seq` can hold `num_tokens` tokens.
+        Returns False if `seq` had to be preempted itself."""
+        while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_tokens)):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        if seq.adapter_uid is not None:
+            self.adapters.release(seq.adapter_uid)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _undo_grant(self, uid: str, grant: SlotGrant) -> None:
+        if grant.needs_load:
+            self.adapters.discard(uid)  # the slot never received these weights
+        else:
+            self.adapters.release(uid)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence, returning its blocks and adapter pin."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+            if seq.adapter_uid is not None:
+                self.adapters.release(seq.adapter_uid)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED

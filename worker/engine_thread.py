@@ -1,0 +1,98 @@
+"""Runs the engines' step loop on its own thread, so the asyncio loop does only I/O.
+
+Commands (add, abort, stop) arrive through a thread-safe queue; finished results leave through a
+callback that the asyncio side makes thread-safe. With several base models, each engine that has
+work gets one step in turn.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    model: str
+    request: EngineRequest
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    job_id: str
+
+
+class _Stop:
+    pass
+
+
+class EngineThread:
+    def __init__(
+        self,
+        engines: dict[str, LLMEngine],
+        on_result: Callable[[EngineResult], None],
+        on_crash: Callable[[BaseException], None],
+    ) -> None:
+        self.engines = engines
+        self._on_result = on_result
+        self._on_crash = on_crash
+        self._inbox: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, model: str, request: EngineRequest) -> None:
+        self._inbox.put(_Add(model, request))
+
+    def abort(self, job_id: str) -> None:
+        self._inbox.put(_Abort(job_id))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._inbox.put(_Stop())
+        self._thread.join(timeout_s)
+
+    def _busy(self) -> bool:
+        return any(engine.num_unfinished for engine in self.engines.values())
+
+    def _run(self) -> None:
+        try:
+            while True:
+                # block only while idle; with work in flight, take whatever commands are waiting
+                command = self._inbox.get() if not self._busy() else self._next_nowait()
+                while command is not None:
+                    if isinstance(command, _Stop):
+                        return
+                    self._apply(command)
+                    command = self._next_nowait()
+                for engine in self.engines.values():
+                    if engine.num_unfinished:
+                        for result in engine.step():
+                            self._on_result(result)
+        except BaseException as exc:  # the worker must not keep reading jobs it can no longer run
+            log.exception("engine_thread_crashed")
+            self._on_crash(exc)
+
+    def _next_nowait(self) -> _Add | _Abort | _Stop | None:
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Add):
+            immediate = self.engines[command.model].add(command.request)
+            if immediate is not None:
+                self._on_result(immediate)
+        else:
+            for engine in self.engines.values():
+                if engine.abort(command.job_id):
+                    break

@@ -1,0 +1,24 @@
+"""Entry point of a worker process (`lorafleet worker`)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from shared.config import WorkerConfig
+from shared.log import configure_logging
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Serve jobs until SIGINT/SIGTERM; returns the process exit code."""
+    configure_logging("worker")
+    from worker.service import Worker  # torch is imported only once we are sure to need it
+
+    async def serve() -> int:
+        worker = Worker(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, worker.stop)
+        return await worker.run()
+
+    return asyncio.run(serve())
