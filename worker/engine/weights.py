@@ -1,0 +1,68 @@
+"""Reading an HF checkpoint (safetensors only, single file or sharded) into a model's parameters.
+
+The model says where each checkpoint tensor goes (a loader per tensor name, declared by the layer
+that owns the parameter); this module reads the files and holds the loading strict: a tensor the
+model has no place for, or a parameter no tensor filled, is an error naming it. Pickled checkpoints
+(`*.bin`, `*.pt`) are never read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+TensorLoader = Callable[[torch.Tensor], None]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index names, or the single file."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / shard for shard in sorted(set(weight_map.values()))]
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    pickled = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in model_dir.glob(pattern))
+    hint = f" (found {', '.join(pickled)}: pickled weights are never loaded; convert to safetensors)" if pickled else ""
+    raise FileNotFoundError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+
+
+def read_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint, one file open at a time, on the CPU."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable; keys() is its API
+                yield name, f.get_tensor(name)
+
+
+def copy_weight(target: torch.Tensor, tensor: torch.Tensor, *, name: str) -> None:
+    """Copy a checkpoint tensor into a parameter (or a slice of one), converting its dtype."""
+    if target.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
+    target.copy_(tensor)
+
+
+def load_checkpoint(model_dir: Path, loaders: dict[str, TensorLoader], *, ignore: Callable[[str], bool]) -> None:
+    """Feed every checkpoint tensor to its loader; `ignore(name)` marks tensors the model derives
+    itself (a tied lm_head, an old checkpoint's rotary buffer)."""
+    pending = dict(loaders)
+    for name, tensor in read_checkpoint(model_dir):
+        if ignore(name):
+            continue
+        loader = pending.pop(name, None)
+        if loader is None:
+            reason = "given twice" if name in loaders else "not a parameter of this model"
+            raise ValueError(f"{model_dir}: checkpoint tensor {name!r} is {reason}")
+        loader(tensor)
+    if pending:
+        missing = sorted(pending)
+        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensors: {', '.join(missing[:5])}")
