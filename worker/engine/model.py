@@ -1,0 +1,158 @@
+"""The decoder-only causal LM (Llama / Mistral / Qwen2) as the engine runs it: one forward over a flat
+token batch with a paged KV cache, and a fixed number of adapter slots applied per token.
+
+Parameter names mirror the HF checkpoint (`model.layers.3.self_attn.qkv_proj.weight` is filled from
+`…q_proj.weight`, `…k_proj.weight` and `…v_proj.weight`), so loading is a walk over named modules.
+The model is built directly on its device and is not meant to be moved afterwards.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shared.model_info import PROJECTIONS, ModelInfo
+from worker.engine.forward_batch import ForwardBatch
+from worker.engine.kv_cache import KVCache
+from worker.engine.layers import DecoderLayer, RMSNorm, VocabEmbedding
+from worker.engine.lora_linear import LoRALinear, LoRASlotShape
+from worker.engine.peft_adapter import AdapterWeights
+from worker.engine.rope import RotaryEmbedding
+from worker.engine.weights import TensorLoader, copy_weight, load_checkpoint
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, info: ModelInfo) -> torch.dtype:
+    """The dtype weights run in: `dtype` if given (a torch dtype or its name), else the checkpoint's."""
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        name = info.torch_dtype if dtype is None else dtype
+        resolved = getattr(torch, name, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"dtype {name!r} is not a torch dtype")
+    if not resolved.is_floating_point:
+        raise ValueError(f"dtype {resolved} is not a floating-point dtype")
+    return resolved
+
+
+class DecoderStack(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.*`)."""
+
+    def __init__(
+        self, info: ModelInfo, *, slots: LoRASlotShape, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(info.vocab_size, info.hidden_size, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(info.head_dim, info.rope_theta, info.rope_scaling, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(info, slots=slots, dtype=dtype, device=device) for _ in range(info.num_layers)
+        )
+        self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Final hidden states [B, hidden_size] of the tokens at `batch.logits_indices`."""
+        hidden = self.embed_tokens(batch.input_ids)  # [T, hidden_size]
+        rope = self.rotary_emb.cos_sin(batch.positions, hidden.dtype)  # once per step, shared by all layers
+        for layer, key_cache, value_cache in zip(self.layers, kv_cache.key, kv_cache.value, strict=True):
+            hidden = layer(hidden, rope, batch, key_cache, value_cache)
+        # the norm is per token: normalise only the rows whose logits are wanted
+        return self.norm(hidden[batch.logits_indices])
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self,
+        info: ModelInfo,
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """Allocate the model with uninitialised weights (fill them with `load_weights`) and
+        `max_loras` empty adapter slots of rank `max_lora_rank`. dtype None: the checkpoint's."""
+        super().__init__()
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        self.info = info
+        self.dtype = resolve_dtype(dtype, info)
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        slots = LoRASlotShape(max_loras=max_loras, max_lora_rank=max_lora_rank)
+        self.model = DecoderStack(info, slots=slots, dtype=self.dtype, device=device)
+        self.lm_head = (
+            self.model.embed_tokens
+            if info.tie_word_embeddings
+            else VocabEmbedding(info.vocab_size, info.hidden_size, dtype=self.dtype, device=device)
+        )
+        # per-slot adapter metadata for LoRABatch.build: rank 0 / scale 0 mark an empty slot
+        self.slot_ranks: torch.Tensor  # int32 [max_loras]
+        self.slot_scales: torch.Tensor  # float32 [max_loras]
+        self.register_buffer("slot_ranks", torch.zeros(max_loras, dtype=torch.int32, device=device), persistent=False)
+        self.register_buffer(
+            "slot_scales", torch.zeros(max_loras, dtype=torch.float32, device=device), persistent=False
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Logits float32 [B, vocab] of the tokens at `batch.logits_indices`, one row per sequence.
+
+        Writes the step's K/V into `kv_cache` at `batch.slot_mapping` as a side effect.
+        """
+        return self.lm_head.logits(self.model(batch, kv_cache))
+
+    def load_weights(self, model_dir: Path) -> None:
+        """Fill every parameter from the HF safetensors checkpoint in `model_dir` (single or sharded)."""
+        tied = self.info.tie_word_embeddings
+
+        def ignore(name: str) -> bool:
+            # a tied head is the embedding; old checkpoints also saved the rotary frequencies
+            return (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+
+        with torch.no_grad():
+            load_checkpoint(Path(model_dir), self._checkpoint_loaders(), ignore=ignore)
+
+    def _checkpoint_loaders(self) -> dict[str, TensorLoader]:
+        """Checkpoint tensor name → where it goes; packed layers declare their own slices."""
+        loaders: dict[str, TensorLoader] = {}
+        for module_name, module in self.named_modules():
+            if isinstance(module, LoRALinear):
+                loaders.update(module.checkpoint_loaders(module_name.rpartition(".")[0]))
+                continue
+            for param_name, param in module.named_parameters(prefix=module_name, recurse=False):
+                loaders[param_name] = partial(copy_weight, param, name=param_name)
+        return loaders
+
+    @torch.no_grad()
+    def set_adapter_slot(self, slot: int, adapter: AdapterWeights) -> None:
+        """Copy `adapter` into `slot`, replacing whatever the slot held: projections the adapter
+        does not target, and ranks past its own, are zeroed."""
+        self._check_slot(slot)
+        if adapter.rank > self.max_lora_rank:
+            raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.max_lora_rank}")
+        known = {(layer, projection) for layer in range(self.info.num_layers) for projection in PROJECTIONS}
+        unknown = sorted(set(adapter.lora) - known)
+        if unknown:
+            raise ValueError(f"adapter targets modules this model does not have: {unknown[:3]}")
+        for layer_index, layer in enumerate(self.model.layers):
+            for linear in layer.lora_linears():
+                linear.set_lora(slot, [adapter.lora.get((layer_index, name)) for name in linear.projections])
+        self.slot_ranks[slot] = adapter.rank
+        self.slot_scales[slot] = adapter.scaling
+
+    @torch.no_grad()
+    def clear_adapter_slot(self, slot: int) -> None:
+        """Zero `slot` entirely, so no weight of its evicted adapter can leak into the next one."""
+        self._check_slot(slot)
+        for layer in self.model.layers:
+            for linear in layer.lora_linears():
+                linear.clear_lora(slot)
+        self.slot_ranks[slot] = 0
+        self.slot_scales[slot] = 0.0
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"adapter slot {slot} is outside 0..{self.max_loras - 1}")
