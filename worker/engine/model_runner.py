@@ -17,27 +17,22 @@ from shared.config import EngineConfig, ModelSpec
 from shared.model_info import ModelInfo
 from worker.engine.forward_batch import ForwardBatch
 from worker.engine.kv_cache import KVCache
-from worker.engine.model import CausalLM
+from worker.engine.model import CausalLM, resolve_dtype
 from worker.engine.peft_adapter import load_adapter_weights
 from worker.engine.sampler import sample
 from worker.engine.scheduler import ScheduledSequence
 
 log = structlog.get_logger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Activations of the largest step, per batched token, as a multiple of the widest layer output:
 # generous so the KV cache sized from "what is left" never starves the forward pass.
 _ACTIVATION_HEADROOM = 16
 
 
-def resolve_dtype(name: str | None, info: ModelInfo, device: torch.device) -> torch.dtype:
-    chosen = name or info.torch_dtype
-    if chosen not in _DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}, got {chosen!r}")
-    dtype = _DTYPES[chosen]
-    if device.type == "cpu" and dtype is torch.float16:
-        return torch.float32  # CPU half-precision matmuls are slow and lossy; bf16 is fine
-    return dtype
+def engine_dtype(name: str | None, info: ModelInfo, device: torch.device) -> torch.dtype:
+    """The checkpoint's dtype unless `name` overrides it; fp16 on CPU runs as fp32 (slow and lossy there)."""
+    dtype = resolve_dtype(name, info)
+    return torch.float32 if device.type == "cpu" and dtype is torch.float16 else dtype
 
 
 class ModelRunner:
@@ -45,7 +40,7 @@ class ModelRunner:
         self.info = ModelInfo.from_pretrained(spec.name, spec.path)
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.info, self.device)
+        self.dtype = engine_dtype(config.dtype, self.info, self.device)
         self.model = CausalLM(
             self.info,
             max_loras=config.max_loras,
@@ -91,7 +86,10 @@ class ModelRunner:
         return blocks
 
     def load_adapter(self, slot: int, adapter_dir: Path) -> None:
-        self.model.set_adapter_slot(slot, load_adapter_weights(adapter_dir, self.info))
+        weights = load_adapter_weights(
+            adapter_dir, self.info, max_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes
+        )
+        self.model.set_adapter_slot(slot, weights)
 
     def execute(
         self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int

@@ -58,6 +58,7 @@ class Scheduler:
         self.adapters = adapter_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since start; a steady rise means the KV cache is too small
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -121,6 +122,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free(seq)
         if seq.adapter_uid is not None:

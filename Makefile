@@ -1,0 +1,27 @@
+# The two commands a fresh machine needs:  `make up`  (install, then serve the demo)
+#                                          `make test` (install with test extras, then lint and test)
+VENV ?= .venv
+# torch 2.13.0 resolves to the CPU wheel on the CI machines; on a GPU host, override with the
+# CUDA build you want, e.g. `make up TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"`.
+TORCH ?= torch==2.13.0
+PIP := $(VENV)/bin/python -m pip install --quiet
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+
+$(VENV)/.installed-run: pyproject.toml | $(VENV)/bin/python
+	$(PIP) $(TORCH)
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-run
+	$(PIP) -e ".[test]"
+	touch $@
+
+.PHONY: up test
+up: $(VENV)/.installed-run
+	$(VENV)/bin/lorafleet up $(ARGS)
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,154 @@
+"""The whole engine (scheduler + model runner + adapter slots) against transformers + PEFT."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models
+
+from shared.adapter_format import WEIGHTS_FILE, file_sha256
+from shared.config import EngineConfig, ModelSpec
+from shared.errors import ErrorCode
+from shared.schema import AdapterRef, FinishReason, JobStatus, SamplingParams
+from tests.engine.tiny_hf import VOCAB_SIZE, TinyCheckpoint, oracle_greedy
+from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
+from worker.engine.model_runner import ModelRunner
+
+PROMPTS = {
+    None: [5, 17, 42, 7, 99, 3, 250, 11, 64],
+    "all_r8": [8, 9, 10, 11, 12, 13, 14],
+    "attn_r4_rslora": [200, 3, 77, 150, 21, 9, 9, 1, 40, 33, 120, 60],
+    "mlp_k_r4": [1, 2, 3],
+}
+NEW_TOKENS = 6
+
+
+def word_tokenizer() -> Tokenizer:
+    return Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB_SIZE)}, unk_token="w0"))
+
+
+def make_engine(checkpoint: TinyCheckpoint, **engine_overrides: object) -> LLMEngine:
+    settings = {"device": "cpu", "max_lora_rank": 8, "num_kv_blocks": 64, "block_size": 4, **engine_overrides}
+    config = EngineConfig(**settings)
+    runner = ModelRunner(ModelSpec(checkpoint.family, checkpoint.model_dir), config)
+    adapter_root = next(iter(checkpoint.adapters.values())).parent
+    return LLMEngine(runner, word_tokenizer(), config, adapter_root)
+
+
+def adapter_ref(checkpoint: TinyCheckpoint, name: str) -> AdapterRef:
+    directory = checkpoint.adapters[name]
+    return AdapterRef(name=name, version=1, path=directory.name, sha256=file_sha256(directory / WEIGHTS_FILE))
+
+
+def greedy_request(checkpoint: TinyCheckpoint, job_id: str, adapter: str | None, **sampling: object) -> EngineRequest:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, **sampling)
+    return EngineRequest(
+        job_id=job_id,
+        prompt_token_ids=tuple(PROMPTS[adapter]),
+        sampling=params,
+        adapter=None if adapter is None else adapter_ref(checkpoint, adapter),
+    )
+
+
+def run_to_completion(
+    engine: LLMEngine, requests: list[EngineRequest], max_steps: int = 500
+) -> dict[str, EngineResult]:
+    results: dict[str, EngineResult] = {}
+    for request in requests:
+        immediate = engine.add(request)
+        if immediate is not None:
+            results[request.job_id] = immediate
+    for _ in range(max_steps):
+        if not engine.num_unfinished:
+            break
+        results.update((r.job_id, r) for r in engine.step())
+    assert not engine.num_unfinished, "engine did not finish its requests"
+    return results
+
+
+def expected_tokens(checkpoint: TinyCheckpoint, adapter: str | None) -> list[int]:
+    return oracle_greedy(checkpoint.oracle, PROMPTS[adapter], adapter, NEW_TOKENS)
+
+
+def assert_matches_oracle(checkpoint: TinyCheckpoint, results: dict[str, EngineResult], jobs: dict[str, str | None]):
+    for job_id, adapter in jobs.items():
+        result = results[job_id]
+        assert result.status is JobStatus.SUCCEEDED, result.error
+        assert list(result.output.token_ids) == expected_tokens(checkpoint, adapter), (job_id, adapter)
+        assert result.output.finish_reason is FinishReason.LENGTH
+
+
+def test_mixed_adapter_batch_matches_transformers_peft_greedy(llama: TinyCheckpoint):
+    engine = make_engine(llama)
+    jobs = {f"job-{name}": name for name in PROMPTS}
+    results = run_to_completion(engine, [greedy_request(llama, job, adapter) for job, adapter in jobs.items()])
+    assert_matches_oracle(llama, results, jobs)
+
+
+def test_chunked_prefill_and_preemption_do_not_change_outputs(llama: TinyCheckpoint):
+    # 9 blocks of 4 tokens cannot hold all four sequences at full length: some are preempted and
+    # recomputed; a budget of 5 tokens a step splits every prompt into chunks.
+    engine = make_engine(llama, num_kv_blocks=9, max_num_batched_tokens=5)
+    jobs = {f"job-{name}": name for name in PROMPTS}
+    results = run_to_completion(engine, [greedy_request(llama, job, adapter) for job, adapter in jobs.items()])
+    assert engine.scheduler.num_preemptions > 0
+    assert_matches_oracle(llama, results, jobs)
+
+
+def test_more_adapters_than_slots_are_served_by_eviction(llama: TinyCheckpoint):
+    engine = make_engine(llama, max_loras=1)
+    jobs = {f"job-{name}": name for name in PROMPTS}
+    results = run_to_completion(engine, [greedy_request(llama, job, adapter) for job, adapter in jobs.items()])
+    assert_matches_oracle(llama, results, jobs)
+    assert engine.adapter_slots.resident == ["mlp_k_r4@1:" + adapter_ref(llama, "mlp_k_r4").sha256[:16]]
+
+
+def test_same_seed_gives_the_same_sample_whatever_the_batch(llama: TinyCheckpoint):
+    def sampled(job_id: str) -> EngineRequest:
+        params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+        return EngineRequest(job_id=job_id, prompt_token_ids=tuple(PROMPTS[None]), sampling=params)
+
+    alone = run_to_completion(make_engine(llama), [sampled("a")])["a"]
+    crowd = [greedy_request(llama, f"g-{name}", name) for name in PROMPTS]
+    together = run_to_completion(make_engine(llama), [*crowd, sampled("a")])["a"]
+    assert alone.output.token_ids == together.output.token_ids
+
+
+def test_adapter_whose_files_changed_fails_only_its_own_jobs(llama: TinyCheckpoint, tmp_path: Path):
+    for name, directory in llama.adapters.items():
+        shutil.copytree(directory, tmp_path / name)
+    engine = make_engine(llama)
+    engine.adapter_root = tmp_path
+    stale = greedy_request(llama, "stale", "all_r8")
+    (tmp_path / "all_r8" / WEIGHTS_FILE).write_bytes(b"tampered")
+    results = run_to_completion(engine, [stale, greedy_request(llama, "fine", "mlp_k_r4")])
+    assert results["stale"].status is JobStatus.FAILED
+    assert results["stale"].error.code == ErrorCode.ADAPTER_LOAD_FAILED
+    assert results["fine"].status is JobStatus.SUCCEEDED
+
+
+@pytest.mark.parametrize(
+    ("prompt", "code"),
+    [
+        ((), ErrorCode.EMPTY_PROMPT),
+        ((VOCAB_SIZE,), ErrorCode.INVALID_TOKEN_ID),
+        ((1,) * 5000, ErrorCode.CONTEXT_LENGTH_EXCEEDED),
+    ],
+)
+def test_requests_that_can_never_run_fail_at_once(llama: TinyCheckpoint, prompt: tuple[int, ...], code: ErrorCode):
+    engine = make_engine(llama)
+    result = engine.add(EngineRequest(job_id="bad", prompt_token_ids=prompt, sampling=SamplingParams()))
+    assert result is not None and result.status is JobStatus.FAILED and result.error.code == code
+    assert not engine.num_unfinished
+
+
+def test_abort_frees_the_sequence(llama: TinyCheckpoint):
+    engine = make_engine(llama)
+    engine.add(greedy_request(llama, "x", "all_r8"))
+    engine.step()
+    free_before = engine.blocks.num_free_blocks
+    assert engine.abort("x")
+    assert engine.blocks.num_free_blocks > free_before
+    assert not engine.num_unfinished and engine.step() == []
