@@ -1,8 +1,21 @@
-"""Per-step LoRA metadata, built once per engine step and shared by every layer's LoRA call."""
+"""Per-step LoRA metadata, built once per engine step and shared by every layer's LoRA call.
+
+Tokens are grouped by adapter slot so a kernel tile never mixes adapters: group g < S holds the
+tokens of slot g (empty when the slot's rank is 0), group S ("no LoRA") holds base-model tokens and
+tokens of rank-0 slots. Everything here is computed with device ops of fixed output size, so
+building it never waits on the GPU and can be captured in a CUDA graph.
+
+    token_slots    = [ 2, -1,  0,  2]          (S = 3, all ranks > 0)
+    sorted_tokens  = [ 2,  0,  3,  1]          tokens ordered by group, stable
+    group_counts   = [ 1,  0,  2,  1]          [S + 1]
+    group_starts   = [ 0,  1,  1,  3]          [S + 1], offsets into sorted_tokens
+    active_slots   = [ 0,  2, -1]              [S], slots with tokens, ascending, then -1
+    num_active     = [ 2]
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,7 +25,49 @@ class LoRABatch:
     token_slots: torch.Tensor  # int32 [T]: adapter slot of each token, -1 for the base model
     slot_ranks: torch.Tensor  # int32 [S]: rank of the adapter in each slot (0 for an empty slot)
     slot_scales: torch.Tensor  # float32 [S]: alpha/r (or alpha/sqrt(r) with rsLoRA) per slot
+    sorted_tokens: torch.Tensor = field(init=False)  # int32 [T]: token ids grouped by slot, base last
+    group_counts: torch.Tensor = field(init=False)  # int32 [S + 1]: tokens per group (see above)
+    group_starts: torch.Tensor = field(init=False)  # int32 [S + 1]: first index of each group
+    active_slots: torch.Tensor = field(init=False)  # int32 [S]: slots with tokens first, then -1
+    num_active: torch.Tensor = field(init=False)  # int32 [1]: how many entries of active_slots are set
+
+    def __post_init__(self) -> None:
+        if self.token_slots.dim() != 1 or self.slot_ranks.dim() != 1 or self.slot_scales.dim() != 1:
+            raise ValueError("token_slots, slot_ranks and slot_scales must be 1-D")
+        if self.slot_ranks.shape != self.slot_scales.shape:
+            raise ValueError(
+                f"slot_ranks {tuple(self.slot_ranks.shape)} and slot_scales "
+                f"{tuple(self.slot_scales.shape)} must describe the same slots"
+            )
+        device = self.token_slots.device
+        self.token_slots = self.token_slots.to(torch.int32)
+        self.slot_ranks = self.slot_ranks.to(device=device, dtype=torch.int32)
+        self.slot_scales = self.slot_scales.to(device=device, dtype=torch.float32)
+        num_slots = self.slot_ranks.shape[0]
+
+        slots = self.token_slots.long()
+        rank_of_token = self.slot_ranks[slots.clamp(min=0)] if num_slots else torch.zeros_like(slots)
+        group = torch.where((slots >= 0) & (rank_of_token > 0), slots, num_slots)
+        _, order = torch.sort(group, stable=True)
+        counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
+        counts.index_add_(0, group, torch.ones_like(group, dtype=torch.int32))
+        self.sorted_tokens = order.to(torch.int32)
+        self.group_counts = counts
+        self.group_starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+
+        active = counts[:num_slots] > 0
+        _, slot_order = torch.sort((~active).to(torch.int8), stable=True)
+        self.active_slots = torch.where(active[slot_order], slot_order, -1).to(torch.int32)
+        self.num_active = active.sum(dtype=torch.int32).reshape(1)
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, slot_ranks: torch.Tensor, slot_scales: torch.Tensor) -> LoRABatch:
-        return cls(token_slots=token_slots.to(torch.int32), slot_ranks=slot_ranks, slot_scales=slot_scales)
+        return cls(token_slots=token_slots, slot_ranks=slot_ranks, slot_scales=slot_scales)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_ranks.shape[0]

@@ -1,8 +1,8 @@
 """Plain-torch multi-LoRA: the semantics every Triton path must reproduce.
 
-    for each token t with s = token_slots[t] >= 0, for each slice i:
-        r = slot_ranks[s]
-        y[t, offset_i : offset_i + N_i] += slot_scales[s] * (x[t] @ A_i[s, :r].T) @ B_i[s, :, :r].T
+for each token t with s = token_slots[t] >= 0, for each slice i:
+    r = slot_ranks[s]
+    y[t, offset_i : offset_i + N_i] += slot_scales[s] * (x[t] @ A_i[s, :r].T) @ B_i[s, :, :r].T
 """
 
 from __future__ import annotations

@@ -1,0 +1,136 @@
+"""Launch configurations and the path each batch shape takes, tuned per GPU model.
+
+kernels/configs/<GPU name, spaces as underscores>.json (written by bench/tune_lora.py) holds one
+plan per projection shape (K, slice widths, padded rank) and token bucket:
+
+    {"device": "NVIDIA H100 80GB HBM3", "date": "...", "commands": ["python -m bench.tune_lora ..."],
+     "plans": [{"k": 4096, "widths": [4096, 1024, 1024], "rank_pad": 16, "max_tokens": 32,
+                "path": "fused", "fused": {"block_m": 16, "block_n": 64, ...}}, ...]}
+
+A batch of T tokens takes the plan of its shape with the smallest max_tokens >= T (the largest
+if T exceeds them all). Shapes or GPUs without a file use `default_plan`. The bucket never enters
+a kernel: configurations are constexprs, T is a runtime argument, so no token count recompiles.
+
+Paths (see __init__.py): "fused" (fused.py, then the base GEMM accumulates into its output),
+"split" (shrink.py + expand.py, likewise), "epilogue" (shrink.py + linear.py's GEMM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+PathName = Literal["fused", "split", "epilogue"]
+PATHS: tuple[PathName, ...] = ("fused", "split", "epilogue")
+
+
+@dataclass(frozen=True, slots=True)
+class ShrinkConfig:
+    block_m: int = 16
+    block_k: int = 256
+    split_k: int = 8
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ExpandConfig:
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class FusedConfig:
+    block_m: int = 16
+    block_n: int = 128
+    block_k: int = 256
+    n_chunk: int = 512
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.n_chunk % self.block_n:
+            raise ValueError(f"n_chunk {self.n_chunk} must be a multiple of block_n {self.block_n}")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearConfig:
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    path: PathName
+    fused: FusedConfig = FusedConfig()
+    shrink: ShrinkConfig = ShrinkConfig()
+    expand: ExpandConfig = ExpandConfig()
+    linear: LinearConfig = LinearConfig()
+
+    def to_json(self) -> dict[str, Any]:
+        """Every path's configurations, so that a tuned file also serves forced paths (bench, tests)."""
+        configs = {name: dataclasses.asdict(getattr(self, name)) for name in ("fused", "shrink", "expand", "linear")}
+        return {"path": self.path} | configs
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any]) -> Plan:
+        if entry["path"] not in PATHS:
+            raise ValueError(f"unknown LoRA path {entry['path']!r} (expected one of {PATHS})")
+        kinds = {"fused": FusedConfig, "shrink": ShrinkConfig, "expand": ExpandConfig, "linear": LinearConfig}
+        return cls(path=entry["path"], **{k: kind(**entry[k]) for k, kind in kinds.items() if k in entry})
+
+
+FUSED_MAX_TOKENS = 64  # default: above this the fused kernel's re-reads of A outweigh the saved launch
+
+
+def default_plan(num_tokens: int, rank_pad: int) -> Plan:
+    """Untuned fallback: fused for decode-sized batches, shrink + expand above."""
+    if num_tokens <= FUSED_MAX_TOKENS:
+        return Plan(path="fused", fused=FusedConfig(block_k=128 if rank_pad >= 64 else 256))
+    block_m = 16 if num_tokens <= 256 else 64
+    # spread the K reduction until the grid covers the GPU several times over
+    split_k = max(1, min(8, 1024 // max(1, num_tokens // block_m)))
+    return Plan(
+        path="split",
+        shrink=ShrinkConfig(block_m=block_m, block_k=64 if rank_pad >= 64 else 128, split_k=split_k),
+        expand=ExpandConfig(block_m=64, block_n=128 if rank_pad <= 64 else 64),
+    )
+
+
+def config_file(device_name: str) -> Path:
+    return CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
+
+
+@functools.cache
+def _tuned_plans(device_name: str) -> dict[tuple[int, tuple[int, ...], int], list[tuple[int, Plan]]]:
+    path = config_file(device_name)
+    if not path.exists():
+        return {}
+    plans: dict[tuple[int, tuple[int, ...], int], list[tuple[int, Plan]]] = {}
+    for entry in json.loads(path.read_text())["plans"]:
+        key = (entry["k"], tuple(entry["widths"]), entry["rank_pad"])
+        plans.setdefault(key, []).append((entry["max_tokens"], Plan.from_json(entry)))
+    for bucket in plans.values():
+        bucket.sort(key=lambda item: item[0])
+    return plans
+
+
+@functools.lru_cache(maxsize=16384)
+def plan_for(device_name: str, k: int, widths: tuple[int, ...], rank_pad: int, num_tokens: int) -> Plan:
+    """The tuned plan for this GPU, projection shape and token count, else `default_plan`."""
+    bucket = _tuned_plans(device_name).get((k, widths, rank_pad))
+    if not bucket:
+        return default_plan(num_tokens, rank_pad)
+    return next((plan for max_tokens, plan in bucket if max_tokens >= num_tokens), bucket[-1][1])

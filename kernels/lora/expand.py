@@ -1,0 +1,119 @@
+"""Expand: y += scale · z · Bᵀ per token, all slices of a projection in one launch.
+
+Semantics (z from shrink.py, summed over its split axis):
+    for each token t with s = token_slots[t] >= 0 and r = slot_ranks[s] > 0, for each slice i:
+        delta = slot_scales[s] * z[i, t, :r] @ B_i[s, :, :r].T
+        accumulate:   y[t, col_i : col_i + N_i] += delta
+        otherwise:    y[t, col_i : col_i + N_i]  = bias[col_i : col_i + N_i] + delta
+    without accumulate, every other token's row is set to the bias (or 0): y needs no prior fill,
+    and the base GEMM then adds x · Wᵀ into it in its own epilogue (torch.addmm_, beta = 1).
+
+Grid: (token tiles, output tiles of all slices). Programs run token-tile fastest: the tiles of one
+slot that share a B tile run together, so each B tile comes from DRAM about once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora.configs import ExpandConfig
+from kernels.lora.metadata import LoRABatch
+from kernels.lora.tiles import SliceGroup, group_tile, max_token_tiles, rank_pad, select, select_ptr, slice_of
+
+
+@triton.jit
+def store_rows(y_ptrs, values, bias_ptrs, mask, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y = values (+ bias), or y += values; values are fp32."""
+    if ACCUMULATE:
+        values += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    elif HAS_BIAS:
+        values += tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, values.to(y_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["z_stride_split", "z_stride_slice"])
+def _expand_kernel(
+    z_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, bias_ptr,
+    sorted_tokens_ptr, group_counts_ptr, group_starts_ptr, slot_ranks_ptr, slot_scales_ptr,
+    num_slots, max_rank, n0, n1, n2, col0, col1, col2, tiles0, tiles1,
+    split_k, y_stride, z_stride_split, z_stride_slice,
+    R_PAD: tl.constexpr, GROUPS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    # accumulate: only the S slot groups; otherwise also the no-LoRA group S, whose rows get the bias
+    num_groups = num_slots if ACCUMULATE else num_slots + 1
+    group, row0 = group_tile(tl.program_id(0), group_counts_ptr, num_groups, GROUPS_PAD, BLOCK_M)
+    if group >= num_groups:
+        return
+    slice_id, pid_n = slice_of(tl.program_id(1), tiles0, tiles1)
+    width = select(slice_id, n0, n1, n2)
+    col = select(slice_id, col0, col1, col2)
+    count = tl.load(group_counts_ptr + group)
+    start = tl.load(group_starts_ptr + group)
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < count
+    tokens = tl.load(sorted_tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < width
+    mask = row_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + tokens[:, None] * y_stride + col + n[None, :]
+    bias_ptrs = bias_ptr + col + n[None, :]
+    if group == num_slots:
+        store_rows(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), bias_ptrs, mask, False, HAS_BIAS)
+        return
+
+    rank = tl.minimum(tl.load(slot_ranks_ptr + group), max_rank)
+    scale = tl.load(slot_scales_ptr + group)
+    r = tl.arange(0, R_PAD)
+    r_ok = r < rank
+    z_ptrs = z_ptr + slice_id * z_stride_slice + tokens[:, None] * R_PAD + r[None, :]
+    z = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    for split in range(split_k):
+        z += tl.load(z_ptrs + split * z_stride_split, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    b_ptr = select_ptr(slice_id, b0_ptr, b1_ptr, b2_ptr)
+    b_ptrs = b_ptr + group.to(tl.int64) * width * max_rank + n[None, :] * max_rank + r[:, None]
+    b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [R_PAD, BLOCK_N]
+    delta = tl.dot((z * scale).to(b.dtype), b)
+    store_rows(y_ptrs, delta, bias_ptrs, mask, ACCUMULATE, HAS_BIAS)
+
+
+def lora_expand(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    group: SliceGroup,
+    batch: LoRABatch,
+    config: ExpandConfig,
+    bias: torch.Tensor | None = None,
+    accumulate: bool = True,
+) -> None:
+    """Adds (or, with accumulate=False, writes bias +) the LoRA delta of z into y; see the module docstring."""
+    num_tokens = y.shape[0]  # y: [T, sum N_i] (this group's slices at group.columns), unit column stride
+    split_k, num_slices, _, r_pad = z.shape  # z: float32 [SPLIT_K, num_slices, T, R_PAD] from lora_shrink
+    num_slots, _, max_rank = group.lora_b[0].shape  # lora_b[i]: [S, N_i, R] contiguous
+    if y.stride(1) != 1 or y.dtype != group.lora_b[0].dtype:
+        raise ValueError(f"y must have unit column stride and dtype {group.lora_b[0].dtype}")
+    if z.dtype != torch.float32 or z.shape[2] != num_tokens or r_pad != rank_pad(max_rank) or not z.is_contiguous():
+        raise ValueError(f"z {tuple(z.shape)} {z.dtype} does not come from lora_shrink for these weights")
+    if num_slices != group.num_slices or batch.num_tokens != num_tokens or batch.num_slots != num_slots:
+        raise ValueError("z, y and the batch metadata disagree on slices, tokens or slots")
+    if bias is not None and (accumulate or bias.dtype != y.dtype or not bias.is_contiguous()):
+        raise ValueError("bias is only written without accumulate, contiguous and in y's dtype")
+    if num_tokens == 0:
+        return
+    tiles = group.tiles(config.block_n)
+    num_groups = num_slots if accumulate else num_slots + 1
+    grid = (max_token_tiles(num_tokens, num_groups, config.block_m), sum(tiles))
+    _expand_kernel[grid](
+        z, *group.lora_b, y, y if bias is None else bias,
+        batch.sorted_tokens, batch.group_counts, batch.group_starts, batch.slot_ranks, batch.slot_scales,
+        num_slots, max_rank, *group.widths, *group.columns, tiles[0], tiles[1],
+        split_k, y.stride(0), z.stride(0), z.stride(1),
+        R_PAD=r_pad, GROUPS_PAD=triton.next_power_of_2(num_slots + 1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip

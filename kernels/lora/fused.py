@@ -1,0 +1,123 @@
+"""Fused shrink + expand for decode-sized batches: z = x · Aᵀ stays in registers, one launch.
+
+Semantics: exactly expand.py's (accumulate or bias-write), with z computed in the same program:
+    for each token t with s = token_slots[t] >= 0 and r = slot_ranks[s] > 0, for each slice i:
+        delta = slot_scales[s] * (x[t] @ A_i[s, :r].T) @ B_i[s, :, :r].T
+        accumulate: y[t, cols_i] += delta;   otherwise: y[t, cols_i] = bias[cols_i] + delta
+    (otherwise, rows of tokens without LoRA are set to the bias, or 0)
+
+Grid: (token tiles, output chunks of all slices). A program recomputes its tile's z over the whole
+K (A_i[s] is R x K, re-read from L2 by the other chunks of the slot) and then walks n_chunk output
+columns. Small batches pay one launch instead of two and never write z to memory; the re-reads of
+A grow with T / BLOCK_M, which is why larger batches take shrink.py + expand.py instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora.configs import FusedConfig
+from kernels.lora.expand import store_rows
+from kernels.lora.metadata import LoRABatch
+from kernels.lora.tiles import SliceGroup, group_tile, max_token_tiles, rank_pad, select, select_ptr, slice_of
+
+
+@triton.jit
+def _fused_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, bias_ptr,
+    sorted_tokens_ptr, group_counts_ptr, group_starts_ptr, slot_ranks_ptr, slot_scales_ptr,
+    num_slots, max_rank, k_size, n0, n1, n2, col0, col1, col2, chunks0, chunks1, n_chunk,
+    x_stride, y_stride,
+    R_PAD: tl.constexpr, GROUPS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    num_groups = num_slots if ACCUMULATE else num_slots + 1
+    group, row0 = group_tile(tl.program_id(0), group_counts_ptr, num_groups, GROUPS_PAD, BLOCK_M)
+    if group >= num_groups:
+        return
+    slice_id, chunk = slice_of(tl.program_id(1), chunks0, chunks1)
+    width = select(slice_id, n0, n1, n2)
+    col = select(slice_id, col0, col1, col2)
+    count = tl.load(group_counts_ptr + group)
+    start = tl.load(group_starts_ptr + group)
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < count
+    tokens = tl.load(sorted_tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
+    n_offs = tl.arange(0, BLOCK_N)
+    y_ptrs = y_ptr + tokens[:, None] * y_stride + col + n_offs[None, :]
+    bias_ptrs = bias_ptr + col + n_offs[None, :]
+    n_first = chunk * n_chunk
+    n_last = tl.minimum(n_first + n_chunk, width)
+    if group == num_slots:
+        for n in range(n_first, n_last, BLOCK_N):
+            mask = row_ok[:, None] & (n + n_offs < width)[None, :]
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            store_rows(y_ptrs + n, zero, bias_ptrs + n, mask, False, HAS_BIAS)
+        return
+
+    rank = tl.minimum(tl.load(slot_ranks_ptr + group), max_rank)
+    scale = tl.load(slot_scales_ptr + group)
+    r = tl.arange(0, R_PAD)
+    r_ok = r < rank
+    k_offs = tl.arange(0, BLOCK_K)
+    a_ptr = select_ptr(slice_id, a0_ptr, a1_ptr, a2_ptr)
+    a_ptrs = a_ptr + group.to(tl.int64) * max_rank * k_size + r[None, :] * k_size + k_offs[:, None]
+    x_ptrs = x_ptr + tokens[:, None] * x_stride + k_offs[None, :]
+    z = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    for k in range(0, k_size, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
+            a = tl.load(a_ptrs + k, mask=r_ok[None, :], other=0.0)
+        else:
+            k_ok = (k + k_offs) < k_size
+            x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs + k, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        z += tl.dot(x, a)
+    z = (z * scale).to(x_ptr.dtype.element_ty)
+
+    b_ptr = select_ptr(slice_id, b0_ptr, b1_ptr, b2_ptr)
+    b_ptrs = b_ptr + group.to(tl.int64) * width * max_rank + n_offs[None, :] * max_rank + r[:, None]
+    for n in range(n_first, n_last, BLOCK_N):
+        n_ok = (n + n_offs) < width
+        b = tl.load(b_ptrs + n * max_rank, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [R_PAD, BLOCK_N]
+        delta = tl.dot(z, b)
+        store_rows(y_ptrs + n, delta, bias_ptrs + n, row_ok[:, None] & n_ok[None, :], ACCUMULATE, HAS_BIAS)
+
+
+def lora_fused(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    group: SliceGroup,
+    batch: LoRABatch,
+    config: FusedConfig,
+    bias: torch.Tensor | None = None,
+    accumulate: bool = True,
+) -> None:
+    """Adds (or, with accumulate=False, writes bias +) the LoRA delta of x into y; see the module docstring."""
+    num_tokens, k_size = x.shape  # x: [T, K], unit column stride
+    num_slots, max_rank, _ = group.lora_a[0].shape  # lora_a[i]: [S, R, K], lora_b[i]: [S, N_i, R]
+    if y.shape[0] != num_tokens or y.stride(1) != 1 or y.dtype != x.dtype:
+        raise ValueError(f"y {tuple(y.shape)} {y.dtype} must be [T={num_tokens}, N] in {x.dtype}, unit column stride")
+    if batch.num_tokens != num_tokens or batch.num_slots != num_slots:
+        raise ValueError(f"batch metadata is for T={batch.num_tokens}, S={batch.num_slots}")
+    if bias is not None and (accumulate or bias.dtype != y.dtype or not bias.is_contiguous()):
+        raise ValueError("bias is only written without accumulate, contiguous and in y's dtype")
+    if num_tokens == 0:
+        return
+    chunks = group.tiles(config.n_chunk)
+    num_groups = num_slots if accumulate else num_slots + 1
+    grid = (max_token_tiles(num_tokens, num_groups, config.block_m), sum(chunks))
+    _fused_kernel[grid](
+        x, *group.lora_a, *group.lora_b, y, y if bias is None else bias,
+        batch.sorted_tokens, batch.group_counts, batch.group_starts, batch.slot_ranks, batch.slot_scales,
+        num_slots, max_rank, k_size, *group.widths, *group.columns, chunks[0], chunks[1], config.n_chunk,
+        x.stride(0), y.stride(0),
+        R_PAD=rank_pad(max_rank), GROUPS_PAD=triton.next_power_of_2(num_slots + 1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=k_size % config.block_k == 0, ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip

@@ -1,0 +1,99 @@
+"""Shrink: z = x · Aᵀ for every token with an adapter, all slices of a projection in one launch.
+
+Semantics:
+    for each token t with s = token_slots[t] >= 0 and r = slot_ranks[s] > 0, for each slice i:
+        z[:, i, t, :r] summed over the split axis == x[t] @ A_i[s, :r].T      (fp32, unscaled)
+    rows of other tokens and columns >= r are not meaningful (never read by expand).
+
+Grid: (token tiles, SPLIT_K). Each program owns one tile of one slot's tokens and one K range and
+computes all slices from a single load of its x tile; the K reduction is split so that decode-sized
+batches still spread the reads of A over the whole GPU. Partial sums stay separate (no atomics, no
+zero-fill launch): expand adds the SPLIT_K partials when it loads z. Programs run token-tile fastest,
+so the tiles of one slot that share an A chunk run together (L2 reuse).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora.configs import ShrinkConfig
+from kernels.lora.metadata import LoRABatch
+from kernels.lora.tiles import SliceGroup, group_tile, max_token_tiles, rank_pad
+
+
+@triton.jit(do_not_specialize=["z_stride_split", "z_stride_slice"])
+def _shrink_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, z_ptr,
+    sorted_tokens_ptr, group_counts_ptr, group_starts_ptr, slot_ranks_ptr,
+    num_slots, max_rank, k_size, split_k,
+    x_stride, z_stride_split, z_stride_slice,
+    NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    slot, row0 = group_tile(tl.program_id(0), group_counts_ptr, num_slots, SLOTS_PAD, BLOCK_M)
+    if slot >= num_slots:
+        return
+    pid_k = tl.program_id(1)
+    count = tl.load(group_counts_ptr + slot)
+    start = tl.load(group_starts_ptr + slot)
+    rank = tl.minimum(tl.load(slot_ranks_ptr + slot), max_rank)
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < count
+    tokens = tl.load(sorted_tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
+    r = tl.arange(0, R_PAD)
+    r_ok = r < rank
+    k_offs = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + tokens[:, None] * x_stride + k_offs[None, :]  # [BLOCK_M, BLOCK_K]
+    a_offs = slot.to(tl.int64) * max_rank * k_size + r[None, :] * k_size + k_offs[:, None]  # [BLOCK_K, R_PAD]
+    acc0 = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    k_per_split = tl.cdiv(k_size, split_k * BLOCK_K) * BLOCK_K
+    for k in range(pid_k * k_per_split, (pid_k + 1) * k_per_split, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
+            a_mask = r_ok[None, :]
+        else:
+            k_ok = (k + k_offs) < k_size
+            x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a_mask = r_ok[None, :] & k_ok[:, None]
+        acc0 += tl.dot(x, tl.load(a0_ptr + a_offs + k, mask=a_mask, other=0.0))
+        if NUM_SLICES > 1:
+            acc1 += tl.dot(x, tl.load(a1_ptr + a_offs + k, mask=a_mask, other=0.0))
+        if NUM_SLICES > 2:
+            acc2 += tl.dot(x, tl.load(a2_ptr + a_offs + k, mask=a_mask, other=0.0))
+
+    z_ptrs = z_ptr + pid_k * z_stride_split + tokens[:, None] * R_PAD + r[None, :]
+    tl.store(z_ptrs, acc0, mask=row_ok[:, None])
+    if NUM_SLICES > 1:
+        tl.store(z_ptrs + z_stride_slice, acc1, mask=row_ok[:, None])
+    if NUM_SLICES > 2:
+        tl.store(z_ptrs + 2 * z_stride_slice, acc2, mask=row_ok[:, None])
+
+
+def lora_shrink(x: torch.Tensor, group: SliceGroup, batch: LoRABatch, config: ShrinkConfig) -> torch.Tensor:
+    """Returns z: float32 [SPLIT_K, num_slices, T, R_PAD] (partial sums; see the module docstring)."""
+    num_tokens, k_size = x.shape  # x: [T, K], unit column stride
+    num_slots, max_rank, _ = group.lora_a[0].shape  # lora_a[i]: [S, R, K] contiguous
+    r_pad = rank_pad(max_rank)
+    if batch.num_tokens != num_tokens or batch.num_slots != num_slots:
+        raise ValueError(f"batch metadata is for T={batch.num_tokens}, S={batch.num_slots}")
+    z = torch.empty((config.split_k, group.num_slices, num_tokens, r_pad), dtype=torch.float32, device=x.device)
+    if num_tokens == 0 or num_slots == 0:
+        return z
+    grid = (max_token_tiles(num_tokens, num_slots, config.block_m), config.split_k)
+    _shrink_kernel[grid](
+        x, *group.lora_a, z,
+        batch.sorted_tokens, batch.group_counts, batch.group_starts, batch.slot_ranks,
+        num_slots, max_rank, k_size, config.split_k,
+        x.stride(0), z.stride(0), z.stride(1),
+        NUM_SLICES=group.num_slices, R_PAD=r_pad, SLOTS_PAD=triton.next_power_of_2(num_slots),
+        BLOCK_M=config.block_m, BLOCK_K=config.block_k,
+        EVEN_K=k_size % (config.block_k * config.split_k) == 0,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return z

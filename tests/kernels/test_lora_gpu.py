@@ -1,0 +1,82 @@
+"""The Triton LoRA paths on a CUDA GPU: bf16 (which the CPU interpreter computes wrongly), the
+dispatcher, CUDA-graph capture and the absence of host syncs and per-batch recompilation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.lora import LoRABatch, add_lora, linear_with_plan, lora_linear
+from kernels.lora.configs import Plan, default_plan
+from kernels.lora.fused import _fused_kernel
+from kernels.lora.shrink import _shrink_kernel
+from tests.kernels.lora_cases import make_case, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+BF16_TOL = 1e-2
+RANKS = [16, 8, 64, 0, 32, 16, 128, 16, 8, 16, 64, 16, 16, 32, 8, 16]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 33, 300, 1500])
+@pytest.mark.parametrize("path", ["fused", "split", "epilogue"])
+def test_every_path_matches_the_reference_in_bf16(path: str, num_tokens: int) -> None:
+    case = make_case(num_tokens, 1024, [1024, 256, 256], RANKS, dtype=torch.bfloat16, device="cuda", seed=num_tokens)
+    plan = default_plan(num_tokens, 128)
+    plan = Plan(path=path, fused=plan.fused, shrink=plan.shrink, expand=plan.expand, linear=plan.linear)
+    y = linear_with_plan(plan, case.x, case.weight, case.bias, case.lora_a, case.lora_b, case.batch)
+    assert rel_err(y, case.linear()) < BF16_TOL
+
+
+@pytest.mark.parametrize("num_tokens", [7, 900])
+def test_add_lora_accumulates_in_place(num_tokens: int) -> None:
+    case = make_case(num_tokens, 2048, [1536, 1536], RANKS, dtype=torch.float16, device="cuda", seed=3)
+    y = torch.randn(num_tokens, case.width, device="cuda", dtype=torch.float16)
+    expected = case.delta(y)
+    add_lora(y, case.x, case.lora_a, case.lora_b, case.batch)
+    assert rel_err(y, expected) < 2e-3
+
+
+def test_building_metadata_and_running_the_kernels_never_syncs_with_the_host() -> None:
+    case = make_case(64, 512, [512], RANKS, dtype=torch.bfloat16, device="cuda")
+    lora_linear(case.x, case.weight, None, case.lora_a, case.lora_b, case.batch)  # compile first
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = LoRABatch.build(case.batch.token_slots, case.batch.slot_ranks, case.batch.slot_scales)
+        lora_linear(case.x, case.weight, None, case.lora_a, case.lora_b, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_token_counts_share_one_compiled_kernel() -> None:
+    case = make_case(40, 512, [256, 128], RANKS, dtype=torch.bfloat16, device="cuda")
+    caches = {
+        kernel: kernel.device_caches[torch.cuda.current_device()][0] for kernel in (_fused_kernel, _shrink_kernel)
+    }
+    before = {kernel: len(cache) for kernel, cache in caches.items()}
+    fused, split = default_plan(16, 128), default_plan(1024, 128)
+    for plan, token_counts in ((fused, (1, 2, 5, 16, 17, 32, 40)), (split, (100, 333, 1024))):
+        for num_tokens in token_counts:
+            sub = make_case(num_tokens, 512, [256, 128], RANKS, dtype=torch.bfloat16, device="cuda", seed=num_tokens)
+            linear_with_plan(plan, sub.x, case.weight, None, case.lora_a, case.lora_b, sub.batch)
+    assert all(len(cache) - before[kernel] <= 1 for kernel, cache in caches.items())
+
+
+def test_a_captured_step_replays_with_new_slot_assignments() -> None:
+    case = make_case(32, 1024, [1024, 256, 256], RANKS, dtype=torch.bfloat16, device="cuda", seed=5)
+    token_slots = case.batch.token_slots.clone()
+
+    def step() -> torch.Tensor:
+        batch = LoRABatch.build(token_slots, case.batch.slot_ranks, case.batch.slot_scales)
+        return lora_linear(case.x, case.weight, case.bias, case.lora_a, case.lora_b, batch)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    token_slots.copy_(torch.randint(-1, len(RANKS), (32,), device="cuda"))
+    case.batch = LoRABatch.build(token_slots, case.batch.slot_ranks, case.batch.slot_scales)
+    graph.replay()
+    assert rel_err(y, case.linear()) < BF16_TOL

@@ -1,0 +1,48 @@
+"""LoRABatch.build: the per-step grouping every kernel reads."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.lora import LoRABatch
+
+
+def build(slots: list[int], ranks: list[int]) -> LoRABatch:
+    return LoRABatch.build(torch.tensor(slots), torch.tensor(ranks, dtype=torch.int32), torch.ones(len(ranks)))
+
+
+def test_tokens_are_grouped_by_slot_in_batch_order_with_base_tokens_last() -> None:
+    batch = build([2, -1, 0, 2, 0], ranks=[8, 8, 8])
+    assert batch.sorted_tokens.tolist() == [2, 4, 0, 3, 1]
+    assert batch.group_counts.tolist() == [2, 0, 2, 1]
+    assert batch.group_starts.tolist() == [0, 2, 2, 4]
+
+
+def test_tokens_of_rank_zero_slots_join_the_base_group() -> None:
+    batch = build([1, 0, 1], ranks=[4, 0])
+    assert batch.group_counts.tolist() == [1, 0, 2]
+    assert batch.sorted_tokens.tolist() == [1, 0, 2]
+    assert batch.active_slots.tolist() == [0, -1]
+    assert batch.num_active.tolist() == [1]
+
+
+def test_active_slots_list_slots_with_tokens_ascending_then_minus_one() -> None:
+    batch = build([3, 1, 3, -1], ranks=[8, 8, 8, 8, 8])
+    assert batch.active_slots.tolist() == [1, 3, -1, -1, -1]
+    assert batch.num_active.tolist() == [2]
+
+
+def test_a_batch_without_adapter_tokens_has_no_active_slot() -> None:
+    batch = build([-1, -1], ranks=[16, 16])
+    assert batch.num_active.tolist() == [0]
+    assert batch.group_counts.tolist() == [0, 0, 2]
+
+
+def test_build_normalises_dtypes() -> None:
+    batch = LoRABatch.build(torch.tensor([0, 1]), torch.tensor([4, 4]), torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert (batch.token_slots.dtype, batch.slot_ranks.dtype, batch.slot_scales.dtype) == (
+        torch.int32,
+        torch.int32,
+        torch.float32,
+    )
+    assert batch.num_tokens == 2 and batch.num_slots == 2
