@@ -1,0 +1,204 @@
+"""Multi-LoRA overhead per Llama-3-8B decoder layer, on a CUDA GPU.
+
+    python -m bench.lora_kernels [--tokens 1 8 32 ...] [--adapters 1 8 16 64] [--ranks 16 64] [--out FILE]
+
+One "layer" is its four adapted projections in bf16: qkv (4096 -> 4096|1024|1024), o (4096 -> 4096),
+gate_up (4096 -> 14336|14336), down (14336 -> 4096). Per case it times, as medians of CUDA-graph
+replays (triton.testing.do_bench_cudagraph):
+    base      the four F.linear calls
+    +LoRA     the four lora_linear calls as the dispatcher picks them (path shown), and each path forced
+The LoRA metadata is built once per engine step, outside the layer (its time is printed apart).
+
+Token layout: up to 256 tokens are decode tokens, each of its own request, adapters spread evenly
+and shuffled; above, d prefill requests of T/d contiguous tokens, one adapter each. Adapters sit in
+random slots of a 64-slot pool whose max rank is the case's rank.
+
+Byte floor: what LoRA must move beyond the base GEMM if the update rides in the GEMM's epilogue:
+each distinct adapter's A and B once, plus x once for the shrink, at the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+from kernels.lora import LoRABatch, linear_with_plan, lora_linear, plan_for_batch
+from kernels.lora.configs import PATHS
+
+# name, K, slice widths
+LLAMA3_8B = (
+    ("qkv", 4096, (4096, 1024, 1024)),
+    ("o", 4096, (4096,)),
+    ("gate_up", 4096, (14336, 14336)),
+    ("down", 14336, (4096,)),
+)
+POOL_SLOTS = 64
+DECODE_MAX_TOKENS = 256
+FUSED_BENCH_MAX_TOKENS = 256  # the fused path re-reads A per token tile: pointless to time above
+
+
+@dataclass
+class Projection:
+    name: str
+    weight: torch.Tensor  # [sum N_i, K]
+    lora_a: list[torch.Tensor]  # [S, R, K] per slice
+    lora_b: list[torch.Tensor]  # [S, N_i, R] per slice
+
+    @property
+    def k(self) -> int:
+        return self.weight.shape[1]
+
+    def adapter_bytes(self) -> int:
+        """Bytes of one adapter's A and B over all slices."""
+        rank = self.lora_a[0].shape[1]
+        return sum(rank * (a.shape[2] + b.shape[1]) for a, b in zip(self.lora_a, self.lora_b, strict=True)) * 2
+
+
+def make_layer(rank: int, shapes=LLAMA3_8B, slots: int = POOL_SLOTS) -> list[Projection]:
+    def rand(*shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
+
+    return [
+        Projection(
+            name=name,
+            weight=rand(sum(widths), k, scale=k**-0.5),
+            lora_a=[rand(slots, rank, k, scale=k**-0.5) for _ in widths],
+            lora_b=[rand(slots, n, rank, scale=rank**-0.5) for n in widths],
+        )
+        for name, k, widths in shapes
+    ]
+
+
+def token_slots(num_tokens: int, adapters: int, slots: int = POOL_SLOTS, seed: int = 0) -> torch.Tensor:
+    """Slot of each token (see the module docstring for the layout)."""
+    rng = random.Random(seed)
+    chosen = rng.sample(range(slots), adapters)
+    if num_tokens <= DECODE_MAX_TOKENS:
+        per_token = [chosen[i % adapters] for i in range(num_tokens)]
+        rng.shuffle(per_token)
+    else:
+        run = math.ceil(num_tokens / adapters)
+        per_token = [chosen[min(i // run, adapters - 1)] for i in range(num_tokens)]
+    return torch.tensor(per_token, dtype=torch.int32, device="cuda")
+
+
+def make_batch(num_tokens: int, adapters: int, rank: int, slots: int = POOL_SLOTS) -> LoRABatch:
+    ranks = torch.full((slots,), rank, dtype=torch.int32, device="cuda")
+    scales = torch.full((slots,), 2.0, dtype=torch.float32, device="cuda")
+    return LoRABatch.build(token_slots(num_tokens, adapters, slots), ranks, scales)
+
+
+def median_us(fn: Callable[[], object], rep_ms: int = 25) -> float:
+    return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (median_us(lambda: dst.copy_(src)) * 1e-6)
+
+
+def floor_bytes(layer: list[Projection], num_tokens: int, adapters: int) -> int:
+    return sum(adapters * p.adapter_bytes() + num_tokens * p.k * 2 for p in layer)
+
+
+def run_case(layer: list[Projection], num_tokens: int, adapters: int, rank: int, bandwidth: float) -> dict:
+    xs = [torch.randn(num_tokens, p.k, device="cuda").to(torch.bfloat16) for p in layer]
+    batch = make_batch(num_tokens, adapters, rank)
+
+    def base() -> None:
+        for p, x in zip(layer, xs, strict=True):
+            F.linear(x, p.weight)
+
+    def auto() -> None:
+        for p, x in zip(layer, xs, strict=True):
+            lora_linear(x, p.weight, None, p.lora_a, p.lora_b, batch)
+
+    def forced(path: str) -> Callable[[], None]:
+        plans = [
+            dataclasses.replace(plan_for_batch(x, p.lora_a, p.lora_b), path=path)
+            for p, x in zip(layer, xs, strict=True)
+        ]
+
+        def run() -> None:
+            for plan, p, x in zip(plans, layer, xs, strict=True):
+                linear_with_plan(plan, x, p.weight, None, p.lora_a, p.lora_b, batch)
+
+        return run
+
+    base_us = median_us(base)
+    result = {
+        "tokens": num_tokens,
+        "adapters": adapters,
+        "rank": rank,
+        "base_us": base_us,
+        "lora_us": median_us(auto),
+        "paths": [plan_for_batch(x, p.lora_a, p.lora_b).path for p, x in zip(layer, xs, strict=True)],
+        "build_us": median_us(lambda: LoRABatch.build(batch.token_slots, batch.slot_ranks, batch.slot_scales)),
+        "floor_us": floor_bytes(layer, num_tokens, adapters) / bandwidth * 1e6,
+    }
+    for path in PATHS:
+        if path != "fused" or num_tokens <= FUSED_BENCH_MAX_TOKENS:
+            result[f"{path}_us"] = median_us(forced(path))
+    return result
+
+
+def format_row(r: dict) -> str:
+    over = lambda us: f"{100 * (us - r['base_us']) / r['base_us']:6.1f}"  # noqa: E731
+    lora = r["lora_us"] - r["base_us"]
+    paths = "".join(p[0] for p in r["paths"])  # per projection: f(used), s(plit), e(pilogue)
+    per_path = " ".join(over(r[f"{p}_us"]) if f"{p}_us" in r else "     -" for p in PATHS)
+    return (
+        f"{r['tokens']:5d} {r['adapters']:4d} {r['rank']:4d} {r['base_us']:9.1f} {lora:8.1f} {over(r['lora_us'])} "
+        f"{paths:>5} {per_path} {r['floor_us']:8.1f} {100 * r['floor_us'] / r['base_us']:6.1f} "
+        f"{lora / r['floor_us']:6.2f} {r['build_us']:6.1f}"
+    )
+
+
+HEADER = "    T    d    r   base_us  lora_us  over%  path fused% split%  epi%  floor_us floor% x_flr build_us"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 4096])
+    parser.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 16, 64])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--out", help="write all measurements as JSON here")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    device = torch.cuda.get_device_name()
+    print(f"# {device}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    print(HEADER, flush=True)
+    results = []
+    start = time.time()
+    for rank in args.ranks:
+        layer = make_layer(rank)
+        for num_tokens in args.tokens:
+            for adapters in args.adapters:
+                if adapters > num_tokens:
+                    continue
+                results.append(run_case(layer, num_tokens, adapters, rank, bandwidth))
+                print(format_row(results[-1]), flush=True)
+        del layer
+        torch.cuda.empty_cache()
+    print(f"# {len(results)} cases in {time.time() - start:.0f} s", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": device, "copy_bandwidth": bandwidth, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

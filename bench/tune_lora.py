@@ -1,0 +1,196 @@
+"""Tune the multi-LoRA launch configurations and paths for this GPU; writes kernels/configs/<GPU>.json.
+
+    python -m bench.tune_lora [--tokens 1 8 32 64 256 1024 4096] [--ranks 16 64] [--adapters 16]
+
+For each Llama-3-8B projection shape (bench.lora_kernels.LLAMA3_8B), rank and token bucket T, with
+min(T, --adapters) adapters laid out as in the benchmark:
+  1. time each kernel's candidate configurations alone (fused; shrink; expand on the best shrink's z;
+     the epilogue GEMM), keeping the fastest of each;
+  2. time the whole projection (base GEMM + LoRA) along each path with those configurations and
+     record the fastest path as the plan for batches of up to T tokens.
+Every timing is the median of CUDA-graph replays with L2 flushed before each call (a 128 MiB write,
+timed alone and subtracted), since in a model the previous layer's weights have evicted this one's.
+Plans for shapes and ranks not re-tuned are kept from the existing file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench.lora_kernels import LLAMA3_8B, Projection, median_us
+from bench.lora_kernels import make_batch as bench_batch
+from bench.lora_kernels import make_layer as bench_layer
+from kernels.lora import linear_with_plan
+from kernels.lora.configs import (
+    ExpandConfig,
+    FusedConfig,
+    LinearConfig,
+    Plan,
+    ShrinkConfig,
+    config_file,
+    default_plan,
+)
+from kernels.lora.expand import lora_expand
+from kernels.lora.fused import lora_fused
+from kernels.lora.linear import linear_lora
+from kernels.lora.shrink import lora_shrink
+from kernels.lora.tiles import rank_pad, slice_groups
+
+FUSED_MAX_TOKENS = 256
+
+
+class Flushed:
+    """Median time of a function with L2 flushed before each call (the flush timed once, subtracted)."""
+
+    def __init__(self) -> None:
+        self.scratch = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        self.flush_us = median_us(self.scratch.zero_, rep_ms=8)
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        def flush_and_run() -> None:
+            self.scratch.zero_()
+            fn()
+
+        return median_us(flush_and_run, rep_ms=8) - self.flush_us
+
+
+def fused_candidates(num_tokens: int, r_pad: int) -> list[FusedConfig]:
+    block_ks = (128,) if r_pad >= 64 else (128, 256)
+    return [
+        FusedConfig(block_m=16, block_n=bn, block_k=bk, n_chunk=chunk)
+        for bn in (64, 128)
+        for bk in block_ks
+        for chunk in (256, 1024, 4096)
+    ]
+
+
+def shrink_candidates(num_tokens: int, r_pad: int) -> list[ShrinkConfig]:
+    block_ms = (16,) if num_tokens <= 256 else (32, 64)
+    splits = (4, 8, 16) if num_tokens <= 64 else (2, 4, 8) if num_tokens <= 256 else (1, 2)
+    block_ks = (64, 128) if r_pad >= 64 else (128, 256)
+    return [ShrinkConfig(block_m=bm, block_k=bk, split_k=sk) for bm in block_ms for bk in block_ks for sk in splits]
+
+
+def expand_candidates(num_tokens: int, r_pad: int) -> list[ExpandConfig]:
+    block_ms = (16,) if num_tokens <= 256 else (64, 128)
+    return [
+        ExpandConfig(block_m=bm, block_n=bn, num_warps=4 if bn <= 128 else 8)
+        for bm in block_ms
+        for bn in (64, 128, 256)
+    ]
+
+
+def linear_candidates(num_tokens: int, r_pad: int) -> list[LinearConfig]:
+    if num_tokens <= 64:
+        shapes = [(16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (32, 64, 256, 4, 3), (16, 32, 256, 4, 4)]
+    elif num_tokens <= 256:
+        shapes = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 128, 8, 3)]
+    else:
+        shapes = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 4)]
+    return [
+        LinearConfig(block_m=m, block_n=n, block_k=k, group_m=8, num_warps=w, num_stages=s) for m, n, k, w, s in shapes
+    ]
+
+
+def best(label: str, candidates: list, timed: Callable[[object], float]) -> object:
+    times = []
+    for config in candidates:
+        try:
+            times.append((timed(config), config))
+        except Exception as exc:  # a config can exceed shared memory or registers on this GPU
+            print(f"    {label} {config}: {type(exc).__name__}: {str(exc)[:80]}", file=sys.stderr)
+    us, config = min(times, key=lambda item: item[0])
+    print(f"    {label:8s} {us:8.1f} us  {config}", flush=True)
+    return config
+
+
+def tune_bucket(
+    flushed_us: Flushed, proj: Projection, num_tokens: int, adapters: int, rank: int
+) -> tuple[Plan, dict[str, float]]:
+    x = torch.randn(num_tokens, proj.k, device="cuda").to(torch.bfloat16)
+    batch = bench_batch(num_tokens, min(num_tokens, adapters), rank)
+    (group,) = slice_groups(proj.lora_a, proj.lora_b)
+    r_pad = rank_pad(rank)
+    y = torch.empty(num_tokens, proj.weight.shape[0], device="cuda", dtype=torch.bfloat16)
+
+    plan = default_plan(num_tokens, r_pad)
+    if num_tokens <= FUSED_MAX_TOKENS:
+        fused = best(
+            "fused",
+            fused_candidates(num_tokens, r_pad),
+            lambda c: flushed_us(lambda: lora_fused(y, x, group, batch, c, accumulate=False)),
+        )
+        plan = dataclasses.replace(plan, fused=fused)
+    shrink = best(
+        "shrink",
+        shrink_candidates(num_tokens, r_pad),
+        lambda c: flushed_us(lambda: lora_shrink(x, group, batch, c)),
+    )
+    z = lora_shrink(x, group, batch, shrink)
+    expand = best(
+        "expand",
+        expand_candidates(num_tokens, r_pad),
+        lambda c: flushed_us(lambda: lora_expand(y, z, group, batch, c, accumulate=False)),
+    )
+    linear = best(
+        "linear",
+        linear_candidates(num_tokens, r_pad),
+        lambda c: flushed_us(lambda: linear_lora(x, proj.weight, None, z, group, batch, c)),
+    )
+    plan = dataclasses.replace(plan, shrink=shrink, expand=expand, linear=linear)
+
+    paths = ("fused", "split", "epilogue") if num_tokens <= FUSED_MAX_TOKENS else ("split", "epilogue")
+
+    def along(path: str) -> Callable[[], object]:
+        forced = dataclasses.replace(plan, path=path)
+        return lambda: linear_with_plan(forced, x, proj.weight, None, proj.lora_a, proj.lora_b, batch)
+
+    totals = {path: flushed_us(along(path)) for path in paths}
+    totals["base"] = flushed_us(lambda: torch.nn.functional.linear(x, proj.weight))
+    return dataclasses.replace(plan, path=min(paths, key=totals.__getitem__)), totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 4096])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--adapters", type=int, default=16, help="distinct adapters per batch (capped at T)")
+    parser.add_argument("--projections", nargs="+", default=[name for name, _, _ in LLAMA3_8B])
+    args = parser.parse_args()
+
+    device = torch.cuda.get_device_name()
+    path = config_file(device)
+    existing = json.loads(path.read_text()) if path.exists() else {"plans": [], "commands": []}
+    shapes = [s for s in LLAMA3_8B if s[0] in args.projections]
+    tuned_keys = {(k, list(widths), rank_pad(r)) for _, k, widths in shapes for r in args.ranks}
+    plans = [e for e in existing["plans"] if (e["k"], e["widths"], e["rank_pad"]) not in tuned_keys]
+    flushed_us = Flushed()
+    start = time.time()
+    for rank in args.ranks:
+        for proj, (name, k, widths) in zip(bench_layer(rank, shapes), shapes, strict=True):
+            for num_tokens in args.tokens:
+                print(f"# {name} r{rank} T={num_tokens} ({time.time() - start:.0f} s)", flush=True)
+                plan, totals = tune_bucket(flushed_us, proj, num_tokens, args.adapters, rank)
+                summary = "  ".join(f"{p} {us:.1f}" for p, us in totals.items())
+                print(f"  -> {plan.path}   (us: {summary})", flush=True)
+                plans.append({"k": k, "widths": list(widths), "rank_pad": rank_pad(rank), "max_tokens": num_tokens}
+                             | plan.to_json())  # fmt: skip
+        torch.cuda.empty_cache()
+    plans.sort(key=lambda e: (e["k"], e["widths"], e["rank_pad"], e["max_tokens"]))
+    command = " ".join(["python -m bench.tune_lora", *sys.argv[1:]])
+    commands = [c for c in existing["commands"] if c != command] + [command]
+    document = {"device": device, "date": datetime.date.today().isoformat(), "commands": commands, "plans": plans}
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"# wrote {len(plans)} plans to {path} in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
