@@ -188,6 +188,7 @@ def main() -> None:
     command = " ".join(["python -m bench.tune_lora", *sys.argv[1:]])
     commands = [c for c in existing["commands"] if c != command] + [command]
     document = {"device": device, "date": datetime.date.today().isoformat(), "commands": commands, "plans": plans}
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=1) + "\n")
     print(f"# wrote {len(plans)} plans to {path} in {time.time() - start:.0f} s")
 
