@@ -1,0 +1,46 @@
+"""The gateway's aiohttp application: `create_app(config)` wires state, middlewares and routes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from gateway.job_service import JobService
+from gateway.middleware import error_middleware, request_id_middleware
+from gateway.routes import setup_routes
+from gateway.state import CONFIG, JOBS, REDIS
+from gateway.tokenization import TokenizerCache
+from shared.config import GatewayConfig
+from shared.jobstore import JobStore
+
+# A long-poll holds a Redis XREAD BLOCK for up to limits.max_wait_s; the socket must outwait it by
+# this much, or redis-py's default 5 s read timeout would cut every long-poll short.
+_REDIS_READ_MARGIN_S = 5.0
+_TOKENIZER_THREADS = min(4, os.cpu_count() or 1)
+
+
+def create_app(config: GatewayConfig) -> web.Application:
+    """The job API application. Redis and the tokenizer threads are opened on startup, closed on cleanup."""
+    app = web.Application(
+        middlewares=[request_id_middleware, error_middleware],  # outermost first
+        client_max_size=config.limits.max_body_bytes,
+    )
+    app[CONFIG] = config
+    app.cleanup_ctx.append(_services)
+    setup_routes(app)
+    return app
+
+
+async def _services(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    redis = Redis.from_url(config.redis_url, socket_timeout=config.limits.max_wait_s + _REDIS_READ_MARGIN_S)
+    executor = ThreadPoolExecutor(max_workers=_TOKENIZER_THREADS, thread_name_prefix="tokenize")
+    app[REDIS] = redis
+    app[JOBS] = JobService(redis, JobStore(redis, config.job_ttl_s), TokenizerCache(redis, executor))
+    yield
+    executor.shutdown(cancel_futures=True)
+    await redis.aclose()

@@ -1,0 +1,57 @@
+"""The gateway's HTTP face of errors: which status each error code gets, and the JSON error body.
+
+Every error the gateway sends is `{"error": {"code", "message"[, "param"]}}`; `param` names the
+request field (or header / query parameter) at fault.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from shared.errors import ErrorCode, LorafleetError
+
+_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_JSON: 400,
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.EMPTY_PROMPT: 400,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorCode.INVALID_TOKEN_ID: 400,
+    ErrorCode.ADAPTER_MODEL_MISMATCH: 400,
+    ErrorCode.MISSING_API_KEY: 401,
+    ErrorCode.INVALID_API_KEY: 401,
+    ErrorCode.TENANT_DISABLED: 403,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.MODEL_NOT_FOUND: 404,
+    ErrorCode.ADAPTER_NOT_FOUND: 404,
+    ErrorCode.JOB_NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.CONFLICT: 409,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.QUEUE_FULL: 429,
+}
+
+
+class RequestError(LorafleetError):
+    """A LorafleetError caused by one named part of the request (`param`: a body field, header or query key)."""
+
+    def __init__(self, code: ErrorCode, message: str, *, param: str | None = None) -> None:
+        super().__init__(code, message)
+        self.param = param
+
+
+def status_for(code: ErrorCode) -> int:
+    """The HTTP status for an error code; codes a client cannot cause (worker-side ones) are 500."""
+    return _STATUS.get(code, 500)
+
+
+def error_response(
+    code: ErrorCode, message: str, *, status: int | None = None, param: str | None = None
+) -> web.Response:
+    """The JSON error response for `code` (status from `status_for` unless given)."""
+    status = status_for(code) if status is None else status
+    error: dict[str, str] = {"code": code.value, "message": message}
+    if param is not None:
+        error["param"] = param
+    headers = {"WWW-Authenticate": 'Bearer realm="lorafleet"'} if status == 401 else None
+    return web.json_response({"error": error}, status=status, headers=headers)

@@ -1,0 +1,160 @@
+"""`POST /v1/jobs` bodies, checked field by field into a `JobRequest` (no I/O here).
+
+Checks that need the model (token ids against its vocabulary, prompt + output against its
+context) happen in the job service, once the model is known. A field given as JSON `null` takes
+its default; `model` and `prompt` are required.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import RequestError
+from shared.config import RequestLimits
+from shared.errors import ErrorCode
+from shared.schema import SamplingParams
+
+FIELDS = frozenset(
+    {"model", "adapter", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
+)
+_DEFAULTS = SamplingParams()
+_MAX_SEED = 2**64 - 1
+_MAX_TOP_K = 2**31 - 1  # fits the samplers' index types; any k over the vocabulary size filters nothing
+
+
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """A syntactically valid job: text prompts are tokenized later, token-id prompts are used as given."""
+
+    model: str
+    adapter: str | None
+    prompt: str | tuple[int, ...]
+    sampling: SamplingParams
+
+
+def _invalid(param: str, message: str) -> RequestError:
+    return RequestError(ErrorCode.INVALID_REQUEST, message, param=param)
+
+
+def _integer(body: dict[str, Any], name: str, default: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(name, f"{name} must be an integer")
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _invalid(name, f"{name} must be a finite number")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer literal too large for a float
+        number = math.inf
+    if not math.isfinite(number):
+        raise _invalid(name, f"{name} must be a finite number")
+    return number
+
+
+def _boolean(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _invalid(name, f"{name} must be true or false")
+    return value
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _invalid("model", "model is required: the name of a base model")
+    return model
+
+
+def _adapter(body: dict[str, Any]) -> str | None:
+    adapter = body.get("adapter")
+    if adapter is not None and (not isinstance(adapter, str) or not adapter):
+        raise _invalid("adapter", "adapter must be a non-empty string or null")
+    return adapter
+
+
+def _prompt(body: dict[str, Any], limits: RequestLimits) -> str | tuple[int, ...]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        if len(prompt) > limits.max_prompt_chars:
+            raise RequestError(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"prompt has {len(prompt)} characters, over the limit of {limits.max_prompt_chars}",
+                param="prompt",
+            )
+        if not prompt:
+            raise RequestError(ErrorCode.EMPTY_PROMPT, "prompt must not be empty", param="prompt")
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise RequestError(ErrorCode.EMPTY_PROMPT, "prompt must not be empty", param="prompt")
+        if any(isinstance(token, bool) or not isinstance(token, int) for token in prompt):
+            raise _invalid("prompt", "a token-id prompt must be a list of integers")
+        return tuple(prompt)
+    raise _invalid("prompt", "prompt is required: a string or a list of token ids")
+
+
+def _stop(body: dict[str, Any], limits: RequestLimits) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return _DEFAULTS.stop
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, list) or not all(isinstance(s, str) and s for s in strings):
+        raise _invalid("stop", "stop must be a non-empty string or a list of non-empty strings")
+    if len(strings) > limits.max_stop_strings:
+        raise _invalid("stop", f"stop has {len(strings)} strings, over the limit of {limits.max_stop_strings}")
+    if any(len(s) > limits.max_stop_chars for s in strings):
+        raise _invalid("stop", f"each stop string must be at most {limits.max_stop_chars} characters")
+    return tuple(strings)
+
+
+def _sampling(body: dict[str, Any], limits: RequestLimits) -> SamplingParams:
+    max_tokens = _integer(body, "max_tokens", _DEFAULTS.max_tokens)
+    if not 1 <= max_tokens <= limits.max_output_tokens:
+        raise _invalid("max_tokens", f"max_tokens must be between 1 and {limits.max_output_tokens}")
+    temperature = _number(body, "temperature", _DEFAULTS.temperature)
+    if temperature < 0:
+        raise _invalid("temperature", "temperature must be >= 0")
+    top_p = _number(body, "top_p", _DEFAULTS.top_p)
+    if not 0 < top_p <= 1:
+        raise _invalid("top_p", "top_p must be in (0, 1]")
+    top_k = _integer(body, "top_k", _DEFAULTS.top_k)
+    if not 0 <= top_k <= _MAX_TOP_K:
+        raise _invalid("top_k", f"top_k must be between 0 (off) and {_MAX_TOP_K}")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
+        raise _invalid("seed", "seed must be null or an integer in [0, 2**64 - 1]")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=_stop(body, limits),
+        ignore_eos=_boolean(body, "ignore_eos", _DEFAULTS.ignore_eos),
+    )
+
+
+def parse_job_request(body: dict[str, Any], limits: RequestLimits) -> JobRequest:
+    """Check a decoded `POST /v1/jobs` body against the API and `limits`; raise RequestError naming the field."""
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise _invalid(unknown[0], f"unknown field(s): {', '.join(unknown)}")
+    return JobRequest(
+        model=_model(body),
+        adapter=_adapter(body),
+        prompt=_prompt(body, limits),
+        sampling=_sampling(body, limits),
+    )

@@ -1,0 +1,36 @@
+"""`run_gateway`: serve the job API until SIGINT or SIGTERM (the entry point `lorafleet gateway` calls)."""
+
+from __future__ import annotations
+
+import structlog
+from aiohttp import web
+
+from gateway.app import create_app
+from shared.config import GatewayConfig
+
+# On SIGTERM/SIGINT the listener closes at once; requests in flight get this long to finish. A
+# long-poll still waiting after that is cut, and its client polls again (another gateway, or this
+# one restarted).
+SHUTDOWN_GRACE_S = 10.0
+
+log = structlog.get_logger(__name__)
+
+
+def run_gateway(config: GatewayConfig) -> None:
+    """Serve on config.host:config.port; blocks until SIGINT/SIGTERM, then shuts down gracefully.
+
+    Logging is the caller's to configure (shared.log.configure_logging). A client that disconnects
+    cancels its handler, so an abandoned long-poll releases its Redis connection at once.
+    """
+    log.info("gateway_starting", host=config.host, port=config.port)
+    web.run_app(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+        handle_signals=True,
+        handler_cancellation=True,
+        access_log=None,  # request_id_middleware logs one structured line per request
+        print=None,
+    )
+    log.info("gateway_stopped")

@@ -1,0 +1,76 @@
+"""Middlewares: request ids (outermost) and errors → JSON (innermost), in that order in `create_app`."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from gateway.errors import RequestError, error_response
+from gateway.state import REQUEST_ID
+from shared.errors import ErrorCode, LorafleetError
+
+REQUEST_ID_HEADER = "X-Request-ID"
+# a client's id is kept only if it is safe to echo in a header and a log line
+_CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_HTTP_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED, 413: ErrorCode.PAYLOAD_TOO_LARGE}
+
+log = structlog.get_logger(__name__)
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Take the client's X-Request-ID (or make one), bind it to every log line of the request, echo it
+    back, and log one line per request with its status and duration in milliseconds."""
+    supplied = request.headers.get(REQUEST_ID_HEADER, "")
+    request_id = supplied if _CLIENT_REQUEST_ID.match(supplied) else uuid.uuid4().hex
+    request[REQUEST_ID] = request_id
+    started = time.perf_counter()
+    with structlog.contextvars.bound_contextvars(request_id=request_id):
+        response = await handler(request)
+        response.headers[REQUEST_ID_HEADER] = request_id
+        duration_ms = round((time.perf_counter() - started) * 1000, 2)
+        log.info("request", method=request.method, path=request.path, status=response.status, duration_ms=duration_ms)
+    return response
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn every failure into a JSON error body: domain errors by their code, aiohttp's HTTP errors
+    (unknown route, wrong method, body too large) by their status, and anything else into a logged
+    500 `internal_error` that shows the request id but never the exception."""
+    try:
+        return await handler(request)
+    except LorafleetError as exc:
+        param = exc.param if isinstance(exc, RequestError) else None
+        response = error_response(exc.code, exc.message, param=param)
+        if response.status >= 500:
+            log.error("domain_error", code=exc.code.value, message=exc.message)
+        return response
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _http_error(request, exc)
+    except Exception:
+        log.exception("unhandled_error", method=request.method, path=request.path)
+        return error_response(ErrorCode.INTERNAL_ERROR, f"internal error (request id {request[REQUEST_ID]})")
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    code = _HTTP_CODES.get(exc.status, ErrorCode.INVALID_REQUEST if exc.status < 500 else ErrorCode.INTERNAL_ERROR)
+    if code is ErrorCode.NOT_FOUND:
+        message = f"no such endpoint: {request.path}"
+    elif code is ErrorCode.METHOD_NOT_ALLOWED:
+        message = f"{request.method} is not allowed on {request.path}"
+    elif code is ErrorCode.PAYLOAD_TOO_LARGE:
+        message = f"the request body is larger than {request.client_max_size} bytes"
+    else:
+        message = exc.reason
+    response = error_response(code, message, status=exc.status)
+    if "Allow" in exc.headers:
+        response.headers["Allow"] = exc.headers["Allow"]
+    return response

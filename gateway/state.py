@@ -1,0 +1,15 @@
+"""Typed keys for what the gateway keeps on its application and on each request."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from gateway.job_service import JobService
+from shared.config import GatewayConfig
+
+CONFIG = web.AppKey("config", GatewayConfig)
+REDIS = web.AppKey("redis", Redis)
+JOBS = web.AppKey("jobs", JobService)
+
+REQUEST_ID = web.RequestKey("request_id", str)

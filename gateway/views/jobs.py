@@ -1,0 +1,106 @@
+"""Job API v1: submit, read (with optional long-poll) and cancel a job, as the caller's tenant."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from aiohttp import web
+
+from gateway.auth import request_tenant
+from gateway.errors import RequestError
+from gateway.job_request import parse_job_request
+from gateway.json_body import parse_json_object
+from gateway.state import CONFIG, JOBS, REQUEST_ID
+from shared.errors import ErrorCode
+from shared.schema import JobRecord
+
+JOB_ROUTE = "job"
+CANCEL_ROUTE = "cancel_job"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+_IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")  # printable ASCII, no spaces
+
+
+async def submit_job(request: web.Request) -> web.Response:
+    """`POST /v1/jobs`: 202 with the new job's id and URLs; 200 with the first job's for a repeated Idempotency-Key."""
+    tenant = await request_tenant(request)
+    job_request = parse_job_request(parse_json_object(await request.read()), request.app[CONFIG].limits)
+    record, created = await request.app[JOBS].submit(
+        tenant, job_request, request_id=request[REQUEST_ID], idempotency_key=_idempotency_key(request)
+    )
+    urls = {
+        "self": str(request.app.router[JOB_ROUTE].url_for(job_id=record.job_id)),
+        "cancel": str(request.app.router[CANCEL_ROUTE].url_for(job_id=record.job_id)),
+    }
+    return web.json_response(
+        {"id": record.job_id, "status": record.status.value, "urls": urls},
+        status=202 if created else 200,
+        headers={"Location": urls["self"]},
+    )
+
+
+async def get_job(request: web.Request) -> web.Response:
+    """`GET /v1/jobs/{job_id}[?wait=SECONDS]`: the job's state; with `wait`, held until it is terminal or
+    the wait (capped at limits.max_wait_s) runs out."""
+    tenant = await request_tenant(request)
+    record = await request.app[JOBS].wait(tenant, request.match_info["job_id"], _wait_seconds(request))
+    return web.json_response(job_body(record))
+
+
+async def cancel_job(request: web.Request) -> web.Response:
+    """`POST /v1/jobs/{job_id}/cancel`: 200 with the job's state after the call. A job that had already
+    finished keeps its terminal status (the body shows which); cancelling twice is harmless."""
+    tenant = await request_tenant(request)
+    record = await request.app[JOBS].cancel(tenant, request.match_info["job_id"])
+    return web.json_response(job_body(record))
+
+
+def job_body(record: JobRecord) -> dict[str, Any]:
+    """The public view of a job. Timings are milliseconds since submission, null until they happen."""
+
+    def since_created(ms: int) -> int | None:
+        return ms - record.created_ms if ms else None
+
+    output = record.output
+    return {
+        "id": record.job_id,
+        "status": record.status.value,
+        "model": record.model,
+        "adapter": record.adapter,
+        "output": None
+        if output is None
+        else {"text": output.text, "token_ids": list(output.token_ids), "finish_reason": output.finish_reason.value},
+        "usage": {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens},
+        "timings": {
+            "queued_ms": since_created(record.started_ms),
+            "ttft_ms": since_created(record.first_token_ms),
+            "total_ms": since_created(record.finished_ms),
+        },
+        "error": None if record.error is None else {"code": record.error.code, "message": record.error.message},
+    }
+
+
+def _idempotency_key(request: web.Request) -> str | None:
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is not None and not _IDEMPOTENCY_KEY.match(key):
+        raise RequestError(
+            ErrorCode.INVALID_REQUEST,
+            f"{IDEMPOTENCY_HEADER} must be 1-255 printable ASCII characters without spaces",
+            param=IDEMPOTENCY_HEADER,
+        )
+    return key
+
+
+def _wait_seconds(request: web.Request) -> float:
+    """The `wait` query parameter in seconds (0 when absent), capped at limits.max_wait_s."""
+    raw = request.query.get("wait")
+    if raw is None:
+        return 0.0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise RequestError(ErrorCode.INVALID_REQUEST, "wait must be a number of seconds >= 0", param="wait")
+    return min(seconds, request.app[CONFIG].limits.max_wait_s)
