@@ -1,0 +1,135 @@
+"""The demo `lorafleet up` serves without `--model`: its files on disk and its tenants in Redis.
+
+Files are generated once per state directory. Tenants and adapters are provisioned on every start
+and reused when Redis still has them: an API key is kept in demo.json (Redis stores only its hash)
+and re-issued only when Redis no longer accepts it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import structlog
+from redis.asyncio import Redis
+
+from cli.demo_adapters import DEMO_ADAPTERS, DemoAdapter, write_demo_adapter
+from cli.demo_model import write_demo_model
+from cli.state import DEMO_FILE, StateError, read_json, write_json
+from shared import keys
+from shared.adapter_format import inspect_adapter, resolve_adapter_dir
+from shared.adapter_registry import get_adapter, register_adapter
+from shared.config import EngineConfig, ModelSpec
+from shared.errors import ErrorCode, LorafleetError
+from shared.model_info import ModelInfo
+from shared.tenants import authenticate, create_tenant, issue_key
+
+log = structlog.get_logger(__name__)
+
+DEMO_MODEL = "demo"
+
+
+@dataclass(slots=True)
+class DemoTenant:
+    tenant: str
+    api_key: str
+    adapters: list[str] = field(default_factory=list)
+
+
+def _build_once(target: Path, build: Callable[[Path], None]) -> None:
+    """Build `target` in a scratch directory and rename it into place: an interrupted build leaves nothing
+    that a later start would mistake for a finished one."""
+    if target.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    build(scratch)
+    scratch.rename(target)
+
+
+def demo_model_dir(state_dir: Path) -> Path:
+    return state_dir / "models" / DEMO_MODEL
+
+
+def ensure_demo_files(state_dir: Path, adapter_root: Path) -> ModelSpec:
+    """Generate the demo model under `state_dir` and its adapters under `adapter_root`, unless present."""
+    model_dir = demo_model_dir(state_dir)
+    _build_once(model_dir, write_demo_model)
+    info = ModelInfo.from_pretrained(DEMO_MODEL, model_dir)
+    for adapter in DEMO_ADAPTERS:
+        _build_once(
+            adapter_root / adapter.path,
+            lambda scratch, adapter=adapter: write_demo_adapter(scratch, adapter, info, model_dir),
+        )
+    return ModelSpec(DEMO_MODEL, model_dir)
+
+
+def _saved_keys(state_dir: Path) -> dict[str, str]:
+    path = state_dir / DEMO_FILE
+    if not path.exists():
+        return {}
+    try:
+        tenants = read_json(path).get("tenants", [])
+        return {entry["tenant"]: entry["api_key"] for entry in tenants}
+    except (StateError, KeyError, TypeError) as exc:
+        log.warning("demo_keys_unreadable", path=str(path), error=str(exc))
+        return {}
+
+
+async def _tenant_key(redis: Redis, tenant: str, saved_key: str | None) -> str:
+    """The saved key if Redis still accepts it for `tenant`; else a new one (creating the tenant if needed)."""
+    if saved_key is not None:
+        try:
+            if (await authenticate(redis, saved_key)).tenant_id == tenant:
+                return saved_key
+        except LorafleetError as exc:
+            if exc.code == ErrorCode.TENANT_DISABLED:  # an admin's decision: re-issuing would re-enable it
+                return saved_key
+    if await redis.sismember(keys.TENANTS, tenant):
+        log.info("demo_key_reissued", tenant=tenant)
+        return await issue_key(redis, tenant)
+    return await create_tenant(redis, tenant)
+
+
+async def _register_once(redis: Redis, adapter: DemoAdapter, model: ModelInfo, adapter_root: Path) -> None:
+    """Register the adapter unless its current version already is these weights, for this tenant and model."""
+    limits = EngineConfig()
+    adapter_dir = resolve_adapter_dir(adapter_root, adapter.path)
+    manifest = inspect_adapter(adapter_dir, model, max_rank=limits.max_lora_rank, max_bytes=limits.max_adapter_bytes)
+    current = await get_adapter(redis, adapter.name)
+    if (
+        current is not None
+        and (current.tenant, current.base_model, current.sha256) == (adapter.tenant, model.name, manifest.sha256)
+        and (adapter_root / current.path).resolve() == adapter_dir
+    ):
+        return
+    await register_adapter(
+        redis,
+        name=adapter.name,
+        tenant=adapter.tenant,
+        model=model,
+        adapter_root=adapter_root,
+        path=adapter.path,
+        max_rank=limits.max_lora_rank,
+        max_bytes=limits.max_adapter_bytes,
+    )
+
+
+async def provision_demo(redis: Redis, state_dir: Path, adapter_root: Path, model: ModelSpec) -> list[DemoTenant]:
+    """Create the demo tenants and register their adapters in `redis`; record the keys in demo.json."""
+    saved = _saved_keys(state_dir)
+    info = ModelInfo.from_pretrained(model.name, model.path)
+    tenants: dict[str, DemoTenant] = {}
+    for adapter in DEMO_ADAPTERS:
+        if adapter.tenant not in tenants:
+            key = await _tenant_key(redis, adapter.tenant, saved.get(adapter.tenant))
+            tenants[adapter.tenant] = DemoTenant(adapter.tenant, key)
+        await _register_once(redis, adapter, info, adapter_root)
+        tenants[adapter.tenant].adapters.append(adapter.name)
+    demo = {"tenants": [asdict(t) for t in tenants.values()], "models": [model.name]}
+    write_json(state_dir / DEMO_FILE, demo, private=True)
+    return list(tenants.values())
