@@ -1,0 +1,5 @@
+"""`python -m cli ...`: the same as the `lorafleet` console script."""
+
+from cli.main import main
+
+raise SystemExit(main())

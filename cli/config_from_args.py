@@ -1,0 +1,235 @@
+"""Every process's configuration, built from command-line flags here and nowhere else.
+
+Flag values are checked twice over: argparse `type=` functions refuse a malformed value (the
+message names the flag), and the builders below refuse combinations or missing settings with a
+ConfigError naming the flag to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cli.admin import AdapterRegistration
+from cli.devices import visible_gpus
+from cli.errors import CommandError
+from cli.state import DEFAULT_STATE_DIR, DEMO_FILE, FleetState, read_json
+from shared.config import EngineConfig, GatewayConfig, ModelSpec, WorkerConfig, default_worker_id
+
+
+class ConfigError(CommandError):
+    """A missing or contradictory setting; `flag` is the one to fix. Exits 2, like argparse's own errors."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(message, code=flag, exit_code=2)
+        self.flag = flag
+
+
+# argparse `type=` functions: argparse reports their ArgumentTypeError as "argument --flag: <message>"
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def model_spec(text: str) -> ModelSpec:
+    try:
+        spec = ModelSpec.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}") from None
+    if not (spec.path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{spec.path} is not an HF model directory (it has no config.json)")
+    return spec
+
+
+# where the fleet is: Redis URL, state directory, adapter root
+
+
+def state_dir(args: argparse.Namespace) -> Path:
+    return (args.state_dir or DEFAULT_STATE_DIR).expanduser().resolve()
+
+
+def _fleet_state(args: argparse.Namespace) -> FleetState | None:
+    """The state file of a running `up`: the one in --state-dir, else ./.lorafleet's if there is one."""
+    if args.state_dir is None and not FleetState.exists(state_dir(args)):
+        return None
+    return FleetState.load(state_dir(args))
+
+
+def redis_url(args: argparse.Namespace) -> str:
+    """--redis-url, else the URL in --state-dir, else $REDIS_URL, else the URL of ./.lorafleet."""
+    if args.redis_url:
+        return args.redis_url
+    if args.state_dir is not None:
+        return FleetState.load(state_dir(args)).redis_url
+    if os.environ.get("REDIS_URL"):
+        return os.environ["REDIS_URL"]
+    state = _fleet_state(args)
+    if state is None:
+        raise ConfigError(
+            "--redis-url", "give --redis-url or --state-dir (or set REDIS_URL, or run where `lorafleet up` runs)"
+        )
+    return state.redis_url
+
+
+def adapter_root(args: argparse.Namespace) -> Path:
+    if args.adapter_root is not None:
+        return args.adapter_root.expanduser().resolve()
+    state = _fleet_state(args)
+    if state is None:
+        raise ConfigError("--adapter-root", "give --adapter-root or the --state-dir of a running `lorafleet up`")
+    return state.adapter_root
+
+
+# per-process configurations
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(redis_url=redis_url(args), host=args.host, port=args.port)
+
+
+def _worker_device(flag_value: str) -> str:
+    if flag_value == "auto":
+        return "cuda" if visible_gpus() else "cpu"
+    if flag_value.startswith("cuda") and not visible_gpus():
+        raise ConfigError("--device", f"{flag_value} was asked for, but no GPU is visible")
+    return flag_value
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    if args.model:
+        models = tuple(args.model)
+    else:
+        state = _fleet_state(args)
+        if state is None:
+            raise ConfigError("--model", "give at least one --model NAME=PATH, or the --state-dir of a running `up`")
+        models = tuple(ModelSpec(name, path) for name, path in state.models.items())
+    _check_unique_names(models)
+    root = adapter_root(args)
+    if not root.is_dir():
+        raise ConfigError("--adapter-root", f"{root} is not a directory")
+    engine = EngineConfig(
+        device=_worker_device(args.device),
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+    )
+    return WorkerConfig(
+        redis_url=redis_url(args),
+        models=models,
+        adapter_root=root,
+        engine=engine,
+        worker_id=args.worker_id or default_worker_id(),
+    )
+
+
+def _check_unique_names(models: tuple[ModelSpec, ...]) -> None:
+    names = [spec.name for spec in models]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError("--model", f"model name {repeated[0]!r} is given more than once")
+
+
+def adapter_registration(args: argparse.Namespace) -> AdapterRegistration:
+    return AdapterRegistration(
+        name=args.name,
+        tenant=args.tenant,
+        model=args.model,
+        path=args.path,
+        adapter_root=adapter_root(args),
+        model_path=None if args.model_path is None else args.model_path.expanduser().resolve(),
+        max_rank=args.max_lora_rank,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    """What `lorafleet up` starts: Redis (unless `redis_url`), a gateway, and workers."""
+
+    state_dir: Path
+    host: str
+    port: int
+    redis_url: str | None  # None: start an embedded Redis with its data in state_dir/redis
+    models: tuple[ModelSpec, ...]  # empty: serve the demo model and adapters
+    adapter_root: Path
+    gpus: tuple[str, ...]  # one worker pinned to each; empty: one CPU worker
+    log_level: str
+
+    @property
+    def demo(self) -> bool:
+        return not self.models
+
+
+def up_config(args: argparse.Namespace) -> UpConfig:
+    models = tuple(args.model or ())
+    _check_unique_names(models)
+    gpus = visible_gpus() if args.device in ("auto", "cuda") else []
+    if args.device == "cuda" and not gpus:
+        raise ConfigError("--device", "cuda was asked for, but no GPU is visible")
+    directory = state_dir(args)
+    return UpConfig(
+        state_dir=directory,
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis_url or os.environ.get("REDIS_URL") or None,
+        models=models,
+        adapter_root=(args.adapter_root or directory / "adapters").expanduser().resolve(),
+        gpus=tuple(gpus),
+        log_level=args.log_level,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitTarget:
+    gateway_url: str
+    api_key: str
+
+
+def submit_target(args: argparse.Namespace) -> SubmitTarget:
+    """--url and --api-key, or what --state-dir's files say for demo tenant --tenant."""
+    url, api_key = args.url, args.api_key
+    if args.tenant is not None:
+        if api_key is not None:
+            raise ConfigError("--tenant", "give either --api-key or --tenant (which reads the key from demo.json)")
+        tenants = read_json(state_dir(args) / DEMO_FILE).get("tenants", [])
+        keys = {entry.get("tenant"): entry.get("api_key") for entry in tenants if isinstance(entry, dict)}
+        if args.tenant not in keys:
+            raise ConfigError("--tenant", f"{args.tenant!r} is not a demo tenant (known: {', '.join(sorted(keys))})")
+        api_key = keys[args.tenant]
+    if url is None:
+        state = _fleet_state(args)
+        if state is None:
+            raise ConfigError("--url", "give --url, or the --state-dir of a running `lorafleet up`")
+        url = state.gateway_url
+    if api_key is None:
+        raise ConfigError("--api-key", "give --api-key, or --tenant with the --state-dir of a demo `lorafleet up`")
+    return SubmitTarget(gateway_url=url.rstrip("/"), api_key=api_key)

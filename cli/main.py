@@ -1,0 +1,232 @@
+"""`lorafleet`: the command-line parser and the dispatch to each command.
+
+Commands import their heavy dependencies (torch through the worker, aiohttp through the gateway)
+only when they run, so `lorafleet --help` and the admin commands start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import redis
+
+from cli import config_from_args as cfa
+from cli.errors import CommandError
+from cli.redis_server import RedisServerError
+from cli.state import DEFAULT_STATE_DIR
+from shared.config import EngineConfig, GatewayConfig
+from shared.errors import LorafleetError
+from shared.log import configure_logging
+
+_ENGINE = EngineConfig()
+_GATEWAY = GatewayConfig(redis_url="")
+
+
+def _add_redis_flags(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_argument_group("where the fleet is")
+    where.add_argument("--redis-url", help="Redis of the fleet (default: from --state-dir, else $REDIS_URL)")
+    where.add_argument(
+        "--state-dir", type=Path, help=f"state dir of a running `lorafleet up` (default: {DEFAULT_STATE_DIR})"
+    )
+
+
+def _add_up(commands: argparse._SubParsersAction) -> None:
+    up = commands.add_parser("up", help="run Redis, the gateway and workers on this machine (the demo without --model)")
+    up.add_argument("--host", default=_GATEWAY.host, help="gateway bind address (default: %(default)s)")
+    up.add_argument("--port", type=cfa.port_number, default=_GATEWAY.port, help="gateway port (default: %(default)s)")
+    up.add_argument(
+        "--state-dir",
+        type=Path,
+        help=f"Redis data, generated demo files, lorafleet.json (default: {DEFAULT_STATE_DIR})",
+    )
+    up.add_argument("--redis-url", help="use this Redis instead of starting one (default: $REDIS_URL)")
+    up.add_argument(
+        "--model", type=cfa.model_spec, action="append", metavar="NAME=PATH", help="HF model dir to serve (repeatable)"
+    )
+    up.add_argument("--adapter-root", type=Path, help="adapters live under here (default: STATE_DIR/adapters)")
+    up.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="one worker per GPU, or one on CPU"
+    )
+    up.set_defaults(run=_run_up)
+
+
+def _add_gateway(commands: argparse._SubParsersAction) -> None:
+    gateway = commands.add_parser("gateway", help="run one gateway process (HTTP API)")
+    _add_redis_flags(gateway)
+    gateway.add_argument("--host", default=_GATEWAY.host, help="bind address (default: %(default)s)")
+    gateway.add_argument("--port", type=cfa.port_number, default=_GATEWAY.port, help="port (default: %(default)s)")
+    gateway.set_defaults(run=_run_gateway)
+
+
+def _add_worker(commands: argparse._SubParsersAction) -> None:
+    worker = commands.add_parser("worker", help="run one worker process (one GPU, or the CPU)")
+    _add_redis_flags(worker)
+    worker.add_argument(
+        "--model", type=cfa.model_spec, action="append", metavar="NAME=PATH", help="model to serve (repeatable)"
+    )
+    worker.add_argument("--adapter-root", type=Path, help="adapter paths are relative to this")
+    worker.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
+    worker.add_argument("--worker-id", help="name in heartbeats and job records (default: HOST-PID)")
+    engine = worker.add_argument_group("engine sizes")
+    engine.add_argument(
+        "--dtype", choices=("float32", "float16", "bfloat16"), help="weights' dtype (default: the checkpoint's)"
+    )
+    engine.add_argument(
+        "--max-num-seqs",
+        type=cfa.positive_int,
+        default=_ENGINE.max_num_seqs,
+        help="sequences in the running batch (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=cfa.positive_int,
+        default=_ENGINE.max_num_batched_tokens,
+        help="tokens one engine step may process (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--max-loras",
+        type=cfa.positive_int,
+        default=_ENGINE.max_loras,
+        help="adapters resident on the device at once (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--max-lora-rank", type=cfa.positive_int, default=_ENGINE.max_lora_rank, help="(default: %(default)s)"
+    )
+    engine.add_argument("--num-kv-blocks", type=cfa.positive_int, help="KV-cache blocks (default: sized from memory)")
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=cfa.fraction,
+        default=_ENGINE.gpu_memory_utilization,
+        help="share of GPU memory the worker may use (default: %(default)s)",
+    )
+    worker.set_defaults(run=_run_worker)
+
+
+def _add_admin(commands: argparse._SubParsersAction) -> None:
+    tenant = commands.add_parser("tenant", help="manage tenants").add_subparsers(dest="action", required=True)
+    create = tenant.add_parser("create", help="create a tenant and print its API key (shown once)")
+    create.add_argument("name")
+    _add_redis_flags(create)
+    create.add_argument("--json", action="store_true", help='print {"tenant", "api_key"}')
+    create.set_defaults(run=_run_tenant_create)
+
+    adapter = commands.add_parser("adapter", help="manage adapters").add_subparsers(dest="action", required=True)
+    register = adapter.add_parser("register", help="validate a PEFT LoRA adapter directory and register it")
+    register.add_argument("name", help="the adapter's name in job requests")
+    register.add_argument("--tenant", required=True, help="owning tenant, or 'shared' for every tenant")
+    register.add_argument("--model", required=True, help="base model name")
+    register.add_argument("--path", required=True, help="adapter dir, relative to the adapter root (or absolute in it)")
+    register.add_argument("--adapter-root", type=Path, help="default: the running `up`'s")
+    register.add_argument("--model-path", type=Path, help="the model's HF dir, if no worker has published it yet")
+    register.add_argument(
+        "--max-lora-rank",
+        type=cfa.positive_int,
+        default=_ENGINE.max_lora_rank,
+        help="refuse larger ranks (default: %(default)s)",
+    )
+    _add_redis_flags(register)
+    register.add_argument("--json", action="store_true", help="print the adapter record")
+    register.set_defaults(run=_run_adapter_register)
+
+
+def _add_submit(commands: argparse._SubParsersAction) -> None:
+    submit = commands.add_parser("submit", help="run one prompt through the gateway and print the output")
+    submit.add_argument("prompt")
+    submit.add_argument("--url", help="gateway URL (default: the running `up`'s)")
+    submit.add_argument("--api-key", help="tenant API key")
+    submit.add_argument("--state-dir", type=Path, help=f"a running `up`'s state dir (default: {DEFAULT_STATE_DIR})")
+    submit.add_argument("--tenant", help="demo tenant whose key to take from STATE_DIR/demo.json")
+    submit.add_argument("--model", required=True)
+    submit.add_argument("--adapter")
+    submit.add_argument("--max-tokens", type=cfa.positive_int)
+    submit.add_argument("--temperature", type=float)
+    submit.add_argument("--seed", type=int)
+    submit.add_argument(
+        "--timeout", type=float, default=300.0, help="give up waiting after this many seconds (default: %(default)s)"
+    )
+    submit.add_argument("--json", action="store_true", help="print the whole job record")
+    submit.set_defaults(run=_run_submit)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lorafleet", description="Multi-tenant LoRA serving.")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_up, _add_gateway, _add_worker, _add_admin, _add_submit):
+        add(commands)
+    return parser
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from cli.up import run_up
+
+    return run_up(cfa.up_config(args))
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    from gateway.main import run_gateway
+
+    run_gateway(cfa.gateway_config(args))
+    return 0
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from worker.main import run_worker
+
+    return run_worker(cfa.worker_config(args))
+
+
+def _run_tenant_create(args: argparse.Namespace) -> int:
+    from cli.admin import tenant_create
+
+    return tenant_create(cfa.redis_url(args), args.name, as_json=args.json)
+
+
+def _run_adapter_register(args: argparse.Namespace) -> int:
+    from cli.admin import adapter_register
+
+    return adapter_register(cfa.redis_url(args), cfa.adapter_registration(args), as_json=args.json)
+
+
+def _run_submit(args: argparse.Namespace) -> int:
+    from cli.submit import submit
+
+    body = {
+        name: value
+        for name, value in (
+            ("model", args.model),
+            ("adapter", args.adapter),
+            ("prompt", args.prompt),
+            ("max_tokens", args.max_tokens),
+            ("temperature", args.temperature),
+            ("seed", args.seed),
+        )
+        if value is not None
+    }
+    return submit(cfa.submit_target(args), body, timeout_s=args.timeout, as_json=args.json)
+
+
+def _fail(message: str, exit_code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.command, level=args.log_level)
+    run: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return run(args)
+    except CommandError as exc:
+        return _fail(str(exc), exc.exit_code)
+    except LorafleetError as exc:
+        return _fail(f"{exc.code}: {exc.message}", 2)
+    except RedisServerError as exc:
+        return _fail(f"redis-server: {exc}", 1)
+    except redis.RedisError as exc:
+        return _fail(f"redis: {exc}", 1)
+    except KeyboardInterrupt:
+        return 130
