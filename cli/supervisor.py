@@ -1,0 +1,109 @@
+"""Child processes of `lorafleet up`: start them, notice one dying, stop them all.
+
+Each child leads its own process group, so a Ctrl-C in the terminal reaches only the supervisor,
+which then stops the children in order (SIGTERM to the group, a grace period, SIGKILL). On Linux a
+child also gets SIGTERM if the supervisor itself is killed, so no orphan keeps a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    process: subprocess.Popen
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+
+class Supervisor:
+    """Owns the started children and the stop request that SIGINT / SIGTERM / SIGHUP make."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self._stop = threading.Event()
+        self._force = threading.Event()  # a second signal: kill now, skip the grace period
+
+    @contextmanager
+    def signals_handled(self) -> Iterator[None]:
+        """Turn SIGINT, SIGTERM and SIGHUP into a stop request (a second one into a kill) while inside."""
+        signums = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in signums}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self._stop.is_set():
+            self._force.set()
+        self._stop.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`; True as soon as a stop was requested."""
+        return self._stop.wait(seconds)
+
+    def start(self, name: str, args: list[str], env: dict[str, str]) -> Child:
+        preexec: Callable[[], None] | None = _die_with_parent if sys.platform == "linux" else None
+        process = subprocess.Popen(
+            args, env=env, start_new_session=True, stdout=sys.stderr.fileno(), preexec_fn=preexec
+        )
+        child = Child(name, process)
+        self.children.append(child)
+        log.info("started", child=name, pid=process.pid)
+        return child
+
+    def first_exited(self) -> Child | None:
+        return next((child for child in self.children if child.exit_code is not None), None)
+
+    def stop_all(self, grace_s: float) -> None:
+        """SIGTERM every running child's process group, wait up to `grace_s`, then SIGKILL what is left."""
+        running = [child for child in self.children if child.exit_code is None]
+        for child in running:
+            self._signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(child.exit_code is None for child in running):
+            if time.monotonic() > deadline or self._force.is_set():
+                break
+            time.sleep(0.1)
+        for child in running:
+            if child.exit_code is None:
+                log.warning("killing", child=child.name, pid=child.process.pid, grace_s=grace_s)
+                self._signal_group(child, signal.SIGKILL)
+            child.process.wait()
+            log.info("stopped", child=child.name, exit_code=child.exit_code)
+
+    @staticmethod
+    def _signal_group(child: Child, signum: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the group is gone already
+            os.killpg(child.process.pid, signum)
