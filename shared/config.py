@@ -53,6 +53,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None  # None: the checkpoint's dtype
     max_num_seqs: int = 64  # sequences in the running batch
+    max_seqs_per_tenant: int | None = None  # while others wait; None: half the batch
     max_num_batched_tokens: int = 2048  # tokens one step may process (prefill chunks + decodes)
     block_size: int = 16  # tokens per KV-cache block
     num_kv_blocks: int | None = None

@@ -13,10 +13,11 @@ from worker.engine.sequence import Sequence, SequenceStatus
 _arrivals = iter(range(1_000_000))
 
 
-def make_seq(prompt_len: int, adapter: str | None = None, name: str | None = None) -> Sequence:
+def make_seq(prompt_len: int, adapter: str | None = None, name: str | None = None, tenant: str = "t") -> Sequence:
     arrival = next(_arrivals)
     return Sequence(
         seq_id=name or f"s{arrival}",
+        tenant=tenant,
         prompt_token_ids=list(range(prompt_len)),
         sampling=SamplingParams(max_tokens=100),
         seed=0,
@@ -26,10 +27,17 @@ def make_seq(prompt_len: int, adapter: str | None = None, name: str | None = Non
 
 
 def make_scheduler(
-    *, num_blocks: int = 64, block_size: int = 4, max_seqs: int = 8, budget: int = 64, slots: int = 2
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_seqs: int = 8,
+    budget: int = 64,
+    slots: int = 2,
+    per_tenant: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         max_num_seqs=max_seqs,
+        max_seqs_per_tenant=per_tenant,
         max_num_batched_tokens=budget,
         block_manager=BlockManager(num_blocks, block_size),
         adapter_slots=AdapterSlots(slots),
@@ -180,3 +188,30 @@ def test_adapter_slots_discard_frees_the_slot():
     slots.acquire("bad")
     slots.discard("bad")
     assert slots.acquire("good").slot == 0
+
+
+def test_one_tenants_burst_cannot_take_the_whole_batch_while_others_wait():
+    scheduler = make_scheduler(max_seqs=4, per_tenant=2)
+    for i in range(6):
+        scheduler.add(make_seq(2, tenant="noisy", name=f"noisy{i}"))
+    scheduler.add(make_seq(2, tenant="quiet", name="quiet"))
+    running = run_step(scheduler)
+    assert "quiet" in running
+    assert sum(name.startswith("noisy") for name in running) == 3  # 2 by the cap, +1 once quiet is in
+
+
+def test_tenant_cap_never_leaves_the_batch_idle_when_the_tenant_is_alone():
+    scheduler = make_scheduler(max_seqs=4, per_tenant=1)
+    for _ in range(4):
+        scheduler.add(make_seq(2, tenant="only"))
+    assert len(run_step(scheduler)) == 4
+
+
+def test_capped_sequences_keep_their_place_in_the_queue():
+    scheduler = make_scheduler(max_seqs=2, per_tenant=1)
+    scheduler.add(make_seq(2, tenant="a", name="a1"))
+    scheduler.add(make_seq(2, tenant="a", name="a2"))
+    scheduler.add(make_seq(2, tenant="b", name="b1"))
+    scheduler.add(make_seq(2, tenant="b", name="b2"))
+    assert set(run_step(scheduler)) == {"a1", "b1"}
+    assert [s.seq_id for s in scheduler.waiting] == ["a2", "b2"]

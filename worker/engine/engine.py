@@ -76,6 +76,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             block_manager=self.blocks,
             adapter_slots=self.adapter_slots,
+            max_seqs_per_tenant=config.max_seqs_per_tenant or max(1, config.max_num_seqs // 2),
         )
         self._tracked: dict[str, _Tracked] = {}
 

@@ -8,12 +8,15 @@ Every step, in this order:
 2. Waiting sequences are admitted first-come first-served while the budget, the running-batch size,
    KV blocks and adapter slots allow. A sequence whose adapter cannot get a slot (every slot pinned
    by running sequences) is passed over, so it does not block base-model or resident-adapter work.
+   A tenant already running `max_seqs_per_tenant` sequences is passed over too, but only while
+   others wait: the cap keeps one tenant's burst from starving the rest without leaving the batch
+   idle when that tenant is alone.
 Long prompts are prefilled in chunks that share each step with running decodes.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from worker.engine.adapter_slots import AdapterSlots, SlotGrant
@@ -51,9 +54,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         block_manager: BlockManager,
         adapter_slots: AdapterSlots,
+        max_seqs_per_tenant: int | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_seqs_per_tenant = max_seqs_per_tenant or max_num_seqs
         self.blocks = block_manager
         self.adapters = adapter_slots
         self.waiting: deque[Sequence] = deque()
@@ -70,7 +75,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -80,35 +84,60 @@ class Scheduler:
                 break  # seq itself was preempted: nothing newer is left to run
             self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
             out.scheduled.append(ScheduledSequence(seq, num_new))
-            scheduled_ids.add(id(seq))
             budget -= num_new
             index += 1
 
+        running_per_tenant = Counter(seq.tenant for seq in self.running)
         passed_over: list[Sequence] = []
+        over_cap: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
-            grant = None
-            if seq.adapter_uid is not None:
-                grant = self.adapters.acquire(seq.adapter_uid)
-                if grant is None:
-                    passed_over.append(seq)
-                    continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            needed = self.blocks.blocks_needed(seq, seq.num_computed_tokens + num_new)
-            if not self.blocks.can_allocate(needed):
-                if grant is not None:
-                    self._undo_grant(seq.adapter_uid, grant)
+            if running_per_tenant[seq.tenant] >= self.max_seqs_per_tenant:
+                over_cap.append(seq)
+                continue
+            admitted = self._admit(seq, budget, out)
+            if admitted is None:
+                passed_over.append(seq)
+            elif admitted == 0:
                 self.waiting.appendleft(seq)
                 break
-            if grant is not None and grant.needs_load:
-                out.adapter_loads.append((seq.adapter_uid, grant))
-            self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
-        self.waiting.extendleft(reversed(passed_over))
+            else:
+                running_per_tenant[seq.tenant] += 1
+                budget -= admitted
+        # nobody else could use the room: capped tenants may fill it (the cap never idles the batch)
+        while over_cap and not self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = over_cap.pop(0)
+            admitted = self._admit(seq, budget, out)
+            if admitted is None:
+                passed_over.append(seq)
+            elif admitted == 0:
+                over_cap.insert(0, seq)
+                break
+            else:
+                budget -= admitted
+        self.waiting.extendleft(reversed(passed_over + over_cap))
         return out
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Try to start `seq` within `budget` tokens. Returns the tokens scheduled; 0 when the KV
+        cache is full (stop admitting); None when its adapter has no free slot (pass it over)."""
+        grant = None
+        if seq.adapter_uid is not None:
+            grant = self.adapters.acquire(seq.adapter_uid)
+            if grant is None:
+                return None
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, seq.num_computed_tokens + num_new)):
+            if grant is not None:
+                self._undo_grant(seq.adapter_uid, grant)
+            return 0
+        if grant is not None and grant.needs_load:
+            out.adapter_loads.append((seq.adapter_uid, grant))
+        self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSequence(seq, num_new))
+        return num_new
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until `seq` can hold `num_tokens` tokens.
