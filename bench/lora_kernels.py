@@ -6,7 +6,8 @@ One "layer" is its four adapted projections in bf16: qkv (4096 -> 4096|1024|1024
 gate_up (4096 -> 14336|14336), down (14336 -> 4096). Per case it times, as medians of CUDA-graph
 replays (triton.testing.do_bench_cudagraph):
     base      the four F.linear calls
-    +LoRA     the four lora_linear calls as the dispatcher picks them (path shown), and each path forced
+    +LoRA     the four lora_linear calls as the dispatcher picks them (path shown per projection:
+              f(used), s(plit), o(verlap), e(pilogue)), and each path forced for all four
 The LoRA metadata is built once per engine step, outside the layer (its time is printed apart).
 
 Token layout: up to 256 tokens are decode tokens, each of its own request, adapters spread evenly
@@ -104,9 +105,9 @@ def median_us(fn: Callable[[], object], rep_ms: int = 25) -> float:
 
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB of float32: 16-byte vector copies
     dst = torch.empty_like(src)
-    return 2 * src.numel() / (median_us(lambda: dst.copy_(src)) * 1e-6)
+    return 2 * src.numel() * src.element_size() / (median_us(lambda: dst.copy_(src)) * 1e-6)
 
 
 def floor_bytes(layer: list[Projection], num_tokens: int, adapters: int) -> int:
@@ -157,7 +158,7 @@ def run_case(layer: list[Projection], num_tokens: int, adapters: int, rank: int,
 def format_row(r: dict) -> str:
     over = lambda us: f"{100 * (us - r['base_us']) / r['base_us']:6.1f}"  # noqa: E731
     lora = r["lora_us"] - r["base_us"]
-    paths = "".join(p[0] for p in r["paths"])  # per projection: f(used), s(plit), e(pilogue)
+    paths = "".join(p[0] for p in r["paths"])  # per projection: f(used), s(plit), o(verlap), e(pilogue)
     per_path = " ".join(over(r[f"{p}_us"]) if f"{p}_us" in r else "     -" for p in PATHS)
     return (
         f"{r['tokens']:5d} {r['adapters']:4d} {r['rank']:4d} {r['base_us']:9.1f} {lora:8.1f} {over(r['lora_us'])} "
@@ -166,7 +167,7 @@ def format_row(r: dict) -> str:
     )
 
 
-HEADER = "    T    d    r   base_us  lora_us  over%  path fused% split%  epi%  floor_us floor% x_flr build_us"
+HEADER = "    T    d    r   base_us  lora_us  over%  path fused% split% ovlap%   epi%  floor_us floor% x_flr build_us"
 
 
 def main() -> None:

@@ -4,8 +4,9 @@
 
 For each Llama-3-8B projection shape (bench.lora_kernels.LLAMA3_8B), rank and token bucket T, with
 min(T, --adapters) adapters laid out as in the benchmark:
-  1. time each kernel's candidate configurations alone (fused; shrink; expand on the best shrink's z;
-     the epilogue GEMM), keeping the fastest of each;
+  1. time each kernel's candidate configurations alone (fused; shrink; the grouped and the gathering
+     expand on the best shrink's z; the epilogue GEMM), keeping the fastest of each, and the faster
+     of the two expands;
   2. time the whole projection (base GEMM + LoRA) along each path with those configurations and
      record the fastest path as the plan for batches of up to T tokens.
 Every timing is the median of CUDA-graph replays with L2 flushed before each call (a 128 MiB write,
@@ -30,8 +31,10 @@ from bench.lora_kernels import make_batch as bench_batch
 from bench.lora_kernels import make_layer as bench_layer
 from kernels.lora import linear_with_plan
 from kernels.lora.configs import (
+    PATHS,
     ExpandConfig,
     FusedConfig,
+    GatherConfig,
     LinearConfig,
     Plan,
     ShrinkConfig,
@@ -39,12 +42,14 @@ from kernels.lora.configs import (
     default_plan,
 )
 from kernels.lora.expand import lora_expand
+from kernels.lora.expand_gather import lora_expand_gather
 from kernels.lora.fused import lora_fused
 from kernels.lora.linear import linear_lora
 from kernels.lora.shrink import lora_shrink
 from kernels.lora.tiles import rank_pad, slice_groups
 
-FUSED_MAX_TOKENS = 256
+FUSED_MAX_TOKENS = 256  # above, the fused kernel's re-reads of A make it pointless to time
+GATHER_MAX_TOKENS = 256  # above, the gathering expand's CUDA-core products make it pointless to time
 
 
 class Flushed:
@@ -63,12 +68,23 @@ class Flushed:
 
 
 def fused_candidates(num_tokens: int, r_pad: int) -> list[FusedConfig]:
-    block_ks = (128,) if r_pad >= 64 else (128, 256)
+    block_ks = (128, 256) if r_pad >= 64 else (256, 512)
     return [
-        FusedConfig(block_m=16, block_n=bn, block_k=bk, n_chunk=chunk)
+        FusedConfig(block_m=16, block_n=bn, block_k=bk, n_chunk=chunk, num_stages=3)
         for bn in (64, 128)
         for bk in block_ks
-        for chunk in (256, 1024, 4096)
+        for chunk in (512, 2048)
+    ]
+
+
+def gather_candidates(num_tokens: int, r_pad: int) -> list[GatherConfig]:
+    block_ts = (16,) if num_tokens <= 16 else (16, 32)
+    return [
+        GatherConfig(block_t=bt, block_n=bn, num_warps=w)
+        for bt in block_ts
+        for bn in (32, 64)
+        for w in (4, 8)
+        if bt * bn <= 1024 or w == 8
     ]
 
 
@@ -140,14 +156,24 @@ def tune_bucket(
         expand_candidates(num_tokens, r_pad),
         lambda c: flushed_us(lambda: lora_expand(y, z, group, batch, c, accumulate=False)),
     )
+    gather = None
+    if num_tokens <= GATHER_MAX_TOKENS:
+        gather = best(
+            "gather",
+            gather_candidates(num_tokens, r_pad),
+            lambda c: flushed_us(lambda: lora_expand_gather(y, z, group, batch, c, accumulate=False)),
+        )
+        grouped_us = flushed_us(lambda: lora_expand(y, z, group, batch, expand, accumulate=False))
+        if grouped_us < flushed_us(lambda: lora_expand_gather(y, z, group, batch, gather, accumulate=False)):
+            gather = None
     linear = best(
         "linear",
         linear_candidates(num_tokens, r_pad),
         lambda c: flushed_us(lambda: linear_lora(x, proj.weight, None, z, group, batch, c)),
     )
-    plan = dataclasses.replace(plan, shrink=shrink, expand=expand, linear=linear)
+    plan = dataclasses.replace(plan, shrink=shrink, expand=expand, linear=linear, gather=gather)
 
-    paths = ("fused", "split", "epilogue") if num_tokens <= FUSED_MAX_TOKENS else ("split", "epilogue")
+    paths = [p for p in PATHS if p != "fused" or num_tokens <= FUSED_MAX_TOKENS]
 
     def along(path: str) -> Callable[[], object]:
         forced = dataclasses.replace(plan, path=path)
@@ -155,6 +181,7 @@ def tune_bucket(
 
     totals = {path: flushed_us(along(path)) for path in paths}
     totals["base"] = flushed_us(lambda: torch.nn.functional.linear(x, proj.weight))
+    totals["addmm_"] = flushed_us(lambda: y.addmm_(x, proj.weight.t()))
     return dataclasses.replace(plan, path=min(paths, key=totals.__getitem__)), totals
 
 
@@ -170,8 +197,8 @@ def main() -> None:
     path = config_file(device)
     existing = json.loads(path.read_text()) if path.exists() else {"plans": [], "commands": []}
     shapes = [s for s in LLAMA3_8B if s[0] in args.projections]
-    tuned_keys = {(k, list(widths), rank_pad(r)) for _, k, widths in shapes for r in args.ranks}
-    plans = [e for e in existing["plans"] if (e["k"], e["widths"], e["rank_pad"]) not in tuned_keys]
+    tuned_keys = {(k, tuple(widths), rank_pad(r)) for _, k, widths in shapes for r in args.ranks}
+    plans = [e for e in existing["plans"] if (e["k"], tuple(e["widths"]), e["rank_pad"]) not in tuned_keys]
     flushed_us = Flushed()
     start = time.time()
     for rank in args.ranks:

@@ -6,12 +6,8 @@ Semantics (reference.py is the oracle):
         y[t, col_i : col_i + N_i] += slot_scales[s] * (x[t] @ A_i[s, :r].T) @ B_i[s, :, :r].T
 
 The engine calls `lora_linear` for every adapted projection. CPU tensors take the reference; CUDA
-tensors take one of three Triton paths, chosen per GPU model, projection shape and token count by
-configs.py (tuned by bench/tune_lora.py):
-    fused     one kernel computes bias + delta into y (z stays on-chip), then the base GEMM adds
-              x · Wᵀ into it in cuBLAS's epilogue (addmm_, beta = 1): decode-sized batches
-    split     shrink (split-K) writes z, expand writes bias + delta, then the same addmm_
-    epilogue  shrink writes z, then one Triton GEMM computes x · Wᵀ and adds the delta in its epilogue
+tensors take one of the Triton paths in paths.py ("fused", "split", "overlap", "epilogue"), chosen
+per GPU model, projection shape and token count by configs.py (tuned by bench/tune_lora.py).
 """
 
 from __future__ import annotations
@@ -23,13 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels.lora.configs import Plan, plan_for
-from kernels.lora.expand import lora_expand
-from kernels.lora.fused import lora_fused
-from kernels.lora.linear import linear_lora
 from kernels.lora.metadata import LoRABatch
+from kernels.lora.paths import add_lora_cuda, linear_with_plan
 from kernels.lora.reference import add_lora_reference
-from kernels.lora.shrink import lora_shrink
-from kernels.lora.tiles import check_slices, rank_pad, slice_groups
+from kernels.lora.tiles import rank_pad
 
 __all__ = ["LoRABatch", "Plan", "add_lora", "linear_with_plan", "lora_linear", "plan_for_batch"]
 
@@ -56,15 +49,7 @@ def add_lora(
     if not x.is_cuda:
         add_lora_reference(y, x, lora_a, lora_b, batch)
         return
-    _, width = check_slices(x, lora_a, lora_b, batch.num_slots)
-    if y.shape != (x.shape[0], width):
-        raise ValueError(f"y {tuple(y.shape)} must be [T={x.shape[0]}, sum N_i={width}]")
-    plan = plan_for_batch(x, lora_a, lora_b)
-    for group in slice_groups(lora_a, lora_b):
-        if plan.path == "fused":
-            lora_fused(y, x, group, batch, plan.fused)
-        else:
-            lora_expand(y, lora_shrink(x, group, batch, plan.shrink), group, batch, plan.expand)
+    add_lora_cuda(plan_for_batch(x, lora_a, lora_b), y, x, lora_a, lora_b, batch)
 
 
 def lora_linear(
@@ -83,32 +68,3 @@ def lora_linear(
         add_lora_reference(y, x, lora_a, lora_b, batch)
         return y
     return linear_with_plan(plan_for_batch(x, lora_a, lora_b), x, weight, bias, lora_a, lora_b, batch)
-
-
-def linear_with_plan(
-    plan: Plan,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_a: Sequence[torch.Tensor],
-    lora_b: Sequence[torch.Tensor],
-    batch: LoRABatch,
-) -> torch.Tensor:
-    """`lora_linear` on CUDA along the given plan (the benchmark and tuner force each path here)."""
-    _, width = check_slices(x, lora_a, lora_b, batch.num_slots)
-    if weight.shape != (width, x.shape[1]):
-        raise ValueError(f"weight {tuple(weight.shape)} must be [sum N_i={width}, K={x.shape[1]}]")
-    groups = slice_groups(lora_a, lora_b)
-    if plan.path == "epilogue" and len(groups) == 1:
-        return linear_lora(
-            x, weight, bias, lora_shrink(x, groups[0], batch, plan.shrink), groups[0], batch, plan.linear
-        )
-    # y = bias + delta for every row, then the base GEMM accumulates onto it (no separate pass over y)
-    y = torch.empty((x.shape[0], width), dtype=x.dtype, device=x.device)
-    for group in groups:
-        if plan.path == "fused":
-            lora_fused(y, x, group, batch, plan.fused, bias=bias, accumulate=False)
-        else:
-            z = lora_shrink(x, group, batch, plan.shrink)
-            lora_expand(y, z, group, batch, plan.expand, bias=bias, accumulate=False)
-    return y.addmm_(x, weight.t())

@@ -11,8 +11,10 @@ A batch of T tokens takes the plan of its shape with the smallest max_tokens >= 
 if T exceeds them all). Shapes or GPUs without a file use `default_plan`. The bucket never enters
 a kernel: configurations are constexprs, T is a runtime argument, so no token count recompiles.
 
-Paths (see __init__.py): "fused" (fused.py, then the base GEMM accumulates into its output),
-"split" (shrink.py + expand.py, likewise), "epilogue" (shrink.py + linear.py's GEMM).
+Paths (see paths.py): "fused" (fused.py, then the base GEMM accumulates into its output),
+"split" (shrink.py + expand, likewise), "overlap" (shrink.py on a second stream beside the base
+GEMM, then expand adds into its output), "epilogue" (shrink.py + linear.py's GEMM). "split" and
+"overlap" expand through expand_gather.py when the plan has a `gather` configuration, else expand.py.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Any, Literal
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-PathName = Literal["fused", "split", "epilogue"]
-PATHS: tuple[PathName, ...] = ("fused", "split", "epilogue")
+PathName = Literal["fused", "split", "overlap", "epilogue"]
+PATHS: tuple[PathName, ...] = ("fused", "split", "overlap", "epilogue")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,15 @@ class ExpandConfig:
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class GatherConfig:
+    block_t: int = 32
+    block_n: int = 32
+    r_chunk: int = 16
+    num_warps: int = 8
+    num_stages: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,34 +89,42 @@ class Plan:
     shrink: ShrinkConfig = ShrinkConfig()
     expand: ExpandConfig = ExpandConfig()
     linear: LinearConfig = LinearConfig()
+    gather: GatherConfig | None = None  # expand through expand_gather.py instead of expand.py
 
     def to_json(self) -> dict[str, Any]:
         """Every path's configurations, so that a tuned file also serves forced paths (bench, tests)."""
-        configs = {name: dataclasses.asdict(getattr(self, name)) for name in ("fused", "shrink", "expand", "linear")}
+        names = ("fused", "shrink", "expand", "linear", "gather")
+        configs = {name: dataclasses.asdict(getattr(self, name)) for name in names if getattr(self, name)}
         return {"path": self.path} | configs
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> Plan:
         if entry["path"] not in PATHS:
             raise ValueError(f"unknown LoRA path {entry['path']!r} (expected one of {PATHS})")
-        kinds = {"fused": FusedConfig, "shrink": ShrinkConfig, "expand": ExpandConfig, "linear": LinearConfig}
+        kinds = {
+            "fused": FusedConfig,
+            "shrink": ShrinkConfig,
+            "expand": ExpandConfig,
+            "linear": LinearConfig,
+            "gather": GatherConfig,
+        }
         return cls(path=entry["path"], **{k: kind(**entry[k]) for k, kind in kinds.items() if k in entry})
 
 
-FUSED_MAX_TOKENS = 64  # default: above this the fused kernel's re-reads of A outweigh the saved launch
+GATHER_MAX_TOKENS = 128  # default: above this the per-token B gathers cost more than grouped tiles
 
 
 def default_plan(num_tokens: int, rank_pad: int) -> Plan:
-    """Untuned fallback: fused for decode-sized batches, shrink + expand above."""
-    if num_tokens <= FUSED_MAX_TOKENS:
-        return Plan(path="fused", fused=FusedConfig(block_k=128 if rank_pad >= 64 else 256))
+    """Untuned fallback: the shrink beside the base GEMM, then a gathering expand for small batches
+    and a grouped one above."""
     block_m = 16 if num_tokens <= 256 else 64
     # spread the K reduction until the grid covers the GPU several times over
     split_k = max(1, min(8, 1024 // max(1, num_tokens // block_m)))
     return Plan(
-        path="split",
+        path="overlap",
         shrink=ShrinkConfig(block_m=block_m, block_k=64 if rank_pad >= 64 else 128, split_k=split_k),
         expand=ExpandConfig(block_m=64, block_n=128 if rank_pad <= 64 else 64),
+        gather=GatherConfig() if num_tokens <= GATHER_MAX_TOKENS else None,
     )
 
 

@@ -8,8 +8,8 @@ Semantics (z from shrink.py, summed over its split axis):
     without accumulate, every other token's row is set to the bias (or 0): y needs no prior fill,
     and the base GEMM then adds x · Wᵀ into it in its own epilogue (torch.addmm_, beta = 1).
 
-Grid: (token tiles, output tiles of all slices). Programs run token-tile fastest: the tiles of one
-slot that share a B tile run together, so each B tile comes from DRAM about once.
+Grid: (output tiles of all slices, token tiles). A B tile is read by all token tiles of its slot:
+a slot's B is at most N x R (~1 MB), so those re-reads hit L2 whatever the launch order.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def store_rows(y_ptrs, values, bias_ptrs, mask, ACCUMULATE: tl.constexpr, HAS_BI
 @triton.jit(do_not_specialize=["z_stride_split", "z_stride_slice"])
 def _expand_kernel(
     z_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, bias_ptr,
-    sorted_tokens_ptr, group_counts_ptr, group_starts_ptr, slot_ranks_ptr, slot_scales_ptr,
+    sorted_tokens_ptr, group_counts_ptr, slot_ranks_ptr, slot_scales_ptr,
     num_slots, max_rank, n0, n1, n2, col0, col1, col2, tiles0, tiles1,
     split_k, y_stride, z_stride_split, z_stride_slice,
     R_PAD: tl.constexpr, GROUPS_PAD: tl.constexpr,
@@ -45,14 +45,12 @@ def _expand_kernel(
 ):  # fmt: skip
     # accumulate: only the S slot groups; otherwise also the no-LoRA group S, whose rows get the bias
     num_groups = num_slots if ACCUMULATE else num_slots + 1
-    group, row0 = group_tile(tl.program_id(0), group_counts_ptr, num_groups, GROUPS_PAD, BLOCK_M)
+    group, row0, count, start = group_tile(tl.program_id(1), group_counts_ptr, num_groups, GROUPS_PAD, BLOCK_M)
     if group >= num_groups:
         return
-    slice_id, pid_n = slice_of(tl.program_id(1), tiles0, tiles1)
+    slice_id, pid_n = slice_of(tl.program_id(0), tiles0, tiles1)
     width = select(slice_id, n0, n1, n2)
     col = select(slice_id, col0, col1, col2)
-    count = tl.load(group_counts_ptr + group)
-    start = tl.load(group_starts_ptr + group)
 
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < count
@@ -106,10 +104,10 @@ def lora_expand(
         return
     tiles = group.tiles(config.block_n)
     num_groups = num_slots if accumulate else num_slots + 1
-    grid = (max_token_tiles(num_tokens, num_groups, config.block_m), sum(tiles))
+    grid = (sum(tiles), max_token_tiles(num_tokens, num_groups, config.block_m))
     _expand_kernel[grid](
         z, *group.lora_b, y, y if bias is None else bias,
-        batch.sorted_tokens, batch.group_counts, batch.group_starts, batch.slot_ranks, batch.slot_scales,
+        batch.sorted_tokens, batch.group_counts, batch.slot_ranks, batch.slot_scales,
         num_slots, max_rank, *group.widths, *group.columns, tiles[0], tiles[1],
         split_k, y.stride(0), z.stride(0), z.stride(1),
         R_PAD=r_pad, GROUPS_PAD=triton.next_power_of_2(num_slots + 1),

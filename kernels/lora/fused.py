@@ -6,7 +6,7 @@ Semantics: exactly expand.py's (accumulate or bias-write), with z computed in th
         accumulate: y[t, cols_i] += delta;   otherwise: y[t, cols_i] = bias[cols_i] + delta
     (otherwise, rows of tokens without LoRA are set to the bias, or 0)
 
-Grid: (token tiles, output chunks of all slices). A program recomputes its tile's z over the whole
+Grid: (output chunks of all slices, token tiles). A program recomputes its tile's z over the whole
 K (A_i[s] is R x K, re-read from L2 by the other chunks of the slot) and then walks n_chunk output
 columns. Small batches pay one launch instead of two and never write z to memory; the re-reads of
 A grow with T / BLOCK_M, which is why larger batches take shrink.py + expand.py instead.
@@ -27,7 +27,7 @@ from kernels.lora.tiles import SliceGroup, group_tile, max_token_tiles, rank_pad
 @triton.jit
 def _fused_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, bias_ptr,
-    sorted_tokens_ptr, group_counts_ptr, group_starts_ptr, slot_ranks_ptr, slot_scales_ptr,
+    sorted_tokens_ptr, group_counts_ptr, slot_ranks_ptr, slot_scales_ptr,
     num_slots, max_rank, k_size, n0, n1, n2, col0, col1, col2, chunks0, chunks1, n_chunk,
     x_stride, y_stride,
     R_PAD: tl.constexpr, GROUPS_PAD: tl.constexpr,
@@ -35,14 +35,12 @@ def _fused_kernel(
     EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     num_groups = num_slots if ACCUMULATE else num_slots + 1
-    group, row0 = group_tile(tl.program_id(0), group_counts_ptr, num_groups, GROUPS_PAD, BLOCK_M)
+    group, row0, count, start = group_tile(tl.program_id(1), group_counts_ptr, num_groups, GROUPS_PAD, BLOCK_M)
     if group >= num_groups:
         return
-    slice_id, chunk = slice_of(tl.program_id(1), chunks0, chunks1)
+    slice_id, chunk = slice_of(tl.program_id(0), chunks0, chunks1)
     width = select(slice_id, n0, n1, n2)
     col = select(slice_id, col0, col1, col2)
-    count = tl.load(group_counts_ptr + group)
-    start = tl.load(group_starts_ptr + group)
 
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < count
@@ -110,10 +108,10 @@ def lora_fused(
         return
     chunks = group.tiles(config.n_chunk)
     num_groups = num_slots if accumulate else num_slots + 1
-    grid = (max_token_tiles(num_tokens, num_groups, config.block_m), sum(chunks))
+    grid = (sum(chunks), max_token_tiles(num_tokens, num_groups, config.block_m))
     _fused_kernel[grid](
         x, *group.lora_a, *group.lora_b, y, y if bias is None else bias,
-        batch.sorted_tokens, batch.group_counts, batch.group_starts, batch.slot_ranks, batch.slot_scales,
+        batch.sorted_tokens, batch.group_counts, batch.slot_ranks, batch.slot_scales,
         num_slots, max_rank, k_size, *group.widths, *group.columns, chunks[0], chunks[1], config.n_chunk,
         x.stride(0), y.stride(0),
         R_PAD=rank_pad(max_rank), GROUPS_PAD=triton.next_power_of_2(num_slots + 1),

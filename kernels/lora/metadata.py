@@ -7,10 +7,10 @@ building it never waits on the GPU and can be captured in a CUDA graph.
 
     token_slots    = [ 2, -1,  0,  2]          (S = 3, all ranks > 0)
     sorted_tokens  = [ 2,  0,  3,  1]          tokens ordered by group, stable
-    group_counts   = [ 1,  0,  2,  1]          [S + 1]
-    group_starts   = [ 0,  1,  1,  3]          [S + 1], offsets into sorted_tokens
+    group_counts   = [ 1,  0,  2,  1]          [S + 1]; a group's tokens start at the sum of the counts before it
     active_slots   = [ 0,  2, -1]              [S], slots with tokens, ascending, then -1
     num_active     = [ 2]
+    token_ranks    = [16,  0, 16, 16]          per token, 0 without LoRA (decode kernels read these directly)
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ class LoRABatch:
     slot_scales: torch.Tensor  # float32 [S]: alpha/r (or alpha/sqrt(r) with rsLoRA) per slot
     sorted_tokens: torch.Tensor = field(init=False)  # int32 [T]: token ids grouped by slot, base last
     group_counts: torch.Tensor = field(init=False)  # int32 [S + 1]: tokens per group (see above)
-    group_starts: torch.Tensor = field(init=False)  # int32 [S + 1]: first index of each group
     active_slots: torch.Tensor = field(init=False)  # int32 [S]: slots with tokens first, then -1
     num_active: torch.Tensor = field(init=False)  # int32 [1]: how many entries of active_slots are set
+    token_ranks: torch.Tensor = field(init=False)  # int32 [T]: rank of each token's adapter, 0 without LoRA
+    token_scales: torch.Tensor = field(init=False)  # float32 [T]: scale of each token's adapter
 
     def __post_init__(self) -> None:
         if self.token_slots.dim() != 1 or self.slot_ranks.dim() != 1 or self.slot_scales.dim() != 1:
@@ -53,7 +54,9 @@ class LoRABatch:
         counts.index_add_(0, group, torch.ones_like(group, dtype=torch.int32))
         self.sorted_tokens = order.to(torch.int32)
         self.group_counts = counts
-        self.group_starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+        has_lora = group < num_slots
+        self.token_ranks = torch.where(has_lora, rank_of_token, 0).to(torch.int32)
+        self.token_scales = torch.where(has_lora, self.slot_scales[slots.clamp(min=0)] if num_slots else 0.0, 0.0)
 
         active = counts[:num_slots] > 0
         _, slot_order = torch.sort((~active).to(torch.int8), stable=True)

@@ -5,11 +5,11 @@ Semantics:
         z[:, i, t, :r] summed over the split axis == x[t] @ A_i[s, :r].T      (fp32, unscaled)
     rows of other tokens and columns >= r are not meaningful (never read by expand).
 
-Grid: (token tiles, SPLIT_K). Each program owns one tile of one slot's tokens and one K range and
+Grid: (SPLIT_K, token tiles). Each program owns one tile of one slot's tokens and one K range and
 computes all slices from a single load of its x tile; the K reduction is split so that decode-sized
 batches still spread the reads of A over the whole GPU. Partial sums stay separate (no atomics, no
-zero-fill launch): expand adds the SPLIT_K partials when it loads z. Programs run token-tile fastest,
-so the tiles of one slot that share an A chunk run together (L2 reuse).
+zero-fill launch): expand adds the SPLIT_K partials when it loads z. A slot's A chunks are read by
+all of its token tiles; tiles of one slot are adjacent in launch order, so the re-reads hit L2.
 """
 
 from __future__ import annotations
@@ -26,18 +26,16 @@ from kernels.lora.tiles import SliceGroup, group_tile, max_token_tiles, rank_pad
 @triton.jit(do_not_specialize=["z_stride_split", "z_stride_slice"])
 def _shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, z_ptr,
-    sorted_tokens_ptr, group_counts_ptr, group_starts_ptr, slot_ranks_ptr,
+    sorted_tokens_ptr, group_counts_ptr, slot_ranks_ptr,
     num_slots, max_rank, k_size, split_k,
     x_stride, z_stride_split, z_stride_slice,
     NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    slot, row0 = group_tile(tl.program_id(0), group_counts_ptr, num_slots, SLOTS_PAD, BLOCK_M)
+    slot, row0, count, start = group_tile(tl.program_id(1), group_counts_ptr, num_slots, SLOTS_PAD, BLOCK_M)
     if slot >= num_slots:
         return
-    pid_k = tl.program_id(1)
-    count = tl.load(group_counts_ptr + slot)
-    start = tl.load(group_starts_ptr + slot)
+    pid_k = tl.program_id(0)
     rank = tl.minimum(tl.load(slot_ranks_ptr + slot), max_rank)
 
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -85,10 +83,10 @@ def lora_shrink(x: torch.Tensor, group: SliceGroup, batch: LoRABatch, config: Sh
     z = torch.empty((config.split_k, group.num_slices, num_tokens, r_pad), dtype=torch.float32, device=x.device)
     if num_tokens == 0 or num_slots == 0:
         return z
-    grid = (max_token_tiles(num_tokens, num_slots, config.block_m), config.split_k)
+    grid = (config.split_k, max_token_tiles(num_tokens, num_slots, config.block_m))
     _shrink_kernel[grid](
         x, *group.lora_a, z,
-        batch.sorted_tokens, batch.group_counts, batch.group_starts, batch.slot_ranks,
+        batch.sorted_tokens, batch.group_counts, batch.slot_ranks,
         num_slots, max_rank, k_size, config.split_k,
         x.stride(0), z.stride(0), z.stride(1),
         NUM_SLICES=group.num_slices, R_PAD=r_pad, SLOTS_PAD=triton.next_power_of_2(num_slots),

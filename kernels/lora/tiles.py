@@ -3,7 +3,9 @@
 Token tiles: a launch covers `max_token_tiles(T, G, BLOCK_M)` programs along its token axis; program
 p finds the group g (metadata.py) and the tile of that group's tokens it owns from the per-group
 token counts alone (a prefix sum over at most S + 1 entries), so no per-step host work or per-block
-size map is needed, and programs past the last tile exit at once.
+size map is needed, and programs past the last tile exit at once. The token axis is the grid's
+slow axis (y): the GPU dispatches blocks x-fastest, so the programs that have work run first and
+the empty ones (the bound is loose) trail behind.
 
 Slices: one launch serves up to MAX_SLICES stacked outputs (q|k|v, gate|up), each with its own A
 and B tensor and width; programs along the output axis are laid out slice after slice.
@@ -28,14 +30,18 @@ def max_token_tiles(num_tokens: int, num_groups: int, block_m: int) -> int:
 
 @triton.jit
 def group_tile(pid_m, group_counts_ptr, NUM_GROUPS, GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(group, first row of this program's tile inside the group); group >= NUM_GROUPS: no tile."""
+    """(group, first row of this program's tile in the group, the group's token count, its first
+    index into sorted_tokens); group >= NUM_GROUPS: no tile. One load: the rest is a prefix sum."""
     g = tl.arange(0, GROUPS_PAD)
     counts = tl.load(group_counts_ptr + g, mask=g < NUM_GROUPS, other=0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(tiles, 0)
-    group = tl.sum((ends <= pid_m).to(tl.int32), 0)
-    first_tile = tl.sum(tl.where(g == group, ends - tiles, 0), 0)
-    return group, (pid_m - first_tile) * BLOCK_M
+    tile_ends = tl.cumsum(tiles, 0)
+    group = tl.sum((tile_ends <= pid_m).to(tl.int32), 0)
+    mine = g == group
+    first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), 0)
+    count = tl.sum(tl.where(mine, counts, 0), 0)
+    start = tl.sum(tl.where(mine, tl.cumsum(counts, 0) - counts, 0), 0)
+    return group, (pid_m - first_tile) * BLOCK_M, count, start
 
 
 @triton.jit

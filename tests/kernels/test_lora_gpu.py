@@ -3,11 +3,13 @@ dispatcher, CUDA-graph capture and the absence of host syncs and per-batch recom
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kernels.lora import LoRABatch, add_lora, linear_with_plan, lora_linear
-from kernels.lora.configs import Plan, default_plan
+from kernels.lora.configs import GatherConfig, default_plan
 from kernels.lora.fused import _fused_kernel
 from kernels.lora.shrink import _shrink_kernel
 from tests.kernels.lora_cases import make_case, rel_err
@@ -21,11 +23,13 @@ RANKS = [16, 8, 64, 0, 32, 16, 128, 16, 8, 16, 64, 16, 16, 32, 8, 16]
 
 
 @pytest.mark.parametrize("num_tokens", [1, 33, 300, 1500])
-@pytest.mark.parametrize("path", ["fused", "split", "epilogue"])
-def test_every_path_matches_the_reference_in_bf16(path: str, num_tokens: int) -> None:
+@pytest.mark.parametrize("expand", [None, GatherConfig()])
+@pytest.mark.parametrize("path", ["fused", "split", "overlap", "epilogue"])
+def test_every_path_matches_the_reference_in_bf16(path: str, expand: GatherConfig | None, num_tokens: int) -> None:
+    if expand is not None and path not in ("split", "overlap"):
+        pytest.skip("only split and overlap expand through expand_gather")
     case = make_case(num_tokens, 1024, [1024, 256, 256], RANKS, dtype=torch.bfloat16, device="cuda", seed=num_tokens)
-    plan = default_plan(num_tokens, 128)
-    plan = Plan(path=path, fused=plan.fused, shrink=plan.shrink, expand=plan.expand, linear=plan.linear)
+    plan = dataclasses.replace(default_plan(num_tokens, 128), path=path, gather=expand)
     y = linear_with_plan(plan, case.x, case.weight, case.bias, case.lora_a, case.lora_b, case.batch)
     assert rel_err(y, case.linear()) < BF16_TOL
 
@@ -56,7 +60,8 @@ def test_token_counts_share_one_compiled_kernel() -> None:
         kernel: kernel.device_caches[torch.cuda.current_device()][0] for kernel in (_fused_kernel, _shrink_kernel)
     }
     before = {kernel: len(cache) for kernel, cache in caches.items()}
-    fused, split = default_plan(16, 128), default_plan(1024, 128)
+    fused = dataclasses.replace(default_plan(16, 128), path="fused")
+    split = dataclasses.replace(default_plan(1024, 128), path="split")
     for plan, token_counts in ((fused, (1, 2, 5, 16, 17, 32, 40)), (split, (100, 333, 1024))):
         for num_tokens in token_counts:
             sub = make_case(num_tokens, 512, [256, 128], RANKS, dtype=torch.bfloat16, device="cuda", seed=num_tokens)

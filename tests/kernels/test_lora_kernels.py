@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kernels.lora import add_lora, linear_with_plan, lora_linear
-from kernels.lora.configs import ExpandConfig, FusedConfig, LinearConfig, Plan, ShrinkConfig
+from kernels.lora.configs import ExpandConfig, FusedConfig, GatherConfig, LinearConfig, Plan, ShrinkConfig
 from kernels.lora.expand import lora_expand
+from kernels.lora.expand_gather import lora_expand_gather
 from kernels.lora.fused import lora_fused
 from kernels.lora.linear import linear_lora
 from kernels.lora.shrink import lora_shrink
@@ -21,6 +22,7 @@ FUSED = FusedConfig(block_m=16, block_n=16, block_k=32, n_chunk=32)
 SHRINK = ShrinkConfig(block_m=16, block_k=32, split_k=2)
 EXPAND = ExpandConfig(block_m=16, block_n=32)
 LINEAR = LinearConfig(block_m=16, block_n=32, block_k=32, group_m=2)
+GATHER = GatherConfig(block_t=16, block_n=16, r_chunk=16, num_warps=4)
 # odd sizes everywhere: K not a multiple of BLOCK_K, widths not multiples of BLOCK_N, T of BLOCK_M
 QKV = {"num_tokens": 37, "k": 72, "widths": [40, 24, 17], "ranks": [24, 8, 0, 16, 24]}
 
@@ -39,18 +41,23 @@ def test_fused_adds_each_tokens_adapter_delta(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_shrink_then_expand_adds_each_tokens_adapter_delta(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("expand", ["grouped", "gather"])
+def test_shrink_then_expand_adds_each_tokens_adapter_delta(dtype: torch.dtype, expand: str) -> None:
     case = make_case(**QKV, dtype=dtype, device=DEVICE, seed=2)
     group = slice_groups(case.lora_a, case.lora_b)[0]
     y = torch.randn(case.x.shape[0], case.width, device=DEVICE).to(dtype)
     expected = case.delta(y)
-    lora_expand(y, lora_shrink(case.x, group, case.batch, SHRINK), group, case.batch, EXPAND)
+    z = lora_shrink(case.x, group, case.batch, SHRINK)
+    if expand == "grouped":
+        lora_expand(y, z, group, case.batch, EXPAND)
+    else:
+        lora_expand_gather(y, z, group, case.batch, GATHER)
     assert rel_err(y, expected) < TOL[dtype]
 
 
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_shrink_partials_sum_to_x_times_a(split_k: int) -> None:
-    case = make_case(num_tokens=21, k=96, widths=[16], ranks=[16, 16, 16], base_fraction=0.0, seed=3)
+    case = make_case(num_tokens=21, k=96, widths=[16], ranks=[16, 16, 16], base_fraction=0.0, device=DEVICE, seed=3)
     group = slice_groups(case.lora_a, case.lora_b)[0]
     z = lora_shrink(case.x, group, case.batch, ShrinkConfig(block_m=16, block_k=32, split_k=split_k))
     slots = case.batch.token_slots.long()
@@ -59,16 +66,19 @@ def test_shrink_partials_sum_to_x_times_a(split_k: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("path", ["fused", "split"])
-def test_write_mode_sets_every_row_to_bias_plus_delta(dtype: torch.dtype, path: str) -> None:
+@pytest.mark.parametrize("kernel", ["fused", "grouped", "gather"])
+def test_write_mode_sets_every_row_to_bias_plus_delta(dtype: torch.dtype, kernel: str) -> None:
     case = make_case(**QKV, dtype=dtype, device=DEVICE, seed=4)
     group = slice_groups(case.lora_a, case.lora_b)[0]
     y = poisoned(case.x.shape[0], case.width, dtype)
-    if path == "fused":
+    if kernel == "fused":
         lora_fused(y, case.x, group, case.batch, FUSED, bias=case.bias, accumulate=False)
-    else:
+    elif kernel == "grouped":
         z = lora_shrink(case.x, group, case.batch, SHRINK)
         lora_expand(y, z, group, case.batch, EXPAND, bias=case.bias, accumulate=False)
+    else:
+        z = lora_shrink(case.x, group, case.batch, SHRINK)
+        lora_expand_gather(y, z, group, case.batch, GATHER, bias=case.bias, accumulate=False)
     expected = case.delta(case.bias.expand(case.x.shape[0], -1))
     assert rel_err(y, expected) < TOL[dtype]
 
@@ -110,7 +120,7 @@ def test_many_adapters_with_mixed_ranks_and_a_single_token() -> None:
 @pytest.mark.parametrize("path", ["fused", "split", "epilogue"])
 def test_more_slices_than_one_launch_holds(path: str) -> None:
     case = make_case(num_tokens=19, k=32, widths=[16, 24, 16, 20], ranks=[16, 8, 16], device=DEVICE, seed=9)
-    plan = Plan(path=path, fused=FUSED, shrink=SHRINK, expand=EXPAND, linear=LINEAR)
+    plan = Plan(path=path, fused=FUSED, shrink=SHRINK, expand=EXPAND, linear=LINEAR, gather=GATHER)
     y = linear_with_plan(plan, case.x, case.weight, case.bias, case.lora_a, case.lora_b, case.batch)
     assert rel_err(y, case.linear()) < TOL[torch.float16]
 

@@ -15,7 +15,6 @@ def test_tokens_are_grouped_by_slot_in_batch_order_with_base_tokens_last() -> No
     batch = build([2, -1, 0, 2, 0], ranks=[8, 8, 8])
     assert batch.sorted_tokens.tolist() == [2, 4, 0, 3, 1]
     assert batch.group_counts.tolist() == [2, 0, 2, 1]
-    assert batch.group_starts.tolist() == [0, 2, 2, 4]
 
 
 def test_tokens_of_rank_zero_slots_join_the_base_group() -> None:
@@ -30,6 +29,12 @@ def test_active_slots_list_slots_with_tokens_ascending_then_minus_one() -> None:
     batch = build([3, 1, 3, -1], ranks=[8, 8, 8, 8, 8])
     assert batch.active_slots.tolist() == [1, 3, -1, -1, -1]
     assert batch.num_active.tolist() == [2]
+
+
+def test_per_token_rank_and_scale_are_zero_without_lora() -> None:
+    batch = LoRABatch.build(torch.tensor([1, -1, 0, 1]), torch.tensor([8, 0]), torch.tensor([0.5, 2.0]))
+    assert batch.token_ranks.tolist() == [0, 0, 8, 0]
+    assert batch.token_scales.tolist() == [0.0, 0.0, 0.5, 0.0]
 
 
 def test_a_batch_without_adapter_tokens_has_no_active_slot() -> None:

@@ -1,0 +1,121 @@
+"""The CUDA side of `lora_linear` and `add_lora`: one function per path (configs.py names them).
+
+Semantics (see reference.py):
+    lora_linear: y = x · Wᵀ (+ bias) + per-token LoRA delta;   add_lora: y += per-token LoRA delta
+
+    fused     fused.py writes y = bias + delta (z stays on-chip), then y.addmm_(x, Wᵀ): the base
+              GEMM adds x · Wᵀ in cuBLAS's epilogue (beta = 1) instead of a separate pass over y
+    split     shrink.py writes z, expand writes y = bias + delta, then the same addmm_
+    overlap   shrink.py runs on a second stream while the base GEMM runs; expand then adds into y
+    epilogue  shrink.py writes z, then linear.py's Triton GEMM adds the delta in its own epilogue
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kernels.lora.configs import Plan
+from kernels.lora.expand import lora_expand
+from kernels.lora.expand_gather import lora_expand_gather
+from kernels.lora.fused import lora_fused
+from kernels.lora.linear import linear_lora
+from kernels.lora.metadata import LoRABatch
+from kernels.lora.shrink import lora_shrink
+from kernels.lora.tiles import SliceGroup, check_slices, slice_groups
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream LoRA shrinks run on beside the base GEMM (one per device, made once)."""
+    return torch.cuda.Stream(device=device)
+
+
+def _expand(
+    plan: Plan,
+    y: torch.Tensor,
+    z: torch.Tensor,
+    group: SliceGroup,
+    batch: LoRABatch,
+    bias: torch.Tensor | None = None,
+    accumulate: bool = True,
+) -> None:
+    if plan.gather is not None:
+        lora_expand_gather(y, z, group, batch, plan.gather, bias=bias, accumulate=accumulate)
+    else:
+        lora_expand(y, z, group, batch, plan.expand, bias=bias, accumulate=accumulate)
+
+
+def add_lora_cuda(
+    plan: Plan,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    batch: LoRABatch,
+) -> None:
+    """y [T, sum N_i] += LoRA(x [T, K]) in place; with no base GEMM to hide behind, every path but
+    "fused" is shrink then expand."""
+    _, width = check_slices(x, lora_a, lora_b, batch.num_slots)
+    if y.shape != (x.shape[0], width):
+        raise ValueError(f"y {tuple(y.shape)} must be [T={x.shape[0]}, sum N_i={width}]")
+    for group in slice_groups(lora_a, lora_b):
+        if plan.path == "fused":
+            lora_fused(y, x, group, batch, plan.fused)
+        else:
+            _expand(plan, y, lora_shrink(x, group, batch, plan.shrink), group, batch)
+
+
+def linear_with_plan(
+    plan: Plan,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    batch: LoRABatch,
+) -> torch.Tensor:
+    """`lora_linear` on CUDA along the given plan (the benchmark and tuner force each path here)."""
+    _, width = check_slices(x, lora_a, lora_b, batch.num_slots)
+    if weight.shape != (width, x.shape[1]):
+        raise ValueError(f"weight {tuple(weight.shape)} must be [sum N_i={width}, K={x.shape[1]}]")
+    groups = slice_groups(lora_a, lora_b)
+    if plan.path == "overlap":
+        return _overlap(plan, x, weight, bias, groups, batch)
+    if plan.path == "epilogue" and len(groups) == 1:
+        z = lora_shrink(x, groups[0], batch, plan.shrink)
+        return linear_lora(x, weight, bias, z, groups[0], batch, plan.linear)
+    # "fused", "split", and "epilogue" past 3 slices (one GEMM has one epilogue): y = bias + delta
+    # for every row, then the base GEMM accumulates onto it
+    y = torch.empty((x.shape[0], width), dtype=x.dtype, device=x.device)
+    for group in groups:
+        if plan.path == "fused":
+            lora_fused(y, x, group, batch, plan.fused, bias=bias, accumulate=False)
+        else:
+            z = lora_shrink(x, group, batch, plan.shrink)
+            _expand(plan, y, z, group, batch, bias=bias, accumulate=False)
+    return y.addmm_(x, weight.t())
+
+
+def _overlap(
+    plan: Plan,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    groups: list[SliceGroup],
+    batch: LoRABatch,
+) -> torch.Tensor:
+    main = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+    side.wait_stream(main)  # x (and the batch metadata) are ready
+    with torch.cuda.stream(side):
+        zs = [lora_shrink(x, group, batch, plan.shrink) for group in groups]
+    y = F.linear(x, weight, bias)
+    main.wait_stream(side)
+    for group, z in zip(groups, zs, strict=True):
+        z.record_stream(main)  # allocated on the side stream, last used here
+        _expand(plan, y, z, group, batch)
+    return y
