@@ -199,6 +199,15 @@ def main() -> None:
     shapes = [s for s in LLAMA3_8B if s[0] in args.projections]
     tuned_keys = {(k, tuple(widths), rank_pad(r)) for _, k, widths in shapes for r in args.ranks}
     plans = [e for e in existing["plans"] if (e["k"], tuple(e["widths"]), e["rank_pad"]) not in tuned_keys]
+    command = " ".join(["python -m bench.tune_lora", *sys.argv[1:]])
+    commands = [c for c in existing["commands"] if c != command] + [command]
+
+    def write() -> None:  # after every bucket, so an interrupted run keeps what it measured
+        plans.sort(key=lambda e: (e["k"], e["widths"], e["rank_pad"], e["max_tokens"]))
+        document = {"device": device, "date": datetime.date.today().isoformat(), "commands": commands, "plans": plans}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(document, indent=1) + "\n")
+
     flushed_us = Flushed()
     start = time.time()
     for rank in args.ranks:
@@ -210,13 +219,8 @@ def main() -> None:
                 print(f"  -> {plan.path}   (us: {summary})", flush=True)
                 plans.append({"k": k, "widths": list(widths), "rank_pad": rank_pad(rank), "max_tokens": num_tokens}
                              | plan.to_json())  # fmt: skip
+                write()
         torch.cuda.empty_cache()
-    plans.sort(key=lambda e: (e["k"], e["widths"], e["rank_pad"], e["max_tokens"]))
-    command = " ".join(["python -m bench.tune_lora", *sys.argv[1:]])
-    commands = [c for c in existing["commands"] if c != command] + [command]
-    document = {"device": device, "date": datetime.date.today().isoformat(), "commands": commands, "plans": plans}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1) + "\n")
     print(f"# wrote {len(plans)} plans to {path} in {time.time() - start:.0f} s")
 
 
