@@ -1,0 +1,64 @@
+"""The README's first command, for real: `lorafleet up` with the demo serves all three demo tenants
+over HTTP, and Ctrl-C stops every process it started."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cli.redis_server import free_port
+from tests.e2e.processes import lorafleet_process, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def http(method: str, url: str, api_key: str, body: dict | None = None) -> dict:
+    request = urllib.request.Request(
+        url,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_up_serves_the_demo_for_every_tenant_and_stops_cleanly(tmp_path: Path):
+    state_dir, port = tmp_path / "state", free_port()
+    log = tmp_path / "up.log"
+    with lorafleet_process(["up", "--state-dir", str(state_dir), "--port", str(port)], log) as up:
+        wait_until(lambda: "ready in" in log.read_text(), timeout_s=240, what="lorafleet up to be ready", logs=[log])
+        demo = json.loads((state_dir / "demo.json").read_text())
+        assert len(demo["tenants"]) == 3
+        model = demo["models"][0]
+        url = f"http://127.0.0.1:{port}"
+        for tenant in demo["tenants"]:
+            job = {"model": model, "adapter": tenant["adapters"][0], "prompt": "Once upon a time", "max_tokens": 8}
+            submitted = http("POST", f"{url}/v1/jobs", tenant["api_key"], job)
+            finished = http("GET", f"{url}/v1/jobs/{submitted['id']}?wait=60", tenant["api_key"])
+            assert finished["status"] == "succeeded", finished
+            assert finished["usage"]["completion_tokens"] >= 1
+        redis_port = int(
+            json.loads((state_dir / "lorafleet.json").read_text())["redis_url"].rsplit(":", 1)[1].split("/")[0]
+        )
+        assert port_open(redis_port)
+
+        up.send_signal(signal.SIGINT)
+        try:
+            assert up.wait(60) == 0, log.read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"lorafleet up did not stop on Ctrl-C:\n{log.read_text()[-3000:]}")
+    assert not port_open(port), "the gateway outlived lorafleet up"
+    assert not port_open(redis_port), "the embedded Redis outlived lorafleet up"
+    assert any((state_dir / "redis").rglob("*.aof*")), "the embedded Redis does not persist append-only"
