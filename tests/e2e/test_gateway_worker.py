@@ -98,6 +98,7 @@ def engine_outputs(model_dir: Path, adapter_root: Path, jobs: list[dict], redis_
     """The same jobs run by an in-process engine (greedy), for comparison."""
     engine = LLMEngine.from_spec(ModelSpec(MODEL, model_dir), EngineConfig(device="cpu"), adapter_root)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
     async def adapter_refs() -> dict[str, AdapterRef]:
         client = aioredis.Redis.from_url(redis_url)
         refs = {a.name: (await get_adapter(client, a.name)).ref() for a in DEMO_ADAPTERS}
