@@ -14,6 +14,8 @@ from urllib.parse import urlparse
 
 import redis
 import structlog
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from cli.errors import CommandError
 from cli.redis_server import RedisServer, free_port
@@ -45,7 +47,11 @@ def port_is_free(host: str, port: int) -> bool:
 
 def _shut_down_leftover(port: int, data_dir: Path, timeout_s: float = 10.0) -> None:
     """Shut down the Redis on `port` if it is one an earlier run left serving `data_dir`."""
-    with redis.Redis(host=_LOOPBACK, port=port, socket_timeout=2.0, socket_connect_timeout=1.0) as client:
+    # one try each: whatever listens there (if anything) answers at once or is not our Redis
+    probe = redis.Redis(
+        host=_LOOPBACK, port=port, socket_timeout=1.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
+    )
+    with probe as client:
         try:
             served_dir = client.config_get("dir").get("dir")
         except redis.RedisError:  # nothing listens there, or it is not a Redis

@@ -1,7 +1,8 @@
 """`lorafleet`: the command-line parser and the dispatch to each command.
 
 Commands import their heavy dependencies (torch through the worker, aiohttp through the gateway)
-only when they run, so `lorafleet --help` and the admin commands start fast.
+only when they run, so `lorafleet --help` and the admin commands start fast. Only the long-running
+processes (up, gateway, worker) configure logging; the admin commands and submit just print.
 """
 
 from __future__ import annotations
@@ -163,12 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_up(args: argparse.Namespace) -> int:
     from cli.up import run_up
 
+    configure_logging("up", level=args.log_level)
     return run_up(cfa.up_config(args))
 
 
 def _run_gateway(args: argparse.Namespace) -> int:
     from gateway.main import run_gateway
 
+    configure_logging("gateway", level=args.log_level)
     run_gateway(cfa.gateway_config(args))
     return 0
 
@@ -176,6 +179,7 @@ def _run_gateway(args: argparse.Namespace) -> int:
 def _run_worker(args: argparse.Namespace) -> int:
     from worker.main import run_worker
 
+    configure_logging("worker", level=args.log_level)
     return run_worker(cfa.worker_config(args))
 
 
@@ -216,7 +220,6 @@ def _fail(message: str, exit_code: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.command, level=args.log_level)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)

@@ -1,0 +1,181 @@
+"""Configurations built from flags: the values land where they belong, and every mistake names its flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli import config_from_args as cfa
+from cli.main import build_parser, main
+from cli.state import DEMO_FILE, FleetState
+from shared.adapter_format import CONFIG_FILE
+from tests.cli.conftest import DemoFiles
+
+REDIS = "redis://127.0.0.1:7777/0"
+
+
+def parse(*args: str):
+    return build_parser().parse_args(list(args))
+
+
+@pytest.fixture
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cfa, "visible_gpus", lambda: [])
+
+
+@pytest.fixture
+def running_up(tmp_path: Path, demo_files: DemoFiles) -> Path:
+    """A state dir as a running `lorafleet up` leaves it."""
+    state_dir = tmp_path / "state"
+    FleetState(REDIS, {"demo": demo_files.model.path}, demo_files.adapter_root, "http://127.0.0.1:8123").save(state_dir)
+    (state_dir / DEMO_FILE).write_text(json.dumps({"tenants": [{"tenant": "acme", "api_key": "lf_k", "adapters": []}]}))
+    return state_dir
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (("--max-num-seqs", "0"), "--max-num-seqs"),
+        (("--max-num-batched-tokens", "lots"), "--max-num-batched-tokens"),
+        (("--gpu-memory-utilization", "1.5"), "--gpu-memory-utilization"),
+        (("--num-kv-blocks", "-3"), "--num-kv-blocks"),
+        (("--dtype", "float8"), "--dtype"),
+        (("--model", "no-equals-sign"), "--model"),
+        (("--model", "demo=/no/such/dir"), "--model"),
+    ],
+)
+def test_a_malformed_worker_flag_exits_2_naming_it(capsys: pytest.CaptureFixture, flags: tuple, flag: str) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["worker", "--redis-url", REDIS, *flags])
+    assert exited.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err
+
+
+def test_a_malformed_port_exits_2_naming_it(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["up", "--port", "70000"])
+    assert "argument --port: must be a TCP port" in capsys.readouterr().err
+
+
+def test_worker_config_carries_every_flag(demo_files: DemoFiles, cpu_only: None) -> None:
+    args = parse(
+        *("worker", "--redis-url", REDIS, "--model", f"demo={demo_files.model.path}"),
+        *("--adapter-root", str(demo_files.adapter_root), "--device", "cpu", "--dtype", "bfloat16"),
+        *("--max-num-seqs", "3", "--max-num-batched-tokens", "99", "--max-loras", "2", "--max-lora-rank", "16"),
+        *("--num-kv-blocks", "40", "--gpu-memory-utilization", "0.5", "--worker-id", "w1"),
+    )
+    config = cfa.worker_config(args)
+    assert (config.redis_url, config.worker_id, config.adapter_root) == (REDIS, "w1", demo_files.adapter_root)
+    assert [(m.name, m.path) for m in config.models] == [("demo", demo_files.model.path)]
+    engine = config.engine
+    assert (engine.device, engine.dtype, engine.max_num_seqs, engine.max_num_batched_tokens) == (
+        "cpu",
+        "bfloat16",
+        3,
+        99,
+    )
+    assert (engine.max_loras, engine.max_lora_rank, engine.num_kv_blocks, engine.gpu_memory_utilization) == (
+        2,
+        16,
+        40,
+        0.5,
+    )
+
+
+def test_worker_joins_a_running_up_through_its_state_dir(running_up: Path, demo_files: DemoFiles, cpu_only) -> None:
+    config = cfa.worker_config(parse("worker", "--state-dir", str(running_up)))
+    assert config.redis_url == REDIS
+    assert [(m.name, m.path) for m in config.models] == [("demo", demo_files.model.path)]
+    assert config.adapter_root == demo_files.adapter_root
+    assert config.engine.device == "cpu"  # auto, with no GPU
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (lambda model, root: (), "--model"),
+        (lambda model, root: ("--model", model, "--model", model), "--model"),
+        (lambda model, root: ("--model", model), "--adapter-root"),
+        (
+            lambda model, root: ("--model", model, "--adapter-root", f"{root}/acme/acme-support/{CONFIG_FILE}"),
+            "--adapter-root",
+        ),
+        (lambda model, root: ("--model", model, "--adapter-root", root, "--device", "cuda"), "--device"),
+    ],
+    ids=["no-model", "model-twice", "no-adapter-root", "adapter-root-not-a-dir", "cuda-without-gpu"],
+)
+def test_a_missing_or_contradictory_worker_setting_names_its_flag(
+    demo_files: DemoFiles, cpu_only: None, flags, flag: str
+) -> None:
+    given = flags(f"demo={demo_files.model.path}", str(demo_files.adapter_root))
+    with pytest.raises(cfa.ConfigError) as refused:
+        cfa.worker_config(parse("worker", "--redis-url", REDIS, *given))
+    assert refused.value.flag == flag
+
+
+def test_without_a_redis_url_anywhere_the_error_names_the_flag(capsys: pytest.CaptureFixture) -> None:
+    assert main(["tenant", "create", "acme"]) == 2
+    assert capsys.readouterr().err.startswith("error: --redis-url: ")
+
+
+def test_a_state_dir_without_a_running_up_is_reported_not_raised(tmp_path: Path, capsys) -> None:
+    assert main(["tenant", "create", "acme", "--state-dir", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "lorafleet.json does not exist" in err and "Traceback" not in err
+
+
+def test_redis_url_flag_beats_state_dir_which_beats_the_environment(
+    running_up: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_URL", "redis://from-env:1/0")
+    assert cfa.redis_url(parse("tenant", "create", "x", "--redis-url", "redis://flag:1/0")) == "redis://flag:1/0"
+    assert cfa.redis_url(parse("tenant", "create", "x", "--state-dir", str(running_up))) == REDIS
+    assert cfa.redis_url(parse("tenant", "create", "x")) == "redis://from-env:1/0"
+
+
+def test_gateway_config_from_flags(running_up: Path) -> None:
+    config = cfa.gateway_config(parse("gateway", "--state-dir", str(running_up), "--host", "0.0.0.0", "--port", "9001"))
+    assert (config.redis_url, config.host, config.port) == (REDIS, "0.0.0.0", 9001)
+
+
+def test_up_defaults_to_the_demo_in_dot_lorafleet_with_an_embedded_redis(tmp_path: Path, cpu_only: None) -> None:
+    config = cfa.up_config(parse("up"))
+    assert config.demo and config.redis_url is None and config.gpus == ()
+    assert config.state_dir == tmp_path / ".lorafleet"
+    assert config.adapter_root == tmp_path / ".lorafleet" / "adapters"
+    assert (config.host, config.port) == ("127.0.0.1", 8000)
+
+
+def test_up_starts_one_worker_per_visible_gpu_unless_told_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cfa, "visible_gpus", lambda: ["0", "1"])
+    assert cfa.up_config(parse("up")).gpus == ("0", "1")
+    assert cfa.up_config(parse("up", "--device", "cpu")).gpus == ()
+
+
+def test_up_on_cuda_without_a_gpu_names_the_device_flag(cpu_only: None) -> None:
+    with pytest.raises(cfa.ConfigError) as refused:
+        cfa.up_config(parse("up", "--device", "cuda"))
+    assert refused.value.flag == "--device"
+
+
+def test_submit_takes_url_and_key_from_a_demo_state_dir(running_up: Path) -> None:
+    target = cfa.submit_target(
+        parse("submit", "hi", "--model", "demo", "--state-dir", str(running_up), "--tenant", "acme")
+    )
+    assert (target.gateway_url, target.api_key) == ("http://127.0.0.1:8123", "lf_k")
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (("--tenant", "nobody"), "--tenant"),
+        (("--tenant", "acme", "--api-key", "lf_x"), "--tenant"),
+        (("--url", "http://h:1"), "--api-key"),
+    ],
+)
+def test_submit_target_errors_name_the_flag(running_up: Path, flags: tuple, flag: str) -> None:
+    with pytest.raises(cfa.ConfigError) as refused:
+        cfa.submit_target(parse("submit", "hi", "--model", "demo", "--state-dir", str(running_up), *flags))
+    assert refused.value.flag == flag

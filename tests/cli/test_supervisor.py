@@ -1,0 +1,136 @@
+"""The supervisor behind `lorafleet up`: children stop on SIGTERM or are killed after the grace period,
+with their own children; a dead child is noticed; nothing outlives a supervisor that was killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cli.supervisor import Supervisor
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def wait_for_file(path: Path, timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) counts as gone
+    return "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+
+
+@pytest.fixture
+def supervisor():
+    supervisor = Supervisor()
+    yield supervisor
+    supervisor.stop_all(grace_s=0.0)
+
+
+def test_stop_all_ends_children_with_sigterm(supervisor: Supervisor) -> None:
+    child = supervisor.start("sleeper", python("import time; time.sleep(60)"), dict(os.environ))
+    supervisor.stop_all(grace_s=10.0)
+    assert child.exit_code == -signal.SIGTERM
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(supervisor: Supervisor, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    code = f"""
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open({str(ready)!r}, "w").write("1")
+        time.sleep(60)
+    """
+    child = supervisor.start("stubborn", python(code), dict(os.environ))
+    wait_for_file(ready)
+    started = time.monotonic()
+    supervisor.stop_all(grace_s=0.5)
+    assert child.exit_code == -signal.SIGKILL
+    assert 0.4 < time.monotonic() - started < 5.0
+
+
+def test_stopping_a_child_stops_the_processes_it_started(supervisor: Supervisor, tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild"
+    code = f"""
+        import subprocess, time
+        grandchild = subprocess.Popen(["sleep", "60"])
+        open({str(pid_file)!r}, "w").write(str(grandchild.pid))
+        time.sleep(60)
+    """
+    supervisor.start("parent", python(code), dict(os.environ))
+    grandchild = int(wait_for_file(pid_file))
+    supervisor.stop_all(grace_s=10.0)
+    deadline = time.monotonic() + 5
+    while is_alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_alive(grandchild)
+
+
+def test_first_exited_names_the_child_that_died(supervisor: Supervisor) -> None:
+    supervisor.start("steady", python("import time; time.sleep(60)"), dict(os.environ))
+    crashing = supervisor.start("crashing", python("raise SystemExit(3)"), dict(os.environ))
+    crashing.process.wait(10)
+    assert supervisor.first_exited() is crashing
+    assert crashing.exit_code == 3
+
+
+def test_a_signal_requests_a_stop_and_a_second_one_forces_it(tmp_path: Path) -> None:
+    supervisor = Supervisor()
+    previous = signal.getsignal(signal.SIGTERM)
+    ready = tmp_path / "ready"
+    with supervisor.signals_handled():
+        assert not supervisor.wait(0.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert supervisor.wait(5.0)
+        os.kill(os.getpid(), signal.SIGINT)
+        # forced: a child that ignores SIGTERM is killed without waiting for the grace period
+        code = f"import signal, time; signal.signal(15, 1); open({str(ready)!r}, 'w').write('1'); time.sleep(60)"
+        child = supervisor.start("stubborn", python(code), {})
+        wait_for_file(ready)
+        started = time.monotonic()
+        supervisor.stop_all(grace_s=30.0)
+        assert time.monotonic() - started < 5.0
+        assert child.exit_code == -signal.SIGKILL
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux-only")
+def test_children_do_not_outlive_a_supervisor_that_was_killed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child"
+    code = f"""
+        import os, time
+        from cli.supervisor import Supervisor
+        child = Supervisor().start("child", ["sleep", "60"], dict(os.environ))
+        open({str(pid_file)!r}, "w").write(str(child.process.pid))
+        time.sleep(60)
+    """
+    supervisor_process = subprocess.Popen(python(code), cwd=REPO_ROOT)
+    try:
+        child = int(wait_for_file(pid_file))
+        supervisor_process.kill()
+        supervisor_process.wait()
+        deadline = time.monotonic() + 5
+        while is_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not is_alive(child)
+    finally:
+        supervisor_process.kill()

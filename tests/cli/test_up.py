@@ -1,0 +1,71 @@
+"""`lorafleet up` refuses what it cannot do before starting anything, and its banner tells a person
+how to use the fleet. (The full stack under `up` is exercised by the end-to-end tests.)"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from cli.banner import startup_banner
+from cli.demo import DemoTenant
+from shared.config import ModelSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_up(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cli", "up", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_a_busy_gateway_port_is_refused_naming_the_flag_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        result = run_up("--state-dir", str(tmp_path), "--port", str(port))
+
+    assert result.returncode == 2
+    assert f"error: --port: 127.0.0.1:{port} is already in use" in result.stderr
+    assert not (tmp_path / "redis").exists()
+    assert result.stdout == ""
+
+
+def test_a_second_up_on_the_same_state_dir_is_refused(tmp_path: Path) -> None:
+    with (tmp_path / "up.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running `up` holds it
+        result = run_up("--state-dir", str(tmp_path))
+
+    assert result.returncode == 1
+    assert "another `lorafleet up` is running" in result.stderr
+    assert not (tmp_path / "redis").exists()
+
+
+def test_the_banner_gives_the_url_each_demo_key_and_commands_that_parse(tmp_path: Path) -> None:
+    tenants = [DemoTenant("acme", "lf_acme_key", ["acme-support"]), DemoTenant("globex", "lf_globex_key", ["g"])]
+    banner = startup_banner(
+        gateway_url="http://127.0.0.1:8123",
+        redis_url="redis://127.0.0.1:6400/0",
+        embedded_redis=True,
+        state_dir=tmp_path,
+        models=[ModelSpec("demo", tmp_path / "models" / "demo")],
+        workers=["worker-cpu"],
+        demo_tenants=tenants,
+    )
+
+    assert "http://127.0.0.1:8123" in banner and "redis://127.0.0.1:6400/0" in banner
+    assert "lf_acme_key" in banner and "lf_globex_key" in banner
+    curl = next(line for line in banner.splitlines() if "/v1/jobs " in line)
+    words = shlex.split(curl)
+    assert words[:3] == ["curl", "-s", "http://127.0.0.1:8123/v1/jobs"]
+    assert "Authorization: Bearer lf_acme_key" in words
+    body = json.loads(words[words.index("-d") + 1])
+    assert body["model"] == "demo" and body["adapter"] == "acme-support"
+    submit = next(line for line in banner.splitlines() if "lorafleet submit" in line)
+    assert shlex.split(submit)[-1] == body["prompt"]
