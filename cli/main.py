@@ -69,7 +69,12 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
         "--model", type=cfa.model_spec, action="append", metavar="NAME=PATH", help="model to serve (repeatable)"
     )
     worker.add_argument("--adapter-root", type=Path, help="adapter paths are relative to this")
-    worker.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
+    worker.add_argument(
+        "--device",
+        type=cfa.device_name,
+        default="auto",
+        help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)",
+    )
     worker.add_argument("--worker-id", help="name in heartbeats and job records (default: HOST-PID)")
     engine = worker.add_argument_group("engine sizes")
     engine.add_argument(

@@ -65,9 +65,10 @@ def _gateway_url(host: str, port: int) -> str:
 
 def _child_env(cuda_visible_devices: str | None) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # a child must import this same source tree, whether or not lorafleet is installed
-    package_root = str(Path(cli.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    # run from a source checkout that is not installed, a child must still import this same tree
+    source_root = Path(cli.__file__).resolve().parent.parent
+    if (source_root / "pyproject.toml").is_file():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source_root), env.get("PYTHONPATH")]))
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     return env
@@ -129,12 +130,12 @@ class _Fleet:
         )
         started = time.monotonic()
         if not self._wait_until_ready(models):
-            return self._stopping()
+            return self._stop_requested()
         print(f"\nready in {time.monotonic() - started:.1f}s: press Ctrl-C to stop", flush=True)
         log.info("ready", gateway=self.gateway_url)
         while not self.supervisor.wait(_POLL_S):
             self._check_alive()
-        return self._stopping()
+        return self._stop_requested()
 
     def close(self) -> None:
         self.redis.close()
@@ -205,7 +206,7 @@ class _Fleet:
             if self.supervisor.wait(_POLL_S):
                 return False
 
-    def _stopping(self) -> int:
+    def _stop_requested(self) -> int:
         print("stopping (Ctrl-C again to kill at once)", flush=True)
         return 0
 

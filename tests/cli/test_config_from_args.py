@@ -42,6 +42,7 @@ def running_up(tmp_path: Path, demo_files: DemoFiles) -> Path:
         (("--gpu-memory-utilization", "1.5"), "--gpu-memory-utilization"),
         (("--num-kv-blocks", "-3"), "--num-kv-blocks"),
         (("--dtype", "float8"), "--dtype"),
+        (("--device", "tpu"), "--device"),
         (("--model", "no-equals-sign"), "--model"),
         (("--model", "demo=/no/such/dir"), "--model"),
     ],
