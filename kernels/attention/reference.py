@@ -1,5 +1,5 @@
 """Paged causal attention in plain torch: one sequence at a time, gathering its K/V from the block
-table. The semantics any faster path (Triton, flash-attn) must reproduce; used on CPU.
+table. The semantics the Triton path (paged.py) reproduces; the path taken on CPU.
 
 For sequence s with q_len new tokens and ctx = context_lens[s] cached tokens (new ones included),
 new token j sits at position ctx - q_len + j and attends to cache positions 0 … ctx - q_len + j.
@@ -30,12 +30,14 @@ def paged_attention_reference(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """out [T, num_heads, head_dim] for q [T, num_heads, head_dim] over K/V already in the cache.
 
     key_cache / value_cache [num_blocks, block_size, num_kv_heads, head_dim]; num_heads is a multiple
     of num_kv_heads (GQA: query head h reads kv head h // (num_heads / num_kv_heads)).
     query_start_loc int32 [B + 1]; context_lens int32 [B]; block_tables int32 [B, max_blocks_per_seq].
+    max_query_len is accepted for the Triton path's signature and unused here.
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()  # host copies: the loop below is host-driven anyway
