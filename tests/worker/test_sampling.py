@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from shared.schema import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.sampler import sample
+from worker.engine.sampler import sample, uniform_noise
 
 
 def random_logits(rows: int, vocab: int = 50) -> torch.Tensor:
@@ -72,3 +73,52 @@ def test_stop_string_cuts_the_text_before_it():
     assert not detok.append(2)
     assert detok.append(3)
     assert detok.text == "hello big "
+
+
+def test_sampled_frequencies_follow_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    params = [SamplingParams(temperature=1.0)] * 4000
+    draws = sample(logits.expand(4000, -1), params, list(range(4000)), [0] * 4000)
+    frequencies = torch.bincount(draws, minlength=4).float() / 4000
+    assert torch.allclose(frequencies, logits.softmax(-1)[0], atol=0.03)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_its_mass():
+    # probabilities ≈ [0.64, 0.24, 0.09, 0.03]: top_p 0.8 keeps the first two only
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    params = [SamplingParams(temperature=1.0, top_p=0.8)] * 500
+    draws = sample(logits.expand(500, -1), params, list(range(500)), [0] * 500)
+    assert set(draws.tolist()) == {0, 1}
+
+
+def test_greedy_and_sampled_rows_mix_in_one_batch():
+    logits = random_logits(3)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]
+    tokens = sample(logits, params, [1, 2, 3], [0, 0, 0])
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_noise_is_a_uniform_function_of_seed_step_and_index():
+    seeds = torch.tensor([5, 5, 6, (1 << 62) + 5])
+    noise = uniform_noise(seeds, torch.tensor([0, 1, 0, 0]), 20000)
+    assert torch.equal(noise, uniform_noise(seeds, torch.tensor([0, 1, 0, 0]), 20000))
+    assert noise.min() > 0 and noise.max() < 1
+    assert abs(noise.mean().item() - 0.5) < 0.01
+    for a, b in ((0, 1), (0, 2), (0, 3)):  # a different step, seed or high seed bits: another stream
+        assert (noise[a] == noise[b]).float().mean() < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_sampling_matches_cpu_and_never_syncs():
+    logits = random_logits(8, vocab=1000)
+    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9), SamplingParams(temperature=0.0)] * 4
+    seeds, steps = list(range(8)), [3] * 8
+    cuda_logits = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sample(cuda_logits, params, seeds, steps)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.cpu().tolist() == sample(logits, params, seeds, steps).tolist()

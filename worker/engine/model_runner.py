@@ -37,18 +37,35 @@ def engine_dtype(name: str | None, info: ModelInfo, device: torch.device) -> tor
 
 class ModelRunner:
     def __init__(self, spec: ModelSpec, config: EngineConfig, *, kv_memory_share: float = 1.0) -> None:
-        self.info = ModelInfo.from_pretrained(spec.name, spec.path)
-        self.config = config
-        self.device = torch.device(config.device)
-        self.dtype = engine_dtype(config.dtype, self.info, self.device)
-        self.model = CausalLM(
-            self.info,
+        """Load the checkpoint at `spec.path` and size the KV cache from the memory left."""
+        info = ModelInfo.from_pretrained(spec.name, spec.path)
+        device = torch.device(config.device)
+        model = CausalLM(
+            info,
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
-            dtype=self.dtype,
-            device=self.device,
+            dtype=engine_dtype(config.dtype, info, device),
+            device=device,
         )
-        self.model.load_weights(spec.path)
+        model.load_weights(spec.path)
+        self._attach(model, config, kv_memory_share, name=spec.name)
+
+    @classmethod
+    def from_model(cls, model: CausalLM, config: EngineConfig, *, kv_memory_share: float = 1.0) -> ModelRunner:
+        """A runner around a model already built on config.device (benchmarks build random weights
+        in memory); its slots must match config.max_loras / max_lora_rank."""
+        if (model.max_loras, model.max_lora_rank) != (config.max_loras, config.max_lora_rank):
+            raise ValueError("the model's adapter slots differ from config.max_loras / max_lora_rank")
+        runner = cls.__new__(cls)
+        runner._attach(model, config, kv_memory_share, name=model.info.name)
+        return runner
+
+    def _attach(self, model: CausalLM, config: EngineConfig, kv_memory_share: float, *, name: str) -> None:
+        self.info = model.info
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = model.dtype
+        self.model = model
         self.num_blocks = config.num_kv_blocks or self._fit_kv_blocks(kv_memory_share)
         self.kv_cache = KVCache.allocate(
             num_layers=self.info.num_layers,
@@ -59,9 +76,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        log.info(
-            "model_loaded", model=spec.name, dtype=str(self.dtype), device=str(self.device), kv_blocks=self.num_blocks
-        )
+        log.info("model_loaded", model=name, dtype=str(self.dtype), device=str(self.device), kv_blocks=self.num_blocks)
 
     def _fit_kv_blocks(self, share: float) -> int:
         """KV blocks that fit the memory left after weights, LoRA slots and activation headroom."""
@@ -99,12 +114,14 @@ class ModelRunner:
         with torch.inference_mode():
             return self.model.forward(batch, self.kv_cache)
 
-    def sample(self, logits: torch.Tensor, scheduled: Sequence[ScheduledSequence]) -> list[int]:
+    def sample(self, logits: torch.Tensor, scheduled: Sequence[ScheduledSequence]) -> tuple[list[int], list[bool]]:
+        """(token, logits row all finite) per scheduled sequence: the step's one read from the device."""
         seqs = [s.seq for s in scheduled]
         tokens = sample(
             logits, [s.sampling for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]
         )
-        return tokens.tolist()
+        tokens_and_finite = torch.stack((tokens, logits.isfinite().all(dim=-1).long())).tolist()
+        return tokens_and_finite[0], [bool(f) for f in tokens_and_finite[1]]
 
     def _build_batch(
         self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int

@@ -1,8 +1,10 @@
-"""Token selection: greedy, or temperature / top-k / top-p sampling with per-request seeds.
+"""Token selection: greedy, or temperature / top-k / top-p sampling with per-request seeds, batched
+on the logits' device without a host sync.
 
-Randomness for a request's n-th output token comes from a generator seeded with (seed, n), so a
-request's output depends only on its own seed and logits: not on which other requests share the
-batch, nor on whether it was preempted and recomputed.
+Randomness is counter-based: the uniform for vocabulary entry v of a request's n-th output token is
+a hash of (seed, n, v), so a request's output depends only on its own seed, n and logits: not on
+which other requests share the batch, nor on whether it was preempted and recomputed. A token is
+drawn by the Gumbel-max race, argmax(logits / T - log(-log u)), over the entries top-k / top-p keep.
 """
 
 from __future__ import annotations
@@ -13,42 +15,65 @@ import torch
 
 from shared.schema import SamplingParams
 
-_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, step) pairs over the seed space
-_SEED_MASK = (1 << 63) - 1
+_MASK32 = 0xFFFFFFFF
+_HASH_MUL = 0x45D9F3B  # < 2^27: a product with a 32-bit value stays inside int64, on every device
+_GOLDEN32 = 0x9E3779B9
 
 
-def step_seed(seed: int, step: int) -> int:
-    return (seed * _SEED_MIX + step) & _SEED_MASK
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash of int64 x in [0, 2^32) (two xor-shift-multiply rounds)."""
+    x = (((x >> 16) ^ x) * _HASH_MUL) & _MASK32
+    x = (((x >> 16) ^ x) * _HASH_MUL) & _MASK32
+    return (x >> 16) ^ x
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [B, vocab] uniforms in (0, 1), one per (seed, step, vocab index).
+
+    seeds int64 [B] (any 63-bit value), steps int64 [B]: pure functions of the three counters."""
+    seed_lo, seed_hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    row_key = _mix32(_mix32(_mix32(seed_lo) ^ seed_hi) ^ (steps & _MASK32))  # [B]
+    index = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(row_key[:, None] ^ _mix32((index * _GOLDEN32) & _MASK32)[None, :])  # [B, vocab]
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exactly representable in float32
+
+
+def _keep_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """bool [B, V]: the entries top-k (int64 [B], V for off) and then top-p (float32 [B]) keep."""
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = (rank < top_k.unsqueeze(1)) & (mass_before < top_p.unsqueeze(1))
+    return torch.empty_like(keep_sorted).scatter_(1, sorted_ids, keep_sorted)
 
 
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]
 ) -> torch.Tensor:
-    """Pick one token per row of logits [B, V] (float32). Returns int64 [B] on logits' device."""
-    tokens = logits.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not sampled_rows:
-        return tokens
-    rows = torch.tensor(sampled_rows, device=logits.device)
-    temperature = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
-    scaled = logits[rows] / temperature.unsqueeze(1)
+    """Pick one token per row of logits [B, V] (float32). Returns int64 [B] on logits' device.
 
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-    vocab = scaled.shape[-1]
-    top_k = torch.tensor([params[i].top_k or vocab for i in sampled_rows], device=logits.device)
-    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
-    top_p = torch.tensor([params[i].top_p for i in sampled_rows], device=logits.device)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    # keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
+    Per-row settings travel to the device as small tensors (pinned, non-blocking on CUDA); nothing
+    here waits for the device."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return greedy_tokens
+    vocab = logits.shape[-1]
+    pin = logits.is_cuda
 
-    # exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one seeded generator per row
-    noise = torch.empty_like(sorted_probs)
-    for row, i in enumerate(sampled_rows):
-        generator = torch.Generator(device=logits.device).manual_seed(step_seed(seeds[i], steps[i]))
-        noise[row].exponential_(generator=generator)
-    choice = (sorted_probs / noise).argmax(dim=-1)
-    tokens[rows] = sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
-    return tokens
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(logits.device, non_blocking=True)
+
+    greedy = tensor([p.greedy for p in params], torch.bool)
+    # greedy rows run through the sampling arithmetic too (temperature 1), then take the argmax
+    temperature = tensor([1.0 if p.greedy else p.temperature for p in params], torch.float32)
+    scaled = logits / temperature.unsqueeze(1)
+    if any(not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0) for p in params):
+        top_k = tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64)
+        top_p = tensor([p.top_p for p in params], torch.float32)
+        scaled = scaled.masked_fill(~_keep_mask(scaled, top_k, top_p), float("-inf"))
+    noise = uniform_noise(tensor(list(seeds), torch.int64), tensor(list(steps), torch.int64), vocab)
+    sampled = (scaled - torch.log(-torch.log(noise))).argmax(dim=-1)
+    return torch.where(greedy, greedy_tokens, sampled)
