@@ -1,0 +1,294 @@
+"""End-to-end engine throughput on a CUDA GPU, Llama-3-8B shapes with random bf16 weights, beside
+transformers(+PEFT) on the same workload and the decode roofline.
+
+    python -m bench.engine [--batches 1 8 32 64 128] [--prompts 128 1024] [--new-tokens 128]
+                           [--adapters 0 8 32] [--hf-batch 32 --hf-prompt 128 --hf-new-tokens 64 --hf-adapters 8]
+
+Engine rows: all requests are added at once to an LLMEngine (scheduler, paged KV, multi-LoRA, the
+GPU sampler; greedy, ignore_eos) and stepped to completion. Adapters are rank 16 on all seven
+projections, spread round-robin over the batch, preloaded into their slots (loading is not timed).
+    tok/s   output tokens / wall time of the whole run (prefill included)
+    TTFT    mean over requests of (first token - start)
+    TPOT    mean over requests of (last token - first token) / (new tokens - 1)
+    decode  output tok/s of the decode steps alone (batch / TPOT)
+Roofline (per decode step): all weights read once (lm_head included, embedding rows excluded) plus
+each sequence's K/V at its mean decode context, over the measured device-to-device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tokenizers import Tokenizer, models
+
+from shared.config import EngineConfig
+from shared.model_info import PROJECTIONS, ModelInfo
+from shared.schema import AdapterRef, SamplingParams
+from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.model import CausalLM
+from worker.engine.model_runner import ModelRunner
+from worker.engine.peft_adapter import AdapterWeights
+
+LLAMA3_8B = ModelInfo(
+    name="llama-3-8b-random",
+    architecture="LlamaForCausalLM",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_context=8192,
+    rope_theta=500000.0,
+    rope_scaling=None,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    bos_token_id=128000,
+    eos_token_ids=(128001,),
+    torch_dtype="bfloat16",
+)
+RANK = 16
+PREFILL_TOKENS_PER_STEP = 16384  # longer prefills are chunked (the engine's max_num_batched_tokens)
+
+
+@dataclass
+class Row:
+    system: str
+    batch: int
+    prompt: int
+    new_tokens: int
+    adapters: int
+    tok_s: float
+    ttft_ms: float
+    tpot_ms: float
+    decode_tok_s: float
+    roofline_tok_s: float
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20 copies of 1 GiB)."""
+    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(22):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / sorted(times[2:])[10]
+
+
+def weight_bytes(info: ModelInfo) -> int:
+    """bf16 bytes a decode step reads: every layer's weights and the lm_head (embedding rows are few)."""
+    h, i, kv = info.hidden_size, info.intermediate_size, info.num_kv_heads * info.head_dim
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
+    return 2 * (info.num_layers * per_layer + info.vocab_size * h + h)
+
+
+def roofline(info: ModelInfo, batch: int, context: float, bandwidth: float) -> float:
+    """Output tok/s if a decode step only moved its weights and K/V at `bandwidth` bytes/s."""
+    kv = 2 * 2 * info.num_layers * info.num_kv_heads * info.head_dim * context * batch
+    return batch / ((weight_bytes(info) + kv) / bandwidth)
+
+
+def random_model(info: ModelInfo, max_loras: int) -> CausalLM:
+    torch.manual_seed(0)
+    model = CausalLM(info, max_loras=max_loras, max_lora_rank=RANK, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+    return model
+
+
+def random_adapter(info: ModelInfo, seed: int) -> AdapterWeights:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lora = {}
+    for layer in range(info.num_layers):
+        for projection in PROJECTIONS:
+            fan_in, fan_out = info.projection_shape(projection)
+            a = torch.randn(RANK, fan_in, device="cuda", generator=gen, dtype=torch.bfloat16) * fan_in**-0.5
+            b = torch.randn(fan_out, RANK, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.01
+            lora[(layer, projection)] = (a, b)
+    return AdapterWeights(rank=RANK, scaling=2.0, lora=lora, sha256=f"{seed:064x}")
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[tuple[int, ...]]:
+    gen = torch.Generator().manual_seed(batch * 7919 + length)
+    return [tuple(torch.randint(0, vocab, (length,), generator=gen).tolist()) for _ in range(batch)]
+
+
+class EngineBench:
+    def __init__(self, info: ModelInfo, max_adapters: int, max_seqs: int, max_context: int) -> None:
+        """KV cache sized for max_seqs sequences of max_context tokens (block size 16)."""
+        self.info = info
+        self.config = EngineConfig(
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=PREFILL_TOKENS_PER_STEP,
+            num_kv_blocks=max_seqs * -(-max_context // 16),
+            block_size=16,
+            max_loras=max(max_adapters, 1),
+            max_lora_rank=RANK,
+        )
+        self.runner = ModelRunner.from_model(random_model(info, self.config.max_loras), self.config)
+        self.tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(info.vocab_size)}, unk_token="w0"))
+        self.refs = [AdapterRef(f"bench{i}", 1, f"bench{i}", f"{i:064x}") for i in range(max_adapters)]
+        for slot in range(max_adapters):
+            self.runner.model.set_adapter_slot(slot, random_adapter(info, slot))
+
+    def engine(self) -> LLMEngine:
+        engine = LLMEngine(self.runner, self.tokenizer, self.config, adapter_root=None)
+        for ref in self.refs:  # the slots already hold these weights: mark them resident, unpinned
+            grant = engine.adapter_slots.acquire(ref.uid)
+            engine.adapter_slots.release(ref.uid)
+            assert not grant.needs_load or grant.slot == self.refs.index(ref)
+        return engine
+
+    def run(self, batch: int, prompt: int, new_tokens: int, adapters: int) -> tuple[float, float, float]:
+        """(wall s, mean TTFT s, mean TPOT s) of one batch run to completion."""
+        engine = self.engine()
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        for i, tokens in enumerate(prompts(batch, prompt, self.info.vocab_size)):
+            adapter = self.refs[i % adapters] if adapters else None
+            engine.add(EngineRequest(job_id=str(i), prompt_token_ids=tokens, sampling=params, adapter=adapter))
+        torch.cuda.synchronize()
+        start_ms = time.time() * 1000
+        start = time.perf_counter()
+        done = []
+        while engine.num_unfinished:
+            done += engine.step()
+        wall = time.perf_counter() - start
+        end_ms = start_ms + wall * 1000
+        assert all(r.completion_tokens == new_tokens for r in done), "a request did not run to max_tokens"
+        ttft = sum(r.first_token_ms - start_ms for r in done) / len(done) / 1000
+        # every request of a batch finishes in the last step: its last token lands at the end
+        tpot = sum((end_ms - r.first_token_ms) / 1000 / (new_tokens - 1) for r in done) / len(done)
+        return wall, ttft, tpot
+
+
+def hf_generate(info: ModelInfo, batch: int, prompt: int, new_tokens: int, adapters: int) -> tuple[float, float]:
+    """(wall s, tok/s) of transformers `generate` (greedy) on the same shapes; with PEFT and
+    `adapter_names` (a mixed batch) when adapters > 0."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=info.hidden_size,
+        intermediate_size=info.intermediate_size,
+        num_hidden_layers=info.num_layers,
+        num_attention_heads=info.num_heads,
+        num_key_value_heads=info.num_kv_heads,
+        vocab_size=info.vocab_size,
+        max_position_embeddings=info.max_context,
+        rope_theta=info.rope_theta,
+        rms_norm_eps=info.rms_norm_eps,
+        torch_dtype="bfloat16",
+    )
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # initialise in bf16: an fp32 8B model would not fit beside it
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    kwargs = {}
+    if adapters:
+        lora = LoraConfig(r=RANK, lora_alpha=32, target_modules=list(PROJECTIONS), init_lora_weights=False)
+        model = get_peft_model(model, lora, adapter_name="a0")
+        for i in range(1, adapters):
+            model.add_adapter(f"a{i}", lora)
+        model = model.to(torch.bfloat16).eval()  # PEFT refuses adapter_names in training mode
+        kwargs["adapter_names"] = [f"a{i % adapters}" for i in range(batch)]
+    input_ids = torch.tensor(prompts(batch, prompt, info.vocab_size), device="cuda")
+    generate = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(input_ids=input_ids[:, :8], **{**generate, "max_new_tokens": 2, "min_new_tokens": 2})
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **generate, **kwargs)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return wall, batch * new_tokens / wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    parser.add_argument("--prompts", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--adapters", type=int, nargs="+", default=[0, 8, 32])
+    parser.add_argument("--hf-batch", type=int, default=32)
+    parser.add_argument("--hf-prompt", type=int, default=128)
+    parser.add_argument("--hf-new-tokens", type=int, default=64)
+    parser.add_argument("--hf-adapters", type=int, nargs="*", default=[0, 8])
+    parser.add_argument("--out", help="write the rows as JSON lines here")
+    args = parser.parse_args()
+    info = LLAMA3_8B
+    bandwidth = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows: list[Row] = []
+
+    def report(row: Row) -> None:
+        rows.append(row)
+        print(json.dumps(asdict(row)), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(asdict(row)) + "\n")
+
+    for adapters in args.hf_adapters:
+        b, p, n = args.hf_batch, args.hf_prompt, args.hf_new_tokens
+        wall, tok_s = hf_generate(info, b, p, n, adapters)
+        system = "transformers+peft" if adapters else "transformers"
+        report(Row(system, b, p, n, adapters, tok_s, 0.0, 0.0, 0.0, roofline(info, b, p + n / 2, bandwidth)))
+
+    bench = EngineBench(info, max(args.adapters), max(args.batches), max(args.prompts) + args.new_tokens)
+    bench.run(2, 16, 4, min(max(args.adapters), 2))  # warm-up: Triton compiles, cuBLAS handles
+    for prompt in args.prompts:
+        for batch in args.batches:
+            for adapters in args.adapters:
+                wall, ttft, tpot = bench.run(batch, prompt, args.new_tokens, adapters)
+                report(
+                    Row(
+                        "lorafleet",
+                        batch,
+                        prompt,
+                        args.new_tokens,
+                        adapters,
+                        batch * args.new_tokens / wall,
+                        ttft * 1e3,
+                        tpot * 1e3,
+                        batch / tpot,
+                        roofline(info, batch, prompt + args.new_tokens / 2, bandwidth),
+                    )
+                )
+
+    print(
+        f"\n{'system':<18}{'batch':>6}{'prompt':>7}{'new':>5}{'adapt':>6}{'tok/s':>9}{'TTFT ms':>9}"
+        f"{'TPOT ms':>9}{'decode tok/s':>13}{'roofline':>10}{'dec/roof':>9}"
+    )
+    for r in rows:
+        share = r.decode_tok_s / r.roofline_tok_s if r.decode_tok_s else 0.0
+        print(
+            f"{r.system:<18}{r.batch:>6}{r.prompt:>7}{r.new_tokens:>5}{r.adapters:>6}{r.tok_s:>9.0f}"
+            f"{r.ttft_ms:>9.1f}{r.tpot_ms:>9.2f}{r.decode_tok_s:>13.0f}{r.roofline_tok_s:>10.0f}{share:>9.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
