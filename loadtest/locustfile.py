@@ -24,7 +24,8 @@ from pathlib import Path
 
 from locust import HttpUser, between, events, task
 
-_WORDS = ("the quick brown fox jumps over a lazy dog while seven tenants share one patient GPU").split()
+_PROMPT_TEXT = "the quick brown fox jumps over a lazy dog while seven tenants share one patient GPU"
+_WORDS = _PROMPT_TEXT.split()
 
 
 @dataclass(frozen=True, slots=True)
