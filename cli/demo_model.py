@@ -114,6 +114,12 @@ def random_weights(shape: DemoModelShape, vocab_size: int) -> dict[str, np.ndarr
     return weights
 
 
+DEMO_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def write_demo_model(model_dir: Path, shape: DemoModelShape = DemoModelShape()) -> None:
     """Write the four files of the demo model into `model_dir` (which must exist and be empty)."""
     tokenizer = train_tokenizer(shape.target_vocab_size)
@@ -128,6 +134,8 @@ def write_demo_model(model_dir: Path, shape: DemoModelShape = DemoModelShape()) 
         "add_eos_token": False,
         "model_max_length": shape.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
+        # a plain role-prefixed template, so the OpenAI chat endpoint works on the demo model
+        "chat_template": DEMO_CHAT_TEMPLATE,
     }
     (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     config = model_config(shape, vocab_size, bos_id, eos_id)

@@ -7,12 +7,13 @@ exactly one stored result.
 
 from __future__ import annotations
 
+import json
 import time
 
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.schema import JobError, JobMessage, JobOutput, JobRecord, JobStatus, encode_job, encode_output
+from shared.schema import JobError, JobMessage, JobOutput, JobRecord, JobStatus, TokenDelta, encode_job, encode_output
 
 _CREATE = """
 -- KEYS: job hash, model queue, idempotency key   ARGV: use_idem, ttl_s, payload, job_id, field/value...
@@ -40,29 +41,34 @@ return {status, redis.call('HGET', KEYS[1], 'attempts')}
 """
 
 _FINISH = """
--- KEYS: job hash, job events   ARGV: ttl_s, new status, field/value...
+-- KEYS: job hash, job events   ARGV: ttl_s, new status, events cap, field/value...
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'queued' and status ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 4))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'type', 'end', 'status', ARGV[2])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 return 1
 """
 
 _CANCEL = """
--- KEYS: job hash, job events   ARGV: ttl_s, now_ms
+-- KEYS: job hash, job events   ARGV: ttl_s, now_ms, events cap
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
 if status == 'queued' or status == 'running' then
   redis.call('HSET', KEYS[1], 'status', 'canceled', 'finished_ms', ARGV[2])
   redis.call('EXPIRE', KEYS[1], ARGV[1])
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'type', 'end', 'status', 'canceled')
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', 'canceled')
   redis.call('EXPIRE', KEYS[2], ARGV[1])
   return 'canceled'
 end
 return status
 """
+
+
+# Events kept per job stream (approximately): a streaming reader further behind than this misses
+# token events; the offsets in the rest (and the final record) let it notice and recover the text.
+EVENTS_CAP = 1000
 
 
 def now_ms() -> int:
@@ -130,28 +136,58 @@ class JobStore:
         if error is not None:
             fields += ["error_code", error.code, "error_message", error.message]
         stored = await self._finish(
-            keys=[keys.job(job_id), keys.job_events(job_id)], args=[self._ttl_s, status.value, *fields]
+            keys=[keys.job(job_id), keys.job_events(job_id)], args=[self._ttl_s, status.value, EVENTS_CAP, *fields]
         )
         return bool(stored)
 
+    async def publish_tokens(self, deltas: list[TokenDelta]) -> None:
+        """Append each delta as a `token` event to its job's stream, all in one round trip. A job's
+        first events (offset 0) also set the stream's TTL, so a job that never finishes leaves no
+        stream behind."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for delta in deltas:
+                stream = keys.job_events(delta.job_id)
+                event = {
+                    "type": "token",
+                    "text": delta.text,
+                    "token_ids": json.dumps([delta.token_id]),
+                    "offset": delta.offset,
+                }
+                pipe.xadd(stream, event, maxlen=EVENTS_CAP, approximate=True)
+                if delta.offset == 0:
+                    pipe.expire(stream, self._ttl_s)
+            await pipe.execute()
+
     async def cancel(self, job_id: str) -> JobStatus | None:
         """Cancel a queued or running job. Returns the status after the call (None: no such job)."""
-        result = await self._cancel(keys=[keys.job(job_id), keys.job_events(job_id)], args=[self._ttl_s, now_ms()])
+        result = await self._cancel(
+            keys=[keys.job(job_id), keys.job_events(job_id)], args=[self._ttl_s, now_ms(), EVENTS_CAP]
+        )
         return None if result is None else JobStatus(result.decode())
+
+    async def read_events(self, job_id: str, after: str, *, block_ms: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """The job's events after stream entry `after` (blocking up to `block_ms` for the first one)."""
+        response = await self._redis.xread({keys.job_events(job_id): after}, block=block_ms)
+        return response[0][1] if response else []
 
     async def wait(self, job_id: str, timeout_s: float) -> JobRecord | None:
         """Long-poll: return the record once it is terminal or `timeout_s` has passed.
 
         Blocks on the job's event stream rather than polling the hash. Reading the stream from the
         start makes it race-free: an end event written between our HGETALL and XREAD is still seen.
+        Token events only move the read position; the hash is read again on an end event.
         """
         deadline = time.monotonic() + timeout_s
         last_event = "0-0"
+        record = await self.get(job_id)
         while True:
-            record = await self.get(job_id)
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if record is None or record.status.is_terminal or remaining_ms <= 0:
                 return record
             events = await self._redis.xread({keys.job_events(job_id): last_event}, block=remaining_ms)
-            if events:
-                last_event = events[0][1][-1][0]
+            if not events:
+                return await self.get(job_id)
+            entries = events[0][1]
+            last_event = entries[-1][0]
+            if any(fields.get(b"type") == b"end" for _, fields in entries):
+                record = await self.get(job_id)

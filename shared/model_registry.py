@@ -1,7 +1,8 @@
 """The base models the fleet serves, as workers advertise them: `lf:models` + `lf:model:{name}`.
 
-The tokenizer travels with the record, so a gateway on another host can count prompt tokens and
-check context limits without the model's files.
+The tokenizer (and the chat template, when the model has one) travels with the record, so a gateway
+on another host can count prompt tokens, check context limits and render chats without the model's
+files.
 """
 
 from __future__ import annotations
@@ -9,12 +10,19 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from shared import keys
+from shared.chat_template import ChatTemplate
 from shared.model_info import ModelInfo
 
 
-async def publish_model(redis: Redis, info: ModelInfo, tokenizer_json: bytes) -> None:
+async def publish_model(
+    redis: Redis, info: ModelInfo, tokenizer_json: bytes, chat_template: ChatTemplate | None = None
+) -> None:
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.model(info.name), mapping={"info": info.to_json(), "tokenizer": tokenizer_json})
+        if chat_template is None:
+            pipe.hdel(keys.model(info.name), "chat_template")
+        else:
+            pipe.hset(keys.model(info.name), "chat_template", chat_template.to_json())
         pipe.sadd(keys.MODELS, info.name)
         await pipe.execute()
 
@@ -26,6 +34,11 @@ async def get_model(redis: Redis, name: str) -> ModelInfo | None:
 
 async def get_tokenizer_json(redis: Redis, name: str) -> bytes | None:
     return await redis.hget(keys.model(name), "tokenizer")
+
+
+async def get_chat_template(redis: Redis, name: str) -> ChatTemplate | None:
+    raw = await redis.hget(keys.model(name), "chat_template")
+    return None if raw is None else ChatTemplate.from_json(raw)
 
 
 async def list_models(redis: Redis) -> list[ModelInfo]:

@@ -243,6 +243,18 @@ class JobRecord:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """One running job's progress in one engine step, published to `lf:out:{id}` for streaming: its
+    new token and the output text that became final with it (`text` is the output's characters from
+    `offset` on; it may be empty while a multi-byte character or a possible stop string is pending)."""
+
+    job_id: str
+    token_id: int
+    text: str
+    offset: int
+
+
 def encode_output(output: JobOutput) -> bytes:
     return msgpack.packb(
         {"text": output.text, "token_ids": list(output.token_ids), "finish_reason": output.finish_reason.value}

@@ -1,8 +1,8 @@
 """Runs the engines' step loop on its own thread, so the asyncio loop does only I/O.
 
-Commands (add, abort, stop) arrive through a thread-safe queue; finished results leave through a
-callback that the asyncio side makes thread-safe. With several base models, each engine that has
-work gets one step in turn.
+Commands (add, abort, stop) arrive through a thread-safe queue; finished results, and each step's
+token deltas for streaming, leave through callbacks that the asyncio side makes thread-safe. With
+several base models, each engine that has work gets one step in turn.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from shared.schema import TokenDelta
 from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
 
 log = structlog.get_logger(__name__)
@@ -40,9 +41,11 @@ class EngineThread:
         engines: dict[str, LLMEngine],
         on_result: Callable[[EngineResult], None],
         on_crash: Callable[[BaseException], None],
+        on_deltas: Callable[[list[TokenDelta]], None] | None = None,
     ) -> None:
         self.engines = engines
         self._on_result = on_result
+        self._on_deltas = on_deltas
         self._on_crash = on_crash
         self._inbox: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -75,7 +78,11 @@ class EngineThread:
                     command = self._next_nowait()
                 for engine in self.engines.values():
                     if engine.num_unfinished:
-                        for result in engine.step():
+                        results = engine.step()
+                        deltas = engine.take_deltas()
+                        if deltas and self._on_deltas is not None:
+                            self._on_deltas(deltas)  # before the results: a stream's tokens precede its end
+                        for result in results:
                             self._on_result(result)
         except BaseException as exc:  # the worker must not keep reading jobs it can no longer run
             log.exception("engine_thread_crashed")

@@ -18,11 +18,12 @@ import structlog
 from redis.exceptions import ResponseError
 
 from shared import keys
+from shared.chat_template import read_chat_template
 from shared.config import WorkerConfig
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore, now_ms
 from shared.model_registry import publish_model
-from shared.schema import JobError, JobMessage, JobStatus, SchemaError, decode_job
+from shared.schema import JobError, JobMessage, JobStatus, SchemaError, TokenDelta, decode_job
 from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
 from worker.engine_thread import EngineThread
 
@@ -49,7 +50,8 @@ class Worker:
         self._jobs = JobStore(self._redis, config.job_ttl_s)
         self._in_flight: dict[str, _InFlight] = {}
         self._room = asyncio.Event()
-        self._results: asyncio.Queue[EngineResult] = asyncio.Queue()
+        # results and token deltas share one queue so a job's token events precede its end event
+        self._results: asyncio.Queue[EngineResult | list[TokenDelta]] = asyncio.Queue()
         self._stopping = asyncio.Event()
         self._crash: BaseException | None = None
         self._engine_thread: EngineThread | None = None
@@ -62,11 +64,12 @@ class Worker:
             engines,
             on_result=lambda result: loop.call_soon_threadsafe(self._results.put_nowait, result),
             on_crash=lambda exc: loop.call_soon_threadsafe(self._engine_crashed, exc),
+            on_deltas=lambda deltas: loop.call_soon_threadsafe(self._results.put_nowait, deltas),
         )
         self._engine_thread.start()
         for name, engine in engines.items():
             tokenizer_json = (self._model_path(name) / "tokenizer.json").read_bytes()
-            await publish_model(self._redis, engine.info, tokenizer_json)
+            await publish_model(self._redis, engine.info, tokenizer_json, read_chat_template(self._model_path(name)))
             await self._ensure_group(name)
         log.info("worker_ready", worker=self.id, models=list(engines))
         tasks = [
@@ -204,6 +207,11 @@ class Worker:
     async def _publish(self) -> None:
         while True:
             result = await self._results.get()
+            if isinstance(result, list):
+                deltas = [delta for delta in result if delta.job_id in self._in_flight]
+                if deltas:
+                    await self._jobs.publish_tokens(deltas)
+                continue
             flight = self._in_flight.pop(result.job_id, None)
             if flight is None:
                 continue  # canceled meanwhile: already acknowledged

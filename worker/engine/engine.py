@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from shared.adapter_format import WEIGHTS_FILE, file_sha256, resolve_adapter_dir
 from shared.config import EngineConfig, ModelSpec
 from shared.errors import ErrorCode, LorafleetError
-from shared.schema import AdapterRef, FinishReason, JobError, JobOutput, JobStatus, SamplingParams
+from shared.schema import AdapterRef, FinishReason, JobError, JobOutput, JobStatus, SamplingParams, TokenDelta
 from worker.engine.adapter_slots import AdapterSlots, SlotGrant
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
@@ -56,6 +56,7 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     max_tokens: int  # max_tokens capped by the room left in the model's context
     first_token_ms: int = 0
+    streamed_chars: int = 0  # output text already handed out in TokenDeltas
 
 
 def _now_ms() -> int:
@@ -79,6 +80,7 @@ class LLMEngine:
             max_seqs_per_tenant=config.max_seqs_per_tenant or max(1, config.max_num_seqs // 2),
         )
         self._tracked: dict[str, _Tracked] = {}
+        self._deltas: list[TokenDelta] = []
 
     @classmethod
     def from_spec(
@@ -129,6 +131,13 @@ class LLMEngine:
         self.scheduler.add(seq)
         return None
 
+    def take_deltas(self) -> list[TokenDelta]:
+        """The token deltas of unfinished requests since the last call (one per sampled token); text
+        that could still become a stop string is held back, and a finished request's text is its
+        result's, so a streamer completes the text from the result."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
     def abort(self, job_id: str) -> bool:
         """Drop a request (canceled); its blocks and adapter pin are freed at once."""
         tracked = self._tracked.pop(job_id, None)
@@ -177,7 +186,16 @@ class LLMEngine:
             return self._succeed(tracked, FinishReason.STOP)
         if len(seq.output_token_ids) >= tracked.max_tokens or seq.num_tokens >= self.info.max_context:
             return self._succeed(tracked, FinishReason.LENGTH)
+        self._record_delta(tracked, token)
         return None
+
+    def _record_delta(self, tracked: _Tracked, token: int) -> None:
+        # the last (longest stop string - 1) characters may yet begin a stop string that gets cut
+        holdback = max((len(s) for s in tracked.request.sampling.stop), default=1) - 1
+        final_chars = max(tracked.streamed_chars, len(tracked.detokenizer.text) - holdback)
+        text = tracked.detokenizer.text[tracked.streamed_chars : final_chars]
+        self._deltas.append(TokenDelta(tracked.seq.seq_id, token, text, tracked.streamed_chars))
+        tracked.streamed_chars = final_chars
 
     def _succeed(self, tracked: _Tracked, reason: FinishReason) -> EngineResult:
         seq = tracked.seq
