@@ -1,17 +1,23 @@
-"""The HTTP gateway: job API v1 over Redis. Entry points: `gateway.app.create_app(config)` (the
-aiohttp application) and `gateway.main.run_gateway(config)` (serve it until SIGTERM/SIGINT).
+"""The HTTP gateway: job API v1, OpenAI-compatible endpoints and the admin API over Redis. Entry
+points: `gateway.app.create_app(config)` (the aiohttp application) and `gateway.main.run_gateway(config)`
+(serve it until SIGTERM/SIGINT).
 
 Modules, one job each:
   app.py          the application factory; Redis client and tokenizer threads live in its cleanup_ctx
   state.py        typed AppKeys / RequestKeys
   routes.py       every route
-  middleware.py   request ids (+ one log line per request); every error → JSON
+  middleware.py   request ids (+ one log line per request); request metrics; every error → JSON
+  metrics.py      the Prometheus registry of one app (requests, latency, queue depth)
   errors.py       error code → HTTP status, the JSON error body, RequestError (an error naming a field)
   auth.py         Bearer API key → tenant
   json_body.py    strict JSON decoding of request bodies
   job_request.py  POST /v1/jobs body → JobRequest, field by field
+  openai_request.py  /v1/completions and /v1/chat/completions bodies → prompt/messages + sampling
+  chat.py         chat messages → prompt with the model's Jinja chat template (sandboxed)
+  sse.py          server-sent event streams
+  admin.py        admin-key check; adapter registration for the admin and load_lora_adapter routes
   tokenization.py per-model tokenizers from the model registry, encoding off the event loop
-  job_service.py  submit / get / wait / cancel, free of HTTP
+  job_service.py  submit (with admission limits) / get / wait / events / cancel, model-name resolution
   views/          handlers: parse, call the service, render
 
 HTTP contract decisions:
@@ -27,7 +33,14 @@ HTTP contract decisions:
        the answer a missing one gets; not_found for unknown routes. 405 method_not_allowed (+ Allow).
   413  payload_too_large: a body over limits.max_body_bytes, or a text prompt over
        limits.max_prompt_chars (then with param "prompt").
+  429  rate_limit_exceeded (a tenant's requests/min, tokens/min or concurrent jobs) and queue_full (the
+       model's queue cap), both with Retry-After. A job larger than a minute's tokens is a 400.
+  403  forbidden / admin_disabled on /v1/admin/*: only the admin key (whose SHA-256 is configured) passes.
   500  internal_error: the message carries the request id; the exception is logged, never sent.
+  OpenAI routes: `model` is BASE, BASE:ADAPTER or an adapter name; the completion's id is its job id.
+  A chat on a model without a chat template is 400 chat_template_missing. A job that fails answers
+  with its error code (500). Streams (SSE) end with `data: [DONE]`; their text deltas always add up
+  to the job's final text (held-back text comes from the final record).
   A JSON null for an optional field means its default. Text prompts are encoded with the model's
   special tokens (e.g. BOS); token-id prompts are queued exactly as given.
 """

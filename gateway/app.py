@@ -10,26 +10,32 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from gateway.job_service import JobService
-from gateway.middleware import error_middleware, request_id_middleware
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import error_middleware, metrics_middleware, request_id_middleware
 from gateway.routes import setup_routes
-from gateway.state import CONFIG, JOBS, REDIS
+from gateway.state import CONFIG, JOBS, METRICS, REDIS
 from gateway.tokenization import TokenizerCache
 from shared.config import GatewayConfig
 from shared.jobstore import JobStore
+from shared.rate_limits import Admission
 
 # A long-poll holds a Redis XREAD BLOCK for up to limits.max_wait_s; the socket must outwait it by
 # this much, or redis-py's default 5 s read timeout would cut every long-poll short.
 _REDIS_READ_MARGIN_S = 5.0
 _TOKENIZER_THREADS = min(4, os.cpu_count() or 1)
+# an event stream with nothing to say sends a keep-alive this often (or every max_wait_s, if shorter:
+# its blocking read must fit in the Redis socket timeout above)
+_KEEPALIVE_S = 15.0
 
 
 def create_app(config: GatewayConfig) -> web.Application:
     """The job API application. Redis and the tokenizer threads are opened on startup, closed on cleanup."""
     app = web.Application(
-        middlewares=[request_id_middleware, error_middleware],  # outermost first
+        middlewares=[request_id_middleware, metrics_middleware, error_middleware],  # outermost first
         client_max_size=config.limits.max_body_bytes,
     )
     app[CONFIG] = config
+    app[METRICS] = GatewayMetrics()
     app.cleanup_ctx.append(_services)
     setup_routes(app)
     return app
@@ -40,7 +46,13 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     redis = Redis.from_url(config.redis_url, socket_timeout=config.limits.max_wait_s + _REDIS_READ_MARGIN_S)
     executor = ThreadPoolExecutor(max_workers=_TOKENIZER_THREADS, thread_name_prefix="tokenize")
     app[REDIS] = redis
-    app[JOBS] = JobService(redis, JobStore(redis, config.job_ttl_s), TokenizerCache(redis, executor))
+    app[JOBS] = JobService(
+        redis,
+        JobStore(redis, config.job_ttl_s),
+        TokenizerCache(redis, executor),
+        Admission(redis, config.tenant_limits),
+        events_idle_s=min(_KEEPALIVE_S, config.limits.max_wait_s),
+    )
     yield
     executor.shutdown(cancel_futures=True)
     await redis.aclose()

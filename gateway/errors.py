@@ -17,27 +17,43 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
     ErrorCode.INVALID_TOKEN_ID: 400,
     ErrorCode.ADAPTER_MODEL_MISMATCH: 400,
+    ErrorCode.NO_CHAT_TEMPLATE: 400,
+    ErrorCode.INVALID_CHAT_TEMPLATE: 400,
+    ErrorCode.INVALID_ADAPTER: 400,
+    ErrorCode.ADAPTER_PATH_OUTSIDE_ROOT: 400,
+    ErrorCode.ADAPTER_UNSUPPORTED: 400,
+    ErrorCode.ADAPTER_RANK_TOO_LARGE: 400,
+    ErrorCode.ADAPTER_SHAPE_MISMATCH: 400,
+    ErrorCode.ADAPTER_TOO_LARGE: 400,
     ErrorCode.MISSING_API_KEY: 401,
     ErrorCode.INVALID_API_KEY: 401,
     ErrorCode.TENANT_DISABLED: 403,
     ErrorCode.FORBIDDEN: 403,
+    ErrorCode.ADMIN_DISABLED: 403,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.ADAPTER_NOT_FOUND: 404,
     ErrorCode.JOB_NOT_FOUND: 404,
+    ErrorCode.TENANT_NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.CONFLICT: 409,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.COMPLETION_TIMEOUT: 504,
 }
 
 
 class RequestError(LorafleetError):
-    """A LorafleetError caused by one named part of the request (`param`: a body field, header or query key)."""
+    """A LorafleetError caused by one named part of the request (`param`: a body field, header or query key);
+    `retry_after_s` becomes a Retry-After header (429s)."""
 
-    def __init__(self, code: ErrorCode, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, code: ErrorCode, message: str, *, param: str | None = None, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(code, message)
         self.param = param
+        self.retry_after_s = retry_after_s
 
 
 def status_for(code: ErrorCode) -> int:
@@ -45,13 +61,24 @@ def status_for(code: ErrorCode) -> int:
     return _STATUS.get(code, 500)
 
 
+def error_body(code: ErrorCode | str, message: str, *, param: str | None = None) -> dict[str, dict[str, str]]:
+    error: dict[str, str] = {"code": str(code), "message": message}
+    if param is not None:
+        error["param"] = param
+    return {"error": error}
+
+
 def error_response(
-    code: ErrorCode, message: str, *, status: int | None = None, param: str | None = None
+    code: ErrorCode,
+    message: str,
+    *,
+    status: int | None = None,
+    param: str | None = None,
+    retry_after_s: int | None = None,
 ) -> web.Response:
     """The JSON error response for `code` (status from `status_for` unless given)."""
     status = status_for(code) if status is None else status
-    error: dict[str, str] = {"code": code.value, "message": message}
-    if param is not None:
-        error["param"] = param
-    headers = {"WWW-Authenticate": 'Bearer realm="lorafleet"'} if status == 401 else None
-    return web.json_response({"error": error}, status=status, headers=headers)
+    headers = {"WWW-Authenticate": 'Bearer realm="lorafleet"'} if status == 401 else {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(retry_after_s)
+    return web.json_response(error_body(code, message, param=param), status=status, headers=headers)

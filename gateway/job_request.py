@@ -26,15 +26,22 @@ _MAX_TOP_K = 2**31 - 1  # fits the samplers' index types; any k over the vocabul
 
 @dataclass(frozen=True, slots=True)
 class JobRequest:
-    """A syntactically valid job: text prompts are tokenized later, token-id prompts are used as given."""
+    """A syntactically valid job: text prompts are tokenized later, token-id prompts are used as given.
+
+    `add_special_tokens`: encode a text prompt with the model's special tokens (False for a rendered
+    chat template, which writes its own). `fit_context`: lower max_tokens to the room the prompt
+    leaves in the context instead of refusing (for requests that gave no max_tokens).
+    """
 
     model: str
     adapter: str | None
     prompt: str | tuple[int, ...]
     sampling: SamplingParams
+    add_special_tokens: bool = True
+    fit_context: bool = False
 
 
-def _invalid(param: str, message: str) -> RequestError:
+def invalid(param: str, message: str) -> RequestError:
     return RequestError(ErrorCode.INVALID_REQUEST, message, param=param)
 
 
@@ -43,7 +50,7 @@ def _integer(body: dict[str, Any], name: str, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid(name, f"{name} must be an integer")
+        raise invalid(name, f"{name} must be an integer")
     return value
 
 
@@ -52,40 +59,40 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _invalid(name, f"{name} must be a finite number")
+        raise invalid(name, f"{name} must be a finite number")
     try:
         number = float(value)
     except OverflowError:  # an integer literal too large for a float
         number = math.inf
     if not math.isfinite(number):
-        raise _invalid(name, f"{name} must be a finite number")
+        raise invalid(name, f"{name} must be a finite number")
     return number
 
 
-def _boolean(body: dict[str, Any], name: str, default: bool) -> bool:
+def boolean(body: dict[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _invalid(name, f"{name} must be true or false")
+        raise invalid(name, f"{name} must be true or false")
     return value
 
 
 def _model(body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _invalid("model", "model is required: the name of a base model")
+        raise invalid("model", "model is required: the name of a base model")
     return model
 
 
 def _adapter(body: dict[str, Any]) -> str | None:
     adapter = body.get("adapter")
     if adapter is not None and (not isinstance(adapter, str) or not adapter):
-        raise _invalid("adapter", "adapter must be a non-empty string or null")
+        raise invalid("adapter", "adapter must be a non-empty string or null")
     return adapter
 
 
-def _prompt(body: dict[str, Any], limits: RequestLimits) -> str | tuple[int, ...]:
+def parse_prompt(body: dict[str, Any], limits: RequestLimits) -> str | tuple[int, ...]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         if len(prompt) > limits.max_prompt_chars:
@@ -101,9 +108,9 @@ def _prompt(body: dict[str, Any], limits: RequestLimits) -> str | tuple[int, ...
         if not prompt:
             raise RequestError(ErrorCode.EMPTY_PROMPT, "prompt must not be empty", param="prompt")
         if any(isinstance(token, bool) or not isinstance(token, int) for token in prompt):
-            raise _invalid("prompt", "a token-id prompt must be a list of integers")
+            raise invalid("prompt", "a token-id prompt must be a list of integers")
         return tuple(prompt)
-    raise _invalid("prompt", "prompt is required: a string or a list of token ids")
+    raise invalid("prompt", "prompt is required: a string or a list of token ids")
 
 
 def _stop(body: dict[str, Any], limits: RequestLimits) -> tuple[str, ...]:
@@ -112,30 +119,33 @@ def _stop(body: dict[str, Any], limits: RequestLimits) -> tuple[str, ...]:
         return _DEFAULTS.stop
     strings = [stop] if isinstance(stop, str) else stop
     if not isinstance(strings, list) or not all(isinstance(s, str) and s for s in strings):
-        raise _invalid("stop", "stop must be a non-empty string or a list of non-empty strings")
+        raise invalid("stop", "stop must be a non-empty string or a list of non-empty strings")
     if len(strings) > limits.max_stop_strings:
-        raise _invalid("stop", f"stop has {len(strings)} strings, over the limit of {limits.max_stop_strings}")
+        raise invalid("stop", f"stop has {len(strings)} strings, over the limit of {limits.max_stop_strings}")
     if any(len(s) > limits.max_stop_chars for s in strings):
-        raise _invalid("stop", f"each stop string must be at most {limits.max_stop_chars} characters")
+        raise invalid("stop", f"each stop string must be at most {limits.max_stop_chars} characters")
     return tuple(strings)
 
 
-def _sampling(body: dict[str, Any], limits: RequestLimits) -> SamplingParams:
-    max_tokens = _integer(body, "max_tokens", _DEFAULTS.max_tokens)
+def parse_sampling(
+    body: dict[str, Any], limits: RequestLimits, default_max_tokens: int = _DEFAULTS.max_tokens
+) -> SamplingParams:
+    """The sampling fields of a request body (shared by the job API and the OpenAI endpoints)."""
+    max_tokens = _integer(body, "max_tokens", default_max_tokens)
     if not 1 <= max_tokens <= limits.max_output_tokens:
-        raise _invalid("max_tokens", f"max_tokens must be between 1 and {limits.max_output_tokens}")
+        raise invalid("max_tokens", f"max_tokens must be between 1 and {limits.max_output_tokens}")
     temperature = _number(body, "temperature", _DEFAULTS.temperature)
     if temperature < 0:
-        raise _invalid("temperature", "temperature must be >= 0")
+        raise invalid("temperature", "temperature must be >= 0")
     top_p = _number(body, "top_p", _DEFAULTS.top_p)
     if not 0 < top_p <= 1:
-        raise _invalid("top_p", "top_p must be in (0, 1]")
+        raise invalid("top_p", "top_p must be in (0, 1]")
     top_k = _integer(body, "top_k", _DEFAULTS.top_k)
     if not 0 <= top_k <= _MAX_TOP_K:
-        raise _invalid("top_k", f"top_k must be between 0 (off) and {_MAX_TOP_K}")
+        raise invalid("top_k", f"top_k must be between 0 (off) and {_MAX_TOP_K}")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
-        raise _invalid("seed", "seed must be null or an integer in [0, 2**64 - 1]")
+        raise invalid("seed", "seed must be null or an integer in [0, 2**64 - 1]")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -143,7 +153,7 @@ def _sampling(body: dict[str, Any], limits: RequestLimits) -> SamplingParams:
         top_k=top_k,
         seed=seed,
         stop=_stop(body, limits),
-        ignore_eos=_boolean(body, "ignore_eos", _DEFAULTS.ignore_eos),
+        ignore_eos=boolean(body, "ignore_eos", _DEFAULTS.ignore_eos),
     )
 
 
@@ -151,10 +161,10 @@ def parse_job_request(body: dict[str, Any], limits: RequestLimits) -> JobRequest
     """Check a decoded `POST /v1/jobs` body against the API and `limits`; raise RequestError naming the field."""
     unknown = sorted(set(body) - FIELDS)
     if unknown:
-        raise _invalid(unknown[0], f"unknown field(s): {', '.join(unknown)}")
+        raise invalid(unknown[0], f"unknown field(s): {', '.join(unknown)}")
     return JobRequest(
         model=_model(body),
         adapter=_adapter(body),
-        prompt=_prompt(body, limits),
-        sampling=_sampling(body, limits),
+        prompt=parse_prompt(body, limits),
+        sampling=parse_sampling(body, limits),
     )

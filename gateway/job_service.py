@@ -4,17 +4,25 @@ error codes; the HTTP layer maps them onto statuses.
 
 Tenancy rule: a job or adapter that belongs to another tenant is reported exactly like one that
 does not exist, so a tenant learns nothing about others' ids or adapter names.
+
+Admission (shared/rate_limits.py) runs last, once the job's token cost is known, so a request that
+is refused for its content never spends the tenant's budget.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
 import structlog
 from redis.asyncio import Redis
 
+from gateway.chat import render_chat
 from gateway.errors import RequestError
 from gateway.job_request import JobRequest
 from gateway.tokenization import TokenizerCache
@@ -22,8 +30,9 @@ from shared.adapter_registry import get_adapter
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore
 from shared.model_info import ModelInfo
-from shared.model_registry import get_model
-from shared.schema import AdapterRef, JobMessage, JobRecord, JobStatus
+from shared.model_registry import get_chat_template, get_model
+from shared.rate_limits import Admission
+from shared.schema import AdapterRef, JobMessage, JobRecord, JobStatus, SamplingParams
 from shared.tenants import Tenant
 
 _JOB_ID = re.compile(r"^job_[0-9a-f]{32}$")
@@ -40,13 +49,46 @@ def _job_not_found() -> RequestError:
     return RequestError(ErrorCode.JOB_NOT_FOUND, "job not found")
 
 
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Output text from character `offset` on (possibly empty) and the token(s) that produced it."""
+
+    event_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class EndEvent:
+    """The job reached a terminal status (or its record expired: `record` None)."""
+
+    event_id: str
+    record: JobRecord | None
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """Nothing happened for a while: a streamer's cue to send a keep-alive."""
+
+
 class JobService:
     """The gateway's job operations for one authenticated tenant at a time."""
 
-    def __init__(self, redis: Redis, store: JobStore, tokenizers: TokenizerCache) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        store: JobStore,
+        tokenizers: TokenizerCache,
+        admission: Admission,
+        *,
+        events_idle_s: float,
+    ) -> None:
         self._redis = redis
         self._store = store
         self._tokenizers = tokenizers
+        self._admission = admission
+        self._events_idle_s = events_idle_s  # an event stream yields Idle after this long without events
 
     async def submit(
         self, tenant: Tenant, request: JobRequest, *, request_id: str, idempotency_key: str | None
@@ -57,10 +99,12 @@ class JobService:
         if model is None:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} not found", param="model")
         adapter = None if request.adapter is None else await self._adapter(tenant, request.adapter, model)
-        prompt_token_ids = await self._prompt_token_ids(model, request)
+        prompt_token_ids, sampling = await self._prompt_token_ids(model, request)
+        job_id = new_job_id()
+        await self._admit(tenant, job_id, model, len(prompt_token_ids) + sampling.max_tokens)
         created_at = time.time()
         record = JobRecord(
-            job_id=new_job_id(),
+            job_id=job_id,
             status=JobStatus.QUEUED,
             tenant=tenant.tenant_id,
             model=model.name,
@@ -73,7 +117,7 @@ class JobService:
             tenant=tenant.tenant_id,
             model=model.name,
             prompt_token_ids=prompt_token_ids,
-            sampling=request.sampling,
+            sampling=sampling,
             adapter=adapter,
             created_at=created_at,
             request_id=request_id,
@@ -116,6 +160,104 @@ class JobService:
         await self._store.cancel(job_id)
         return await self.get(tenant, job_id)
 
+    async def resolve_model(self, tenant: Tenant, name: str) -> tuple[str, str | None]:
+        """An OpenAI-style model name as (base model, adapter): `BASE`, `BASE:ADAPTER`, or an adapter's
+        name (as vLLM serves adapters). An adapter the tenant may not use is MODEL_NOT_FOUND."""
+        if await get_model(self._redis, name) is not None:
+            return name, None
+        base, sep, adapter_name = name.partition(":")
+        if sep:
+            return base, adapter_name
+        adapter = await get_adapter(self._redis, name)
+        if adapter is None or not adapter.visible_to(tenant.tenant_id):
+            raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} not found", param="model")
+        return adapter.base_model, name
+
+    async def chat_prompt(self, model: str, messages: tuple[dict[str, str], ...]) -> str:
+        """`messages` rendered with the model's chat template; NO_CHAT_TEMPLATE when it has none."""
+        template = await get_chat_template(self._redis, model)
+        if template is None:
+            if await get_model(self._redis, model) is None:
+                raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} not found", param="model")
+            raise RequestError(
+                ErrorCode.NO_CHAT_TEMPLATE,
+                f"model {model!r} has no chat template (its tokenizer_config.json has no chat_template): "
+                "use /v1/completions with a prompt",
+                param="model",
+            )
+        return render_chat(template, messages)
+
+    async def wait_until_done(self, tenant: Tenant, job_id: str, timeout_s: float, poll_s: float) -> JobRecord:
+        """The job once terminal; after `timeout_s` it is canceled and COMPLETION_TIMEOUT raised. If
+        the caller goes away (the handler is cancelled), the job is canceled too: nobody will read it."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                record = await self.wait(tenant, job_id, max(0.0, min(poll_s, remaining)))
+                if record.status.is_terminal:
+                    return record
+                if remaining <= 0:
+                    await self._store.cancel(job_id)
+                    raise RequestError(
+                        ErrorCode.COMPLETION_TIMEOUT, f"the job did not finish within {timeout_s:g} s and was canceled"
+                    )
+        except asyncio.CancelledError:
+            await self.cancel_abandoned(job_id)
+            raise
+
+    async def cancel_abandoned(self, job_id: str) -> None:
+        """Cancel a job whose only reader went away (shielded: it runs while its handler is being cancelled)."""
+        await asyncio.shield(self._store.cancel(job_id))
+
+    async def events(
+        self, tenant: Tenant, job_id: str, *, after: str = "0-0"
+    ) -> AsyncIterator[TokenEvent | EndEvent | Idle]:
+        """The job's events from stream entry `after` on: token events, then one EndEvent carrying the
+        final record; Idle whenever nothing happens for a while. Ownership is checked first."""
+        await self.get(tenant, job_id)
+        while True:
+            entries = await self._store.read_events(job_id, after, block_ms=int(self._events_idle_s * 1000))
+            if not entries:
+                if await self._store.get(job_id) is None:  # expired while idle
+                    yield EndEvent(after, None)
+                    return
+                yield Idle()
+                continue
+            for entry_id, fields in entries:
+                after = entry_id.decode()
+                if fields.get(b"type") == b"end":
+                    yield EndEvent(after, await self._store.get(job_id))
+                    return
+                yield TokenEvent(
+                    after,
+                    fields[b"text"].decode(),
+                    tuple(json.loads(fields[b"token_ids"])),
+                    int(fields[b"offset"]),
+                )
+
+    async def _admit(self, tenant: Tenant, job_id: str, model: ModelInfo, cost_tokens: int) -> None:
+        denial = await self._admission.admit(tenant.tenant_id, job_id, model.name, cost_tokens)
+        if denial is None:
+            return
+        if denial.limit == "tokens_per_request":
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"prompt + max_tokens ({cost_tokens} tokens) exceeds your tokens-per-minute limit ({denial.value})",
+                param="max_tokens",
+            )
+        if denial.limit == "queue":
+            raise RequestError(
+                ErrorCode.QUEUE_FULL,
+                f"model {model.name!r} has {denial.value} jobs queued or running, its limit; retry later",
+                retry_after_s=denial.retry_after_s,
+            )
+        raise RequestError(
+            ErrorCode.RATE_LIMITED,
+            f"over your {denial.limit.replace('_', ' ')} limit ({denial.value}); retry after {denial.retry_after_s} s",
+            retry_after_s=denial.retry_after_s,
+        )
+
     async def _adapter(self, tenant: Tenant, name: str, model: ModelInfo) -> AdapterRef:
         """The current version of an adapter the tenant may use with `model`."""
         adapter = await get_adapter(self._redis, name)
@@ -129,10 +271,15 @@ class JobService:
             )
         return adapter.ref()
 
-    async def _prompt_token_ids(self, model: ModelInfo, request: JobRequest) -> tuple[int, ...]:
-        """The prompt as token ids, checked against the vocabulary and the model's context length."""
+    async def _prompt_token_ids(self, model: ModelInfo, request: JobRequest) -> tuple[tuple[int, ...], SamplingParams]:
+        """The prompt as token ids, checked against the vocabulary and the model's context length, and
+        the sampling parameters (max_tokens lowered to the context's room when the request allows)."""
+        sampling = request.sampling
         if isinstance(request.prompt, str):
-            token_ids = tuple(await self._tokenizers.encode(model.name, request.prompt))
+            encoded = await self._tokenizers.encode(
+                model.name, request.prompt, add_special_tokens=request.add_special_tokens
+            )
+            token_ids = tuple(encoded)
             if not token_ids:
                 raise RequestError(ErrorCode.EMPTY_PROMPT, "prompt encodes to no tokens", param="prompt")
         else:
@@ -144,12 +291,15 @@ class JobService:
                     f"token id {bad} is outside the vocabulary of {model.name!r} [0, {model.vocab_size})",
                     param="prompt",
                 )
-        total = len(token_ids) + request.sampling.max_tokens
+        room = model.max_context - len(token_ids)
+        if request.fit_context and 1 <= room < sampling.max_tokens:
+            sampling = replace(sampling, max_tokens=room)
+        total = len(token_ids) + sampling.max_tokens
         if total > model.max_context:
             raise RequestError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) = {total} tokens, "
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} tokens, "
                 f"over the context length of {model.name!r} ({model.max_context} tokens)",
                 param="prompt",
             )
-        return token_ids
+        return token_ids, sampling

@@ -1,4 +1,4 @@
-"""Middlewares: request ids (outermost) and errors → JSON (innermost), in that order in `create_app`."""
+"""Middlewares, outermost first as `create_app` lists them: request ids, metrics, errors → JSON."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from gateway.errors import RequestError, error_response
-from gateway.state import REQUEST_ID
+from gateway.state import METRICS, REQUEST_ID
 from shared.errors import ErrorCode, LorafleetError
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -32,7 +32,8 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
     started = time.perf_counter()
     with structlog.contextvars.bound_contextvars(request_id=request_id):
         response = await handler(request)
-        response.headers[REQUEST_ID_HEADER] = request_id
+        if not response.prepared:  # an event stream sent its headers already (with the id)
+            response.headers[REQUEST_ID_HEADER] = request_id
         duration_ms = round((time.perf_counter() - started) * 1000, 2)
         log.info("request", method=request.method, path=request.path, status=response.status, duration_ms=duration_ms)
     return response
@@ -46,8 +47,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except LorafleetError as exc:
-        param = exc.param if isinstance(exc, RequestError) else None
-        response = error_response(exc.code, exc.message, param=param)
+        param, retry_after_s = (exc.param, exc.retry_after_s) if isinstance(exc, RequestError) else (None, None)
+        response = error_response(exc.code, exc.message, param=param, retry_after_s=retry_after_s)
         if response.status >= 500:
             log.error("domain_error", code=exc.code.value, message=exc.message)
         return response
@@ -74,3 +75,26 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
     if "Allow" in exc.headers:
         response.headers["Allow"] = exc.headers["Allow"]
     return response
+
+
+def _route(request: web.Request) -> str:
+    """The route's pattern (`/v1/jobs/{job_id}`), never the raw path: label values stay few."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count and time every request; sits inside the request-id middleware, outside the error one, so
+    it sees the status errors are sent with."""
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    finally:
+        metrics = request.app[METRICS]
+        route = _route(request)
+        metrics.requests.labels(request.method, route, str(status)).inc()
+        metrics.latency.labels(request.method, route).observe(time.perf_counter() - started)

@@ -6,10 +6,12 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from gateway.job_service import JobService
+from gateway.metrics import GatewayMetrics
 from shared.config import GatewayConfig
 
 CONFIG = web.AppKey("config", GatewayConfig)
 REDIS = web.AppKey("redis", Redis)
 JOBS = web.AppKey("jobs", JobService)
+METRICS = web.AppKey("metrics", GatewayMetrics)
 
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -9,6 +9,7 @@ tokenizer needs a gateway restart.
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import Executor
 
 from redis.asyncio import Redis
@@ -27,10 +28,12 @@ class TokenizerCache:
         self._tokenizers: dict[str, Tokenizer] = {}
         self._loading = asyncio.Lock()  # one load at a time, so concurrent first requests parse it once
 
-    async def encode(self, model: str, text: str) -> list[int]:
-        """Token ids of `text` with the model's special tokens (e.g. BOS) added, as its post-processor says."""
+    async def encode(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the model's special tokens (e.g. BOS) added as its post-processor says
+        unless `add_special_tokens` is False (a rendered chat template writes its own)."""
         tokenizer = await self._get(model)
-        encoding = await asyncio.get_running_loop().run_in_executor(self._executor, tokenizer.encode, text)
+        encode = functools.partial(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        encoding = await asyncio.get_running_loop().run_in_executor(self._executor, encode)
         return encoding.ids
 
     async def _get(self, model: str) -> Tokenizer:

@@ -109,3 +109,16 @@ async def list_adapters(redis: Redis, *, visible_to: str | None = None) -> list[
     names = sorted(name.decode() for name in await redis.smembers(keys.ADAPTERS))
     records = [await get_adapter(redis, name) for name in names]
     return [r for r in records if r is not None and (visible_to is None or r.visible_to(visible_to))]
+
+
+async def unregister_adapter(redis: Redis, name: str, *, owner: str | None = None) -> AdapterRecord:
+    """Remove adapter `name` (only if `owner` owns it, when given). Jobs already queued keep the
+    version they were submitted with; new jobs naming it get ADAPTER_NOT_FOUND."""
+    record = await get_adapter(redis, name)
+    if record is None or (owner is not None and record.tenant != owner):
+        raise LorafleetError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r} not found")
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.adapter(name))
+        pipe.srem(keys.ADAPTERS, name)
+        await pipe.execute()
+    return record

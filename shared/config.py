@@ -34,6 +34,22 @@ class RequestLimits:
     max_stop_strings: int = 8
     max_stop_chars: int = 128
     max_wait_s: float = 60.0  # longest long-poll one GET may hold
+    max_completion_s: float = 600.0  # longest a non-streaming OpenAI completion waits for its job
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """Admission limits per tenant (defaults; a tenant's own values, set through the admin API, win).
+    Rates are token buckets refilled continuously, holding at most one minute's worth."""
+
+    requests_per_min: int = 600
+    tokens_per_min: int = 1_000_000  # prompt tokens + max_tokens of each job
+    max_concurrent_jobs: int = 64  # queued + running
+    max_queue_per_model: int = 10_000  # entries in a model's stream (queued + running, all tenants)
+
+    def __post_init__(self) -> None:
+        if min(self.requests_per_min, self.tokens_per_min, self.max_concurrent_jobs, self.max_queue_per_model) < 1:
+            raise ValueError("every tenant limit must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +59,12 @@ class GatewayConfig:
     port: int = 8000
     job_ttl_s: int = 24 * 3600
     limits: RequestLimits = field(default_factory=RequestLimits)
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)
+    admin_key_sha256: str | None = None  # hex SHA-256 of the admin key; None turns the admin API off
+    # where adapters registered through the admin API / load_lora_adapter must live (None: refused)
+    adapter_root: Path | None = None
+    max_lora_rank: int = 64
+    max_adapter_bytes: int = 2 << 30
 
 
 @dataclass(frozen=True, slots=True)

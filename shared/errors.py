@@ -16,6 +16,7 @@ class ErrorCode(StrEnum):
     ADAPTER_NOT_FOUND = "adapter_not_found"
     ADAPTER_MODEL_MISMATCH = "adapter_model_mismatch"
     JOB_NOT_FOUND = "job_not_found"
+    TENANT_NOT_FOUND = "tenant_not_found"
     EMPTY_PROMPT = "empty_prompt"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     INVALID_TOKEN_ID = "invalid_token_id"
@@ -23,6 +24,11 @@ class ErrorCode(StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     CONFLICT = "conflict"
     QUEUE_FULL = "queue_full"
+    RATE_LIMITED = "rate_limit_exceeded"  # a tenant's requests/min, tokens/min or concurrent-jobs limit
+    NO_CHAT_TEMPLATE = "chat_template_missing"  # chat completion on a model without a chat template
+    INVALID_CHAT_TEMPLATE = "invalid_chat_template"  # the model's template failed to render these messages
+    COMPLETION_TIMEOUT = "completion_timeout"  # a blocking completion outlived limits.max_completion_s
+    ADMIN_DISABLED = "admin_disabled"  # the gateway has no admin key configured
     # adapter validation
     INVALID_ADAPTER = "invalid_adapter"
     ADAPTER_PATH_OUTSIDE_ROOT = "adapter_path_outside_root"

@@ -12,6 +12,8 @@
 | lf:tenants / lf:tenant:{id}   | set / hash | tenants (name, salted key hash, disabled)             |
 | lf:apikey:{lookup}            | string | API-key lookup id → tenant id                             |
 | lf:idem:{tenant}:{key}        | string | Idempotency-Key → job id; TTL                             |
+| lf:rate:{tenant}              | hash   | the tenant's request and token buckets; TTL               |
+| lf:active:{tenant}            | zset   | the tenant's admitted job ids (queued or running)         |
 """
 
 PREFIX = "lf"
@@ -57,3 +59,11 @@ def api_key(lookup_id: str) -> str:
 
 def idempotency(tenant_id: str, key: str) -> str:
     return f"{PREFIX}:idem:{tenant_id}:{key}"
+
+
+def rate(tenant_id: str) -> str:
+    return f"{PREFIX}:rate:{tenant_id}"
+
+
+def active_jobs(tenant_id: str) -> str:
+    return f"{PREFIX}:active:{tenant_id}"

@@ -77,3 +77,37 @@ async def authenticate(redis: Redis, api_key: str) -> Tenant:
     if disabled == b"1":
         raise LorafleetError(ErrorCode.TENANT_DISABLED, "this tenant is disabled")
     return Tenant(tenant_id.decode())
+
+
+async def tenant_exists(redis: Redis, tenant_id: str) -> bool:
+    return bool(await redis.sismember(keys.TENANTS, tenant_id))
+
+
+async def get_tenant(redis: Redis, tenant_id: str) -> Tenant | None:
+    if not await tenant_exists(redis, tenant_id):
+        return None
+    return Tenant(tenant_id, disabled=await redis.hget(keys.tenant(tenant_id), "disabled") == b"1")
+
+
+async def list_tenants(redis: Redis) -> list[Tenant]:
+    names = sorted(name.decode() for name in await redis.smembers(keys.TENANTS))
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hget(keys.tenant(name), "disabled")
+        flags = await pipe.execute()
+    return [Tenant(name, disabled=flag == b"1") for name, flag in zip(names, flags, strict=True)]
+
+
+async def set_disabled(redis: Redis, tenant_id: str, disabled: bool) -> Tenant:
+    """Disable (every request with its key gets TENANT_DISABLED) or re-enable a tenant."""
+    if not await tenant_exists(redis, tenant_id):
+        raise LorafleetError(ErrorCode.TENANT_NOT_FOUND, f"tenant {tenant_id!r} not found")
+    await redis.hset(keys.tenant(tenant_id), "disabled", int(disabled))
+    return Tenant(tenant_id, disabled=disabled)
+
+
+async def rotate_key(redis: Redis, tenant_id: str) -> str:
+    """A new API key for an existing tenant; the old one stops working at once."""
+    if not await tenant_exists(redis, tenant_id):
+        raise LorafleetError(ErrorCode.TENANT_NOT_FOUND, f"tenant {tenant_id!r} not found")
+    return await issue_key(redis, tenant_id)

@@ -1,7 +1,9 @@
-"""Job API v1: submit, read (with optional long-poll) and cancel a job, as the caller's tenant."""
+"""Job API v1: submit, read (with optional long-poll), stream the events of, and cancel a job, as the
+caller's tenant."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -11,7 +13,9 @@ from aiohttp import web
 from gateway.auth import request_tenant
 from gateway.errors import RequestError
 from gateway.job_request import parse_job_request
+from gateway.job_service import Idle, TokenEvent
 from gateway.json_body import parse_json_object
+from gateway.sse import open_event_stream, send_event, send_keepalive
 from gateway.state import CONFIG, JOBS, REQUEST_ID
 from shared.errors import ErrorCode
 from shared.schema import JobRecord
@@ -104,3 +108,30 @@ def _wait_seconds(request: web.Request) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise RequestError(ErrorCode.INVALID_REQUEST, "wait must be a number of seconds >= 0", param="wait")
     return min(seconds, request.app[CONFIG].limits.max_wait_s)
+
+
+_EVENT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+
+
+async def job_events(request: web.Request) -> web.StreamResponse:
+    """`GET /v1/jobs/{job_id}/events`: the job as server-sent events: `token` events
+    (`{"text", "token_ids", "offset"}`), then one `end` event with the job's body. Each event's id is
+    its stream entry, so a client reconnecting with `Last-Event-ID` resumes after it."""
+    tenant = await request_tenant(request)
+    job_id = request.match_info["job_id"]
+    after = request.headers.get("Last-Event-ID", "0-0")
+    if not _EVENT_ID.match(after):
+        raise RequestError(ErrorCode.INVALID_REQUEST, "Last-Event-ID must be an event id", param="Last-Event-ID")
+    await request.app[JOBS].get(tenant, job_id)  # ownership, before the 200 goes out
+    response = await open_event_stream(request)
+    async for event in request.app[JOBS].events(tenant, job_id, after=after):
+        if isinstance(event, Idle):
+            await send_keepalive(response)
+        elif isinstance(event, TokenEvent):
+            data = {"text": event.text, "token_ids": list(event.token_ids), "offset": event.offset}
+            await send_event(response, json.dumps(data), event="token", event_id=event.event_id)
+        else:
+            body = job_body(event.record) if event.record is not None else None
+            await send_event(response, json.dumps(body), event="end", event_id=event.event_id)
+    await response.write_eof()
+    return response

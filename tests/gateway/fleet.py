@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,9 +14,12 @@ from redis.asyncio import Redis
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from shared import keys
 from shared.adapter_registry import AdapterRecord, register_adapter
 from shared.config import RequestLimits
+from shared.jobstore import JobStore
 from shared.model_info import ModelInfo
+from shared.schema import FinishReason, JobMessage, JobOutput, JobStatus, TokenDelta, decode_job
 
 WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
 BOS_ID = WORDS.index("<s>")
@@ -115,3 +119,31 @@ async def submit(client: TestClient, fleet: Fleet, tenant: str = "acme", **body:
     )
     assert response.status == 202, await response.text()
     return await response.json()
+
+
+async def next_queued_job(redis: Redis, model: str = "tiny", timeout_s: float = 5.0) -> JobMessage:
+    """Wait for the next job on the model's queue (as a worker would read it) and remove it."""
+    stream = keys.queue(model)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        entries = await redis.xrange(stream, count=1)
+        if entries:
+            entry_id, fields = entries[0]
+            await redis.xdel(stream, entry_id)
+            return decode_job(fields[b"job"])
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no job appeared on {stream}")
+
+
+async def play_worker(
+    redis: Redis, message: JobMessage, pieces: list[str], final_text: str, *, finish: FinishReason = FinishReason.STOP
+) -> None:
+    """Act as the worker for `message`: one token event per piece of text, then the final result."""
+    store = JobStore(redis, 3600)
+    await store.start(message.job_id, "fake-worker")
+    offset = 0
+    for token_id, piece in enumerate(pieces, start=3):
+        await store.publish_tokens([TokenDelta(message.job_id, token_id, piece, offset)])
+        offset += len(piece)
+    output = JobOutput(final_text, tuple(range(3, 3 + len(pieces) + 1)), finish)
+    await store.finish(message.job_id, JobStatus.SUCCEEDED, output=output, completion_tokens=len(pieces) + 1)

@@ -1,0 +1,69 @@
+"""The admin API's authentication and adapter registration, free of HTTP views.
+
+The admin key is configured as its SHA-256 (GatewayConfig.admin_key_sha256): the gateway never
+holds the key itself. A tenant's API key on an admin route is FORBIDDEN, whatever its tenant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from gateway.errors import RequestError
+from gateway.state import CONFIG
+from shared.adapter_registry import AdapterRecord, register_adapter
+from shared.config import GatewayConfig
+from shared.errors import ErrorCode
+from shared.model_registry import get_model, list_models
+
+
+def hash_admin_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def require_admin(request: web.Request) -> None:
+    """Raise unless the request carries `Authorization: Bearer <admin key>`."""
+    expected = request.app[CONFIG].admin_key_sha256
+    if expected is None:
+        raise RequestError(ErrorCode.ADMIN_DISABLED, "this gateway has no admin key configured")
+    scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        raise RequestError(
+            ErrorCode.MISSING_API_KEY, "send the admin key as 'Authorization: Bearer <key>'", param="Authorization"
+        )
+    if not hmac.compare_digest(hash_admin_key(key), expected):
+        raise RequestError(ErrorCode.FORBIDDEN, "this key may not use the admin API", param="Authorization")
+
+
+async def register(
+    redis: Redis, config: GatewayConfig, *, name: str, owner: str, path: str, model: str | None
+) -> AdapterRecord:
+    """Validate the adapter at `path` (under config.adapter_root) and register it for `owner`. `model`
+    may be omitted when the fleet serves exactly one base model."""
+    if config.adapter_root is None:
+        raise RequestError(ErrorCode.FORBIDDEN, "this gateway has no adapter root: it cannot register adapters")
+    if model is None:
+        served = await list_models(redis)
+        if len(served) != 1:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST, "name the base model: the fleet serves several", param="base_model_name"
+            )
+        info = served[0]
+    else:
+        info = await get_model(redis, model)
+        if info is None:
+            raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} not found", param="base_model_name")
+    return await register_adapter(
+        redis,
+        name=name,
+        tenant=owner,
+        model=info,
+        adapter_root=config.adapter_root,
+        path=path,
+        max_rank=config.max_lora_rank,
+        max_bytes=config.max_adapter_bytes,
+    )

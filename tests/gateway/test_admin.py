@@ -1,0 +1,145 @@
+"""The admin API (admin key only) and vLLM-style load/unload (tenant-scoped)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from gateway.admin import hash_admin_key
+from gateway.app import create_app
+from shared.config import GatewayConfig
+from tests.gateway.fleet import LIMITS, write_adapter
+
+ADMIN_KEY = "admin-secret-for-tests"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+@pytest.fixture
+async def admin_client(aiohttp_client: Any, redis_url: str, fleet) -> TestClient:
+    config = GatewayConfig(
+        redis_url=redis_url,
+        limits=LIMITS,
+        admin_key_sha256=hash_admin_key(ADMIN_KEY),
+        adapter_root=fleet.adapter_root,
+        max_lora_rank=8,
+    )
+    return await aiohttp_client(create_app(config))
+
+
+async def test_admin_routes_refuse_tenants_and_missing_or_wrong_keys(admin_client, fleet):
+    for headers, status, code in (
+        ({}, 401, "missing_api_key"),
+        ({"Authorization": "Bearer wrong"}, 403, "forbidden"),
+        (fleet.auth("acme"), 403, "forbidden"),
+    ):
+        for method, path in (
+            ("GET", "/v1/admin/tenants"),
+            ("GET", "/v1/admin/adapters"),
+            ("POST", "/v1/admin/tenants"),
+        ):
+            response = await admin_client.request(method, path, headers=headers, json={"name": "x"})
+            assert response.status == status, (path, headers)
+            assert (await response.json())["error"]["code"] == code
+
+
+async def test_without_an_admin_key_the_admin_api_is_off(client, fleet):
+    response = await client.get("/v1/admin/tenants", headers=ADMIN)
+    assert response.status == 403 and (await response.json())["error"]["code"] == "admin_disabled"
+
+
+async def test_tenant_lifecycle_create_list_rotate_disable(admin_client, fleet):
+    created = await admin_client.post("/v1/admin/tenants", json={"name": "initech"}, headers=ADMIN)
+    assert created.status == 201
+    key = (await created.json())["api_key"]
+    tenant_headers = {"Authorization": f"Bearer {key}"}
+    assert (await admin_client.get("/v1/models", headers=tenant_headers)).status == 200
+    listed = await (await admin_client.get("/v1/admin/tenants", headers=ADMIN)).json()
+    assert {t["tenant"] for t in listed["data"]} == {"acme", "globex", "initech"}
+
+    rotated = await (await admin_client.post("/v1/admin/tenants/initech/rotate-key", headers=ADMIN)).json()
+    assert (await admin_client.get("/v1/models", headers=tenant_headers)).status == 401
+    tenant_headers = {"Authorization": f"Bearer {rotated['api_key']}"}
+    assert (await admin_client.get("/v1/models", headers=tenant_headers)).status == 200
+
+    patched = await admin_client.patch("/v1/admin/tenants/initech", json={"disabled": True}, headers=ADMIN)
+    assert (await patched.json())["disabled"] is True
+    response = await admin_client.get("/v1/models", headers=tenant_headers)
+    assert response.status == 403 and (await response.json())["error"]["code"] == "tenant_disabled"
+
+
+async def test_tenant_admin_bad_input(admin_client, fleet):
+    cases = [
+        ("POST", "/v1/admin/tenants", {"name": "Bad Name!"}, 400, "invalid_request"),
+        ("POST", "/v1/admin/tenants", {"name": "acme"}, 409, "conflict"),
+        ("POST", "/v1/admin/tenants", {"nom": "x"}, 400, "invalid_request"),
+        ("POST", "/v1/admin/tenants/nobody/rotate-key", None, 404, "tenant_not_found"),
+        ("PATCH", "/v1/admin/tenants/nobody", {"disabled": True}, 404, "tenant_not_found"),
+        ("PATCH", "/v1/admin/tenants/acme", {"limits": {"requests_per_min": 0}}, 400, "invalid_request"),
+        ("PATCH", "/v1/admin/tenants/acme", {"limits": {"bananas": 1}}, 400, "invalid_request"),
+    ]
+    for method, path, body, status, code in cases:
+        response = await admin_client.request(method, path, json=body, headers=ADMIN)
+        assert response.status == status, (path, body, await response.text())
+        assert (await response.json())["error"]["code"] == code
+
+
+async def test_admin_registers_lists_and_unregisters_adapters(admin_client, fleet):
+    path = write_adapter(fleet.adapter_root, "globex-new", fleet.models["tiny"], seed=3)
+    body = {"name": "globex-new", "tenant": "globex", "path": path, "model": "tiny"}
+    registered = await admin_client.post("/v1/admin/adapters", json=body, headers=ADMIN)
+    assert registered.status == 201, await registered.text()
+    assert (await registered.json())["tenant"] == "globex"
+    listed = await (await admin_client.get("/v1/admin/adapters", headers=ADMIN)).json()
+    assert "globex-new" in {a["name"] for a in listed["data"]}
+    models = await (await admin_client.get("/v1/models", headers=fleet.auth("acme"))).json()
+    assert "globex-new" not in {m["id"] for m in models["data"]}
+
+    assert (await admin_client.delete("/v1/admin/adapters/globex-new", headers=ADMIN)).status == 200
+    response = await admin_client.delete("/v1/admin/adapters/globex-new", headers=ADMIN)
+    assert response.status == 404 and (await response.json())["error"]["code"] == "adapter_not_found"
+
+
+async def test_admin_adapter_bad_input(admin_client, fleet):
+    path = write_adapter(fleet.adapter_root, "ok", fleet.models["tiny"])
+    big = write_adapter(fleet.adapter_root, "big", fleet.models["tiny"], rank=16)  # over max_lora_rank 8
+    cases = [
+        ({"name": "x", "tenant": "nobody", "path": path, "model": "tiny"}, 404, "tenant_not_found"),
+        ({"name": "x", "tenant": "acme", "path": "../../etc", "model": "tiny"}, 400, "adapter_path_outside_root"),
+        ({"name": "x", "tenant": "acme", "path": path, "model": "missing"}, 404, "model_not_found"),
+        ({"name": "x", "tenant": "acme", "path": path}, 400, "invalid_request"),  # two models served: name one
+        ({"name": "acme-support", "tenant": "globex", "path": path, "model": "tiny"}, 409, "conflict"),
+        ({"name": "x", "tenant": "acme", "path": big, "model": "tiny"}, 400, "adapter_rank_too_large"),
+    ]
+    for body, status, code in cases:
+        response = await admin_client.post("/v1/admin/adapters", json=body, headers=ADMIN)
+        assert response.status == status, (body, await response.text())
+        assert (await response.json())["error"]["code"] == code
+
+
+async def test_load_and_unload_lora_adapter_are_tenant_scoped(admin_client, fleet):
+    path = write_adapter(fleet.adapter_root, "acme-fresh", fleet.models["tiny"], seed=5)
+    body = {"lora_name": "acme-fresh", "lora_path": path, "base_model_name": "tiny"}
+    response = await admin_client.post("/v1/load_lora_adapter", json=body, headers=fleet.auth("acme"))
+    assert response.status == 200 and "acme-fresh" in await response.text()
+    acme_models = await (await admin_client.get("/v1/models", headers=fleet.auth("acme"))).json()
+    globex_models = await (await admin_client.get("/v1/models", headers=fleet.auth("globex"))).json()
+    assert "acme-fresh" in {m["id"] for m in acme_models["data"]}
+    assert "acme-fresh" not in {m["id"] for m in globex_models["data"]}
+
+    # globex can neither unload it nor take over its name
+    response = await admin_client.post(
+        "/v1/unload_lora_adapter", json={"lora_name": "acme-fresh"}, headers=fleet.auth("globex")
+    )
+    assert response.status == 404 and (await response.json())["error"]["code"] == "adapter_not_found"
+    response = await admin_client.post("/v1/load_lora_adapter", json=body, headers=fleet.auth("globex"))
+    assert response.status == 409
+    response = await admin_client.post(
+        "/v1/unload_lora_adapter", json={"lora_name": "acme-fresh"}, headers=fleet.auth("acme")
+    )
+    assert response.status == 200
+    response = await admin_client.post("/v1/load_lora_adapter", json={"lora_name": "x"}, headers=fleet.auth("acme"))
+    assert response.status == 400 and (await response.json())["error"]["param"] == "lora_path"
+    response = await admin_client.post("/v1/load_lora_adapter", json=body)
+    assert response.status == 401
