@@ -90,7 +90,8 @@ def gather_candidates(num_tokens: int, r_pad: int) -> list[GatherConfig]:
 
 def shrink_candidates(num_tokens: int, r_pad: int) -> list[ShrinkConfig]:
     block_ms = (16,) if num_tokens <= 256 else (32, 64)
-    splits = (4, 8, 16) if num_tokens <= 64 else (2, 4, 8) if num_tokens <= 256 else (1, 2)
+    # expand reads all partials of z: past 8 they cost it more than they save the shrink
+    splits = (2, 4, 8) if num_tokens <= 256 else (1, 2)
     block_ks = (64, 128) if r_pad >= 64 else (128, 256)
     return [ShrinkConfig(block_m=bm, block_k=bk, split_k=sk) for bm in block_ms for bk in block_ks for sk in splits]
 

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kernels.lora.configs import ExpandConfig
 from kernels.lora.metadata import LoRABatch
-from kernels.lora.tiles import SliceGroup, group_tile, max_token_tiles, rank_pad, select, select_ptr, slice_of
+from kernels.lora.tiles import SliceGroup, group_tile, load_z, max_token_tiles, rank_pad, select, select_ptr, slice_of
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _expand_kernel(
     sorted_tokens_ptr, group_counts_ptr, slot_ranks_ptr, slot_scales_ptr,
     num_slots, max_rank, n0, n1, n2, col0, col1, col2, tiles0, tiles1,
     split_k, y_stride, z_stride_split, z_stride_slice,
-    R_PAD: tl.constexpr, GROUPS_PAD: tl.constexpr,
+    R_PAD: tl.constexpr, GROUPS_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
@@ -69,9 +69,7 @@ def _expand_kernel(
     r = tl.arange(0, R_PAD)
     r_ok = r < rank
     z_ptrs = z_ptr + slice_id * z_stride_slice + tokens[:, None] * R_PAD + r[None, :]
-    z = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-    for split in range(split_k):
-        z += tl.load(z_ptrs + split * z_stride_split, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    z = load_z(z_ptrs, row_ok[:, None] & r_ok[None, :], split_k, z_stride_split, SPLIT_PAD)
     b_ptr = select_ptr(slice_id, b0_ptr, b1_ptr, b2_ptr)
     b_ptrs = b_ptr + group.to(tl.int64) * width * max_rank + n[None, :] * max_rank + r[:, None]
     b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [R_PAD, BLOCK_N]
@@ -110,7 +108,7 @@ def lora_expand(
         batch.sorted_tokens, batch.group_counts, batch.slot_ranks, batch.slot_scales,
         num_slots, max_rank, *group.widths, *group.columns, tiles[0], tiles[1],
         split_k, y.stride(0), z.stride(0), z.stride(1),
-        R_PAD=r_pad, GROUPS_PAD=triton.next_power_of_2(num_slots + 1),
+        R_PAD=r_pad, GROUPS_PAD=triton.next_power_of_2(num_slots + 1), SPLIT_PAD=triton.next_power_of_2(split_k),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,

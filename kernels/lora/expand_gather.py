@@ -6,11 +6,13 @@ Semantics: exactly expand.py's (z from shrink.py, accumulate or bias-write):
         accumulate: y[t, cols_i] += delta;   otherwise: y[t, cols_i] = bias[cols_i] + delta
     (otherwise, rows of tokens without LoRA are set to the bias, or 0)
 
-Grid: (output tiles of all slices, token blocks in batch order): no program is empty, and a program
-waits on two memory round trips (its tokens' slots, ranks, scales and z, then their B rows) rather
-than expand.py's chain through the per-slot tile map. The product is a broadcast multiply-add on
-the CUDA cores ([BLOCK_T, BLOCK_N, R_CHUNK] per step): cheap while T is small, which is where this
-kernel is used. Tokens of one adapter read the same B rows; after the first, those come from cache.
+Grid: (output tiles of all slices, blocks of BLOCK_T positions of the slot-sorted token order).
+No program is empty (accumulating, the blocks past the adapter tokens return after one load), and
+a program waits on two memory round trips (the token, slot, rank and scale at its positions; then
+y, z and the B rows they address) rather than expand.py's chain through the per-slot tile map. The
+product is a broadcast multiply-add on the CUDA cores ([BLOCK_T, BLOCK_N, R_CHUNK] per step): cheap
+while T is small, which is where this kernel is used. Sorted positions put the tokens of one
+adapter in the same program, so repeated B rows come from L1 rather than L2.
 """
 
 from __future__ import annotations
@@ -21,52 +23,56 @@ import triton.language as tl
 
 from kernels.lora.configs import GatherConfig
 from kernels.lora.metadata import LoRABatch
-from kernels.lora.tiles import SliceGroup, rank_pad, select, select_ptr, slice_of
+from kernels.lora.tiles import SliceGroup, load_z, rank_pad, select, select_ptr, slice_of
 
 
 @triton.jit(do_not_specialize=["num_tokens", "z_stride_split", "z_stride_slice"])
 def _expand_gather_kernel(
     z_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, bias_ptr,
-    token_slots_ptr, token_ranks_ptr, token_scales_ptr,
+    sorted_tokens_ptr, sorted_slots_ptr, sorted_ranks_ptr, sorted_scales_ptr,
     num_tokens, max_rank, n0, n1, n2, col0, col1, col2, tiles0, tiles1,
     split_k, y_stride, z_stride_split, z_stride_slice,
-    R_PAD: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    R_PAD: tl.constexpr, R_CHUNK: tl.constexpr, SPLIT_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
+    pos = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    pos_ok = pos < num_tokens
+    if ACCUMULATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        # positions past the adapter tokens have nothing to add, and they come last
+        if tl.load(sorted_ranks_ptr + tl.program_id(1) * BLOCK_T) == 0:
+            return
     slice_id, pid_n = slice_of(tl.program_id(0), tiles0, tiles1)
     width = select(slice_id, n0, n1, n2)
     col = select(slice_id, col0, col1, col2)
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    slot = tl.maximum(tl.load(token_slots_ptr + t, mask=t_ok, other=0), 0).to(tl.int64)
-    rank = tl.minimum(tl.load(token_ranks_ptr + t, mask=t_ok, other=0), max_rank)  # 0: no LoRA
-    scale = tl.load(token_scales_ptr + t, mask=t_ok, other=0.0)
+    # round trip 1: which token, adapter, rank and scale sits at each sorted position
+    token = tl.load(sorted_tokens_ptr + pos, mask=pos_ok, other=0).to(tl.int64)
+    slot = tl.maximum(tl.load(sorted_slots_ptr + pos, mask=pos_ok, other=0), 0).to(tl.int64)
+    rank = tl.minimum(tl.load(sorted_ranks_ptr + pos, mask=pos_ok, other=0), max_rank)  # 0: no LoRA
+    scale = tl.load(sorted_scales_ptr + pos, mask=pos_ok, other=0.0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < width
 
+    # round trip 2: y (accumulating), z and the B rows, all addressed by round trip 1 alone
+    y_ptrs = y_ptr + token[:, None] * y_stride + col + n[None, :]
+    if ACCUMULATE:
+        mask = (pos_ok & (rank > 0))[:, None] & n_ok[None, :]
+        acc = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        mask = pos_ok[:, None] & n_ok[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + col + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     b_ptr = select_ptr(slice_id, b0_ptr, b1_ptr, b2_ptr)
     b_rows = b_ptr + slot[:, None, None] * width * max_rank + n[None, :, None] * max_rank  # [T, N, 1]
-    z_rows = z_ptr + slice_id * z_stride_slice + t[:, None] * R_PAD  # [T, 1]
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    z_rows = z_ptr + slice_id * z_stride_slice + token[:, None] * R_PAD  # [T, 1]
+    delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for r0 in tl.static_range(0, R_PAD, R_CHUNK):
         r = r0 + tl.arange(0, R_CHUNK)
         r_ok = r[None, :] < rank[:, None]  # [T, R]
-        z = tl.zeros((BLOCK_T, R_CHUNK), dtype=tl.float32)
-        for split in range(split_k):
-            z += tl.load(z_rows + split * z_stride_split + r[None, :], mask=r_ok, other=0.0)
-        b_mask = r_ok[:, None, :] & n_ok[None, :, None]
-        b = tl.load(b_rows + r[None, None, :], mask=b_mask, other=0.0)  # [T, N, R]
-        acc += tl.sum(b.to(tl.float32) * z[:, None, :], axis=2)
-    acc *= scale[:, None]
-
-    y_ptrs = y_ptr + t[:, None].to(tl.int64) * y_stride + col + n[None, :]
-    if ACCUMULATE:
-        mask = (t_ok & (rank > 0))[:, None] & n_ok[None, :]
-        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        mask = t_ok[:, None] & n_ok[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + col + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        z = load_z(z_rows + r[None, :], r_ok, split_k, z_stride_split, SPLIT_PAD)
+        b = tl.load(b_rows + r[None, None, :], mask=r_ok[:, None, :] & n_ok[None, :, None], other=0.0)
+        delta += tl.sum(b.to(tl.float32) * z[:, None, :], axis=2)
+    acc += delta * scale[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -97,10 +103,10 @@ def lora_expand_gather(
     grid = (sum(tiles), triton.cdiv(num_tokens, config.block_t))
     _expand_gather_kernel[grid](
         z, *group.lora_b, y, y if bias is None else bias,
-        batch.token_slots, batch.token_ranks, batch.token_scales,
+        batch.sorted_tokens, batch.sorted_slots, batch.sorted_ranks, batch.sorted_scales,
         num_tokens, max_rank, *group.widths, *group.columns, tiles[0], tiles[1],
         split_k, y.stride(0), z.stride(0), z.stride(1),
-        R_PAD=r_pad, R_CHUNK=min(config.r_chunk, r_pad), BLOCK_T=config.block_t, BLOCK_N=config.block_n,
-        ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
+        R_PAD=r_pad, R_CHUNK=min(config.r_chunk, r_pad), SPLIT_PAD=triton.next_power_of_2(split_k),
+        BLOCK_T=config.block_t, BLOCK_N=config.block_n, ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

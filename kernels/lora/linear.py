@@ -7,8 +7,9 @@ Semantics (z from shrink.py, summed over its split axis):
 
 Grid: output tiles of [BLOCK_M tokens (in batch order), BLOCK_N columns of one slice], swizzled in
 groups of GROUP_M token tiles so that neighbouring programs share W tiles in L2. After the K loop,
-the program adds one small product (BLOCK_M x R_PAD by R_PAD x BLOCK_N) per adapter present in its
-token tile; the delta never goes through memory and y is written once.
+a small tile (decode) gathers each row's own B rows for a CUDA-core product; a large one (prefill,
+where a tile holds one or two adapters) adds one tensor-core product (BLOCK_M x R_PAD by R_PAD x
+BLOCK_N) per adapter present. The delta never goes through memory and y is written once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import triton.language as tl
 
 from kernels.lora.configs import LinearConfig
 from kernels.lora.metadata import LoRABatch
-from kernels.lora.tiles import SliceGroup, rank_pad, select, select_ptr, slice_of
+from kernels.lora.tiles import SliceGroup, load_z, rank_pad, select, select_ptr, slice_of
+
+GATHER_EPILOGUE_MAX_M = 32  # token tiles up to this many rows gather B per row
 
 
 @triton.jit(do_not_specialize=["num_tokens", "z_stride_split", "z_stride_slice"])
@@ -28,8 +31,9 @@ def _linear_lora_kernel(
     token_slots_ptr, active_slots_ptr, num_active_ptr, slot_ranks_ptr, slot_scales_ptr,
     num_tokens, max_rank, k_size, n0, n1, n2, col0, col1, col2, tiles0, tiles1, total_tiles_n,
     split_k, x_stride, w_stride, y_stride, z_stride_split, z_stride_slice,
-    R_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    R_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATHER_EPILOGUE: tl.constexpr, R_CHUNK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(num_tokens, BLOCK_M)
@@ -50,6 +54,18 @@ def _linear_lora_kernel(
     # clamp rows/columns instead of masking them: the loads stay unmasked, the stores are masked
     w_rows = tl.where(n_ok, col + n, col)
     w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * w_stride + k_offs[:, None]
+    token_slots = tl.load(token_slots_ptr + rows, mask=row_ok, other=-1)
+    r = tl.arange(0, R_PAD)
+    z_ptrs = z_ptr + slice_id * z_stride_slice + rows[:, None] * R_PAD + r[None, :]
+    b_ptr = select_ptr(slice_id, b0_ptr, b1_ptr, b2_ptr)
+    if GATHER_EPILOGUE:
+        # small token tiles: each row gathers its own adapter's B rows after the K loop; its rank
+        # and scale are loaded before it, so the epilogue costs one memory round trip
+        slot = tl.maximum(token_slots, 0).to(tl.int64)
+        rank = tl.load(slot_ranks_ptr + slot, mask=row_ok, other=0)
+        rank = tl.where(token_slots >= 0, tl.minimum(rank, max_rank), 0)
+        scale = tl.load(slot_scales_ptr + slot, mask=row_ok, other=0.0)
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, k_size, BLOCK_K):
         if EVEN_K:
@@ -61,24 +77,30 @@ def _linear_lora_kernel(
             w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
         acc += tl.dot(x, w)
 
-    # LoRA epilogue: one rank-R product per adapter that owns a row of this tile
-    token_slots = tl.load(token_slots_ptr + rows, mask=row_ok, other=-1)
-    r = tl.arange(0, R_PAD)
-    z_ptrs = z_ptr + slice_id * z_stride_slice + rows[:, None] * R_PAD + r[None, :]
-    b_ptr = select_ptr(slice_id, b0_ptr, b1_ptr, b2_ptr)
-    for j in range(0, tl.load(num_active_ptr)):
-        slot = tl.load(active_slots_ptr + j)
-        mine = token_slots == slot
-        if tl.max(mine.to(tl.int32), 0) > 0:
-            rank = tl.minimum(tl.load(slot_ranks_ptr + slot), max_rank)
-            r_ok = r < rank
-            z = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-            for split in range(split_k):
-                z += tl.load(z_ptrs + split * z_stride_split, mask=mine[:, None] & r_ok[None, :], other=0.0)
-            z *= tl.load(slot_scales_ptr + slot)
-            b_ptrs = b_ptr + slot.to(tl.int64) * width * max_rank + n[None, :] * max_rank + r[:, None]
-            b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            acc += tl.dot(z.to(b.dtype), b)
+    if GATHER_EPILOGUE:
+        b_rows = b_ptr + slot[:, None, None] * width * max_rank + n[None, :, None] * max_rank  # [M, N, 1]
+        z_rows = z_ptr + slice_id * z_stride_slice + rows[:, None] * R_PAD  # [M, 1]
+        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in tl.static_range(0, R_PAD, R_CHUNK):
+            rc = r0 + tl.arange(0, R_CHUNK)
+            r_ok = rc[None, :] < rank[:, None]  # [M, R]
+            z = load_z(z_rows + rc[None, :], r_ok, split_k, z_stride_split, SPLIT_PAD)
+            b = tl.load(b_rows + rc[None, None, :], mask=r_ok[:, None, :] & n_ok[None, :, None], other=0.0)
+            delta += tl.sum(b.to(tl.float32) * z[:, None, :], axis=2)
+        acc += delta * scale[:, None]
+    else:
+        # large token tiles: one rank-R product per adapter that owns a row of the tile
+        for j in range(0, tl.load(num_active_ptr)):
+            active = tl.load(active_slots_ptr + j)
+            mine = token_slots == active
+            if tl.max(mine.to(tl.int32), 0) > 0:
+                active_rank = tl.minimum(tl.load(slot_ranks_ptr + active), max_rank)
+                r_ok = r < active_rank
+                z = load_z(z_ptrs, mine[:, None] & r_ok[None, :], split_k, z_stride_split, SPLIT_PAD)
+                z *= tl.load(slot_scales_ptr + active)
+                b_ptrs = b_ptr + active.to(tl.int64) * width * max_rank + n[None, :] * max_rank + r[:, None]
+                b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                acc += tl.dot(z.to(b.dtype), b)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * y_stride + col + n[None, :]
@@ -119,8 +141,10 @@ def linear_lora(
         batch.token_slots, batch.active_slots, batch.num_active, batch.slot_ranks, batch.slot_scales,
         num_tokens, max_rank, k_size, *group.widths, *group.columns, tiles[0], tiles[1], sum(tiles),
         split_k, x.stride(0), weight.stride(0), y.stride(0), z.stride(0), z.stride(1),
-        R_PAD=r_pad, HAS_BIAS=bias is not None, EVEN_K=k_size % config.block_k == 0,
+        R_PAD=r_pad, SPLIT_PAD=triton.next_power_of_2(split_k),
+        HAS_BIAS=bias is not None, EVEN_K=k_size % config.block_k == 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        GATHER_EPILOGUE=config.block_m <= GATHER_EPILOGUE_MAX_M, R_CHUNK=16,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y

@@ -10,7 +10,8 @@ building it never waits on the GPU and can be captured in a CUDA graph.
     group_counts   = [ 1,  0,  2,  1]          [S + 1]; a group's tokens start at the sum of the counts before it
     active_slots   = [ 0,  2, -1]              [S], slots with tokens, ascending, then -1
     num_active     = [ 2]
-    token_ranks    = [16,  0, 16, 16]          per token, 0 without LoRA (decode kernels read these directly)
+    sorted_ranks   = [16, 16, 16,  0]          rank at each sorted position, 0 without LoRA; with
+                                               sorted_slots and sorted_scales, what decode kernels read
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ class LoRABatch:
     group_counts: torch.Tensor = field(init=False)  # int32 [S + 1]: tokens per group (see above)
     active_slots: torch.Tensor = field(init=False)  # int32 [S]: slots with tokens first, then -1
     num_active: torch.Tensor = field(init=False)  # int32 [1]: how many entries of active_slots are set
-    token_ranks: torch.Tensor = field(init=False)  # int32 [T]: rank of each token's adapter, 0 without LoRA
-    token_scales: torch.Tensor = field(init=False)  # float32 [T]: scale of each token's adapter
+    sorted_slots: torch.Tensor = field(init=False)  # int32 [T]: slot at each sorted position, -1 without LoRA
+    sorted_ranks: torch.Tensor = field(init=False)  # int32 [T]: its rank, 0 without LoRA
+    sorted_scales: torch.Tensor = field(init=False)  # float32 [T]: its scale
 
     def __post_init__(self) -> None:
         if self.token_slots.dim() != 1 or self.slot_ranks.dim() != 1 or self.slot_scales.dim() != 1:
@@ -49,14 +51,16 @@ class LoRABatch:
         slots = self.token_slots.long()
         rank_of_token = self.slot_ranks[slots.clamp(min=0)] if num_slots else torch.zeros_like(slots)
         group = torch.where((slots >= 0) & (rank_of_token > 0), slots, num_slots)
-        _, order = torch.sort(group, stable=True)
+        sorted_group, order = torch.sort(group, stable=True)
         counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
         counts.index_add_(0, group, torch.ones_like(group, dtype=torch.int32))
         self.sorted_tokens = order.to(torch.int32)
         self.group_counts = counts
-        has_lora = group < num_slots
-        self.token_ranks = torch.where(has_lora, rank_of_token, 0).to(torch.int32)
-        self.token_scales = torch.where(has_lora, self.slot_scales[slots.clamp(min=0)] if num_slots else 0.0, 0.0)
+        has_lora = sorted_group < num_slots
+        self.sorted_slots = torch.where(has_lora, sorted_group, -1).to(torch.int32)
+        self.sorted_ranks = torch.where(has_lora, rank_of_token[order], 0).to(torch.int32)
+        scale_of_token = self.slot_scales[slots.clamp(min=0)] if num_slots else torch.zeros(slots.shape, device=device)
+        self.sorted_scales = torch.where(has_lora, scale_of_token[order], 0.0)
 
         active = counts[:num_slots] > 0
         _, slot_order = torch.sort((~active).to(torch.int8), stable=True)

@@ -45,6 +45,15 @@ def group_tile(pid_m, group_counts_ptr, NUM_GROUPS, GROUPS_PAD: tl.constexpr, BL
 
 
 @triton.jit
+def load_z(z_ptrs, mask, split_k, z_stride_split, SPLIT_PAD: tl.constexpr):
+    """Sum of shrink's split-K partials of z at z_ptrs ([M, R] pointers into split 0): one
+    [SPLIT_PAD, M, R] load, so the partials cost one memory round trip, not split_k."""
+    split = tl.arange(0, SPLIT_PAD)[:, None, None]
+    ptrs = z_ptrs[None, :, :] + split * z_stride_split
+    return tl.sum(tl.load(ptrs, mask=(split < split_k) & mask[None, :, :], other=0.0), axis=0)
+
+
+@triton.jit
 def slice_of(pid_n, tiles0, tiles1):
     """(slice, program index inside it) for programs laid out slice after slice."""
     slice_id = (pid_n >= tiles0).to(tl.int32) + (pid_n >= tiles0 + tiles1).to(tl.int32)

@@ -3,6 +3,8 @@ Triton interpreter, which computes bf16 dots wrongly: fp16 and fp32 here, bf16 i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -84,11 +86,13 @@ def test_write_mode_sets_every_row_to_bias_plus_delta(dtype: torch.dtype, kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_epilogue_gemm_computes_base_projection_plus_delta(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("block_m", [16, 64])  # per-row B gathers; one product per adapter in the tile
+def test_epilogue_gemm_computes_base_projection_plus_delta(dtype: torch.dtype, block_m: int) -> None:
     case = make_case(**QKV, dtype=dtype, device=DEVICE, seed=5)
     group = slice_groups(case.lora_a, case.lora_b)[0]
     z = lora_shrink(case.x, group, case.batch, SHRINK)
-    y = linear_lora(case.x, case.weight, case.bias, z, group, case.batch, LINEAR)
+    config = dataclasses.replace(LINEAR, block_m=block_m)
+    y = linear_lora(case.x, case.weight, case.bias, z, group, case.batch, config)
     assert rel_err(y, case.linear()) < TOL[dtype]
 
 

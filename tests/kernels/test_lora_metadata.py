@@ -31,10 +31,12 @@ def test_active_slots_list_slots_with_tokens_ascending_then_minus_one() -> None:
     assert batch.num_active.tolist() == [2]
 
 
-def test_per_token_rank_and_scale_are_zero_without_lora() -> None:
-    batch = LoRABatch.build(torch.tensor([1, -1, 0, 1]), torch.tensor([8, 0]), torch.tensor([0.5, 2.0]))
-    assert batch.token_ranks.tolist() == [0, 0, 8, 0]
-    assert batch.token_scales.tolist() == [0.0, 0.0, 0.5, 0.0]
+def test_sorted_positions_carry_slot_rank_and_scale_and_none_without_lora() -> None:
+    batch = LoRABatch.build(torch.tensor([1, -1, 0, 2, 2]), torch.tensor([8, 0, 4]), torch.tensor([0.5, 2.0, 3.0]))
+    assert batch.sorted_tokens.tolist() == [2, 3, 4, 0, 1]
+    assert batch.sorted_slots.tolist() == [0, 2, 2, -1, -1]
+    assert batch.sorted_ranks.tolist() == [8, 4, 4, 0, 0]
+    assert batch.sorted_scales.tolist() == [0.5, 3.0, 3.0, 0.0, 0.0]
 
 
 def test_a_batch_without_adapter_tokens_has_no_active_slot() -> None:
