@@ -3,6 +3,7 @@ transformers(+PEFT) on the same workload and the decode roofline.
 
     python -m bench.engine [--batches 1 8 32 64 128] [--prompts 128 1024] [--new-tokens 128]
                            [--adapters 0 8 32] [--hf-batch 32 --hf-prompt 128 --hf-new-tokens 64 --hf-adapters 8]
+                           [--profile-batch 32]
 
 Engine rows: all requests are added at once to an LLMEngine (scheduler, paged KV, multi-LoRA, the
 GPU sampler; greedy, ignore_eos) and stepped to completion. Adapters are rank 16 on all seven
@@ -11,6 +12,9 @@ projections, spread round-robin over the batch, preloaded into their slots (load
     TTFT    mean over requests of (first token - start)
     TPOT    mean over requests of (last token - first token) / (new tokens - 1)
     decode  output tok/s of the decode steps alone (batch / TPOT)
+Pure-decode steps replay CUDA graphs (worker/engine/cuda_graphs.py), captured when the runner is built.
+--profile-batch B: instead, where one decode step of B sequences (prompt 128) goes, per adapter
+count: wall time and GPU kernel time by kind (torch.profiler), with decode graphs and eagerly.
 Roofline (per decode step): all weights read once (lm_head included, embedding rows excluded) plus
 each sequence's K/V at its mean decode context, over the measured device-to-device copy bandwidth.
 """
@@ -143,7 +147,10 @@ class EngineBench:
             max_loras=max(max_adapters, 1),
             max_lora_rank=RANK,
         )
-        self.runner = ModelRunner.from_model(random_model(info, self.config.max_loras), self.config)
+        model = random_model(info, self.config.max_loras)
+        start = time.perf_counter()
+        self.runner = ModelRunner.from_model(model, self.config)
+        self.setup_s = time.perf_counter() - start  # KV cache allocation + decode graph capture
         self.tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(info.vocab_size)}, unk_token="w0"))
         self.refs = [AdapterRef(f"bench{i}", 1, f"bench{i}", f"{i:064x}") for i in range(max_adapters)]
         for slot in range(max_adapters):
@@ -227,6 +234,47 @@ def hf_generate(info: ModelInfo, batch: int, prompt: int, new_tokens: int, adapt
     return wall, batch * new_tokens / wall
 
 
+# torch.profiler kernel names → the kinds a decode step's GPU time is reported in
+_KERNEL_KINDS = (
+    ("lora", ("_shrink_kernel", "_expand_kernel", "_expand_gather_kernel", "_fused_kernel", "_linear_lora_kernel")),
+    ("attention", ("_paged_attention_kernel",)),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma")),
+    ("copy", ("memcpy", "memset")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in _KERNEL_KINDS if any(m in lowered for m in marks)), "other")
+
+
+def profile_decode(bench: EngineBench, batch: int, adapters: int, steps: int = 10) -> dict[str, float]:
+    """Milliseconds per decode step of `batch` sequences (prompt 128): "wall" under the profiler and
+    the GPU kernel time by kind (kernels inside graph replays included)."""
+    engine = bench.engine()
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    for i, tokens in enumerate(prompts(batch, 128, bench.info.vocab_size)):
+        adapter = bench.refs[i % adapters] if adapters else None
+        engine.add(EngineRequest(job_id=str(i), prompt_token_ids=tokens, sampling=params, adapter=adapter))
+    for _ in range(3):  # the prefill step, then decode steps warm
+        engine.step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    times = {"wall": wall * 1e3 / steps}
+    for event in prof.key_averages():
+        if event.self_device_time_total > 0:
+            kind = kernel_kind(event.key)
+            times[kind] = times.get(kind, 0.0) + event.self_device_time_total / 1e3 / steps
+    times["gpu"] = sum(v for k, v in times.items() if k != "wall")
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
@@ -237,9 +285,20 @@ def main() -> None:
     parser.add_argument("--hf-prompt", type=int, default=128)
     parser.add_argument("--hf-new-tokens", type=int, default=64)
     parser.add_argument("--hf-adapters", type=int, nargs="*", default=[0, 8])
+    parser.add_argument("--profile-batch", type=int, help="profile decode steps of this batch instead")
     parser.add_argument("--out", help="write the rows as JSON lines here")
     args = parser.parse_args()
     info = LLAMA3_8B
+    if args.profile_batch:
+        bench = EngineBench(info, max(args.adapters), args.profile_batch, 128 + 32)
+        graphs = bench.runner.graphs
+        for adapters in args.adapters:
+            for mode in ("graphs", "eager"):
+                bench.runner.graphs = graphs if mode == "graphs" else None
+                times = profile_decode(bench, args.profile_batch, adapters)
+                cells = "  ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(times.items()))
+                print(f"batch {args.profile_batch} adapters {adapters} {mode:<6} ms/step: {cells}", flush=True)
+        return
     bandwidth = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows: list[Row] = []
@@ -258,6 +317,8 @@ def main() -> None:
         report(Row(system, b, p, n, adapters, tok_s, 0.0, 0.0, 0.0, roofline(info, b, p + n / 2, bandwidth)))
 
     bench = EngineBench(info, max(args.adapters), max(args.batches), max(args.prompts) + args.new_tokens)
+    sizes = bench.runner.graphs.sizes if bench.runner.graphs else []
+    print(f"runner ready in {bench.setup_s:.1f} s (KV cache, decode graphs for batch sizes {sizes})", flush=True)
     bench.run(2, 16, 4, min(max(args.adapters), 2))  # warm-up: Triton compiles, cuBLAS handles
     for prompt in args.prompts:
         for batch in args.batches:

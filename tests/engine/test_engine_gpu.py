@@ -44,3 +44,117 @@ def test_bf16_prefill_logits_are_within_bf16_tolerance_of_fp32_cpu(llama: TinyCh
         return runner.execute(scheduled, lambda uid: None, config.block_size).cpu()
 
     assert rel_err(prefill_logits("cuda", "bfloat16"), prefill_logits("cpu", "float32")) < 2e-2
+
+
+BLOCK_SIZE = 4
+ADAPTER_SLOTS = {"all_r8": 0, "attn_r4_rslora": 1, "mlp_k_r4": 2}
+
+
+def graph_runner(checkpoint: TinyCheckpoint) -> ModelRunner:
+    """fp32 runner whose decode graphs cover 1, 2, 4 and 8 sequences, adapters loaded per ADAPTER_SLOTS."""
+    config = EngineConfig(
+        device="cuda", dtype="float32", max_num_seqs=8, max_lora_rank=8, num_kv_blocks=64, block_size=BLOCK_SIZE
+    )
+    runner = ModelRunner(ModelSpec(checkpoint.family, checkpoint.model_dir), config)
+    for name, slot in ADAPTER_SLOTS.items():
+        runner.load_adapter(slot, checkpoint.adapters[name])
+    return runner
+
+
+def prefilled(runner: ModelRunner, num_seqs: int) -> list[Sequence]:
+    """num_seqs sequences whose prompts are cached (one eager prefill step), each with one output
+    token waiting to be decoded at position len(prompt)."""
+    blocks = BlockManager(runner.num_blocks, BLOCK_SIZE)
+    prompts = list(PROMPTS.values())
+    seqs = []
+    for i in range(num_seqs):
+        prompt = prompts[i % len(prompts)][i // len(prompts) :]
+        seq = Sequence(seq_id=str(i), prompt_token_ids=list(prompt), sampling=None, seed=0)
+        blocks.allocate(seq, len(prompt) + 1)
+        seqs.append(seq)
+    runner.execute([ScheduledSequence(s, len(s.prompt_token_ids)) for s in seqs], lambda uid: None, BLOCK_SIZE)
+    for seq in seqs:
+        seq.num_computed_tokens = len(seq.prompt_token_ids)
+        seq.output_token_ids.append(7)
+    return seqs
+
+
+def decode_logits(runner: ModelRunner, seqs: list[Sequence], slots: list[int], *, eager: bool) -> torch.Tensor:
+    """Logits [n, V] of one decode step of `seqs` with adapter slot slots[i] (-1: base) for seqs[i]."""
+    for seq, slot in zip(seqs, slots, strict=True):
+        seq.adapter_uid = None if slot < 0 else str(slot)
+    graphs = runner.graphs
+    if eager:
+        runner.graphs = None
+    try:
+        return runner.execute([ScheduledSequence(s, 1) for s in seqs], int, BLOCK_SIZE).clone()
+    finally:
+        runner.graphs = graphs
+
+
+def assert_graph_matches_eager(runner: ModelRunner, seqs: list[Sequence], slots: list[int]) -> torch.Tensor:
+    graph = decode_logits(runner, seqs, slots, eager=False)
+    eager = decode_logits(runner, seqs, slots, eager=True)
+    torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(graph.argmax(-1), eager.argmax(-1))
+    return graph
+
+
+@pytest.mark.parametrize("num_requests", [3, 7])
+def test_graph_decode_greedy_tokens_equal_the_oracle_for_padded_batches(
+    llama: TinyCheckpoint, num_requests: int, monkeypatch: pytest.MonkeyPatch
+):
+    engine = make_engine(llama, device="cuda", dtype="float32", max_num_seqs=8)
+    graphs = engine.runner.graphs
+    replayed: list[int] = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda **step: replayed.append(len(step["token_ids"])) or run(**step))
+    names = list(PROMPTS)
+    jobs = {f"job-{i}": names[i % len(names)] for i in range(num_requests)}
+    results = run_to_completion(engine, [greedy_request(llama, job, adapter) for job, adapter in jobs.items()])
+    assert_matches_oracle(llama, results, jobs)
+    assert num_requests in replayed  # decode steps of 3 (7) sequences ran on the graph of 4 (8)
+
+
+@pytest.mark.parametrize(
+    "assignments",
+    [
+        [[0, 1, 2, -1, 0], [2, -1, 1, 0, 2], [1, 1, 1, 1, 1], [-1, -1, -1, -1, -1]],
+        [[-1, 2, -1], [0, 0, 0], [2, 1, 0]],
+    ],
+    ids=["5-of-8", "3-of-4"],
+)
+def test_graph_decode_equals_eager_whatever_the_token_to_slot_assignment(
+    llama: TinyCheckpoint, assignments: list[list[int]]
+):
+    runner = graph_runner(llama)
+    seqs = prefilled(runner, len(assignments[0]))
+    for slots in assignments:  # replays of the same captured graphs, each with its own assignment
+        assert_graph_matches_eager(runner, seqs, slots)
+
+
+def test_graph_decode_sees_an_adapter_reloaded_into_its_slot(llama: TinyCheckpoint):
+    runner = graph_runner(llama)
+    seqs = prefilled(runner, 5)
+    slots = [0, -1, 0, 1, 0]
+    before = assert_graph_matches_eager(runner, seqs, slots)
+    runner.load_adapter(0, llama.adapters["attn_r4_rslora"])  # slot 0: all_r8 → another adapter's weights
+    after = assert_graph_matches_eager(runner, seqs, slots)
+    changed = (after - before).abs().amax(-1) > 1e-4
+    assert changed.tolist() == [True, False, True, False, True]
+
+
+def test_graph_padding_rows_write_only_the_scratch_block(llama: TinyCheckpoint):
+    runner = graph_runner(llama)
+    seqs = prefilled(runner, 5)  # padded to 8: three rows of padding
+    caches = runner.kv_cache.key + runner.kv_cache.value
+    before = [cache.clone() for cache in caches]
+    decode_logits(runner, seqs, [0, -1, 1, 2, -1], eager=False)
+    real_slots = {
+        s.block_table[s.num_computed_tokens // BLOCK_SIZE] * BLOCK_SIZE + s.num_computed_tokens % BLOCK_SIZE
+        for s in seqs
+    }
+    scratch = runner.graphs.scratch_block
+    for old, new in zip(before, caches, strict=True):
+        written = (old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist()  # flat slots
+        assert {s for s in written if s // BLOCK_SIZE != scratch} == real_slots

@@ -1,7 +1,8 @@
 """The one place the engine touches the device: builds the step's tensors, runs the model, samples.
 
 Owns the model, its KV cache and the LoRA slot tensors; knows nothing about requests beyond what
-the scheduler hands it.
+the scheduler hands it. On CUDA, pure-decode steps replay captured graphs (cuda_graphs.py); prefill
+and mixed steps, and every step on CPU, run the model eagerly.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import torch
 from kernels.lora import LoRABatch
 from shared.config import EngineConfig, ModelSpec
 from shared.model_info import ModelInfo
+from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.forward_batch import ForwardBatch
 from worker.engine.kv_cache import KVCache
 from worker.engine.model import CausalLM, resolve_dtype
 from worker.engine.peft_adapter import load_adapter_weights
 from worker.engine.sampler import sample
 from worker.engine.scheduler import ScheduledSequence
+from worker.engine.sequence import Sequence as SequenceState
 
 log = structlog.get_logger(__name__)
 
@@ -33,6 +36,12 @@ def engine_dtype(name: str | None, info: ModelInfo, device: torch.device) -> tor
     """The checkpoint's dtype unless `name` overrides it; fp16 on CPU runs as fp32 (slow and lossy there)."""
     dtype = resolve_dtype(name, info)
     return torch.float32 if device.type == "cpu" and dtype is torch.float16 else dtype
+
+
+def _token_at(seq: SequenceState, position: int) -> int:
+    """The token at `position` of prompt + output, without concatenating the two lists."""
+    prompt_len = len(seq.prompt_token_ids)
+    return seq.prompt_token_ids[position] if position < prompt_len else seq.output_token_ids[position - prompt_len]
 
 
 class ModelRunner:
@@ -67,15 +76,26 @@ class ModelRunner:
         self.dtype = model.dtype
         self.model = model
         self.num_blocks = config.num_kv_blocks or self._fit_kv_blocks(kv_memory_share)
+        on_cuda = self.device.type == "cuda"
         self.kv_cache = KVCache.allocate(
             num_layers=self.info.num_layers,
-            num_blocks=self.num_blocks,
+            # CUDA: one block past those the block manager hands out, for decode graphs' padding rows
+            num_blocks=self.num_blocks + on_cuda,
             block_size=config.block_size,
             num_kv_heads=self.info.num_kv_heads,
             head_dim=self.info.head_dim,
             dtype=self.dtype,
             device=self.device,
         )
+        # None: every step runs eagerly (CPU; tests compare graphs against eager by clearing it)
+        self.graphs: DecodeGraphs | None = None
+        if on_cuda:
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_cache,
+                max_batch=config.max_num_seqs,
+                max_blocks_per_seq=-(-self.info.max_context // config.block_size),
+            )
         log.info("model_loaded", model=name, dtype=str(self.dtype), device=str(self.device), kv_blocks=self.num_blocks)
 
     def _fit_kv_blocks(self, share: float) -> int:
@@ -110,6 +130,9 @@ class ModelRunner:
         self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int
     ) -> torch.Tensor:
         """Run one step; returns float32 logits [B, V], one row per scheduled sequence."""
+        graphs = self.graphs
+        if graphs is not None and len(scheduled) <= graphs.max_batch and all(s.num_new_tokens == 1 for s in scheduled):
+            return self._replay_decode(graphs, scheduled, slot_of, block_size)
         batch = self._build_batch(scheduled, slot_of, block_size)
         with torch.inference_mode():
             return self.model.forward(batch, self.kv_cache)
@@ -122,6 +145,27 @@ class ModelRunner:
         )
         tokens_and_finite = torch.stack((tokens, logits.isfinite().all(dim=-1).long())).tolist()
         return tokens_and_finite[0], [bool(f) for f in tokens_and_finite[1]]
+
+    @staticmethod
+    def _replay_decode(
+        graphs: DecodeGraphs,
+        scheduled: Sequence[ScheduledSequence],
+        slot_of: Callable[[str], int | None],
+        block_size: int,
+    ) -> torch.Tensor:
+        """A step where each sequence brings one token (at position num_computed_tokens), by graph."""
+        seqs = [item.seq for item in scheduled]
+        positions = [seq.num_computed_tokens for seq in seqs]
+        return graphs.run(
+            token_ids=[_token_at(seq, p) for seq, p in zip(seqs, positions, strict=True)],
+            positions=positions,
+            slots=[
+                seq.block_table[p // block_size] * block_size + p % block_size
+                for seq, p in zip(seqs, positions, strict=True)
+            ],
+            adapter_slots=[-1 if seq.adapter_uid is None else slot_of(seq.adapter_uid) for seq in seqs],
+            block_tables=[seq.block_table for seq in seqs],
+        )
 
     def _build_batch(
         self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int

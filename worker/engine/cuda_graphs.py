@@ -1,0 +1,154 @@
+"""CUDA graphs of the model's forward for pure-decode steps (every sequence brings exactly one token).
+
+An eager decode step of an 8B model is ~1,000 kernel launches, each with Python and launch cost on
+the host; the GPU work is a few milliseconds. Replaying a captured graph launches them all at once.
+
+A step of n sequences replays the graph of the smallest captured batch size b >= n. Its inputs live
+in static device buffers the graphs were captured on; rows n..b-1 are padding: token 0 at position 0
+with context length 1, writing and reading only the scratch KV block (one block past those the block
+manager hands out), so padding never touches a real sequence's cache.
+
+Two graphs per size: base-only (lora None) and with LoRA. The LoRA graph builds its `LoRABatch` from
+the static token-slot buffer inside the capture, over the model's slot_ranks / slot_scales tensors,
+which adapter loads update in place: replays see whichever adapters the slots hold now.
+
+Nothing a captured kernel's grid or host-side branch depends on varies between replays: the grids
+depend on b alone, attention takes max_query_len = 1 and reads each context length on the device,
+and the LoRA plan is chosen from shapes (the token count b, the projection shape).
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from kernels.lora import LoRABatch
+from worker.engine.forward_batch import ForwardBatch
+from worker.engine.kv_cache import KVCache
+from worker.engine.model import CausalLM
+
+log = structlog.get_logger(__name__)
+
+# Rows of the int64 staging buffer: one host-to-device copy carries a step's per-token inputs.
+_TOKEN, _POSITION, _SLOT, _CONTEXT, _ADAPTER = range(5)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then 16, 24, 32, 48, 64, 96, 128, 192 … (powers of two and their 1.5×), capped by
+    and always including max_batch: padding wastes at most a third of a step's rows past 8."""
+    sizes = [1, 2, 4, 8]
+    power = 16
+    while sizes[-1] < max_batch:
+        sizes += [power, power * 3 // 2]
+        power *= 2
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, *, max_batch: int, max_blocks_per_seq: int) -> None:
+        """Capture decode graphs for batches of up to `max_batch` sequences whose block tables hold
+        at most `max_blocks_per_seq` blocks. The cache's last block is the padding rows' scratch."""
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sizes = capture_sizes(max_batch)
+        device = model.slot_ranks.device
+        self.scratch_block = kv_cache.key[0].shape[0] - 1
+        self._scratch_slot = self.scratch_block * kv_cache.block_size
+        with torch.inference_mode():
+            self._staging = torch.zeros(5, max_batch, dtype=torch.int64, device=device)  # rows: _TOKEN …
+            self._block_tables = torch.full(
+                (max_batch, max_blocks_per_seq), self.scratch_block, dtype=torch.int32, device=device
+            )
+            self._logits = torch.empty(max_batch, model.info.vocab_size, dtype=torch.float32, device=device)
+            self._query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+            self._logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._capture_all()
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        adapter_slots: list[int],
+        block_tables: list[list[int]],
+    ) -> torch.Tensor:
+        """Logits float32 [n, vocab] of one decode step of n <= max_batch sequences: token_ids,
+        positions, cache slots and adapter slots (-1: base model) per sequence, and their block tables.
+
+        The logits are a view of a buffer the next replay overwrites: read them before the next step."""
+        n = len(token_ids)
+        size = next(s for s in self.sizes if s >= n)
+        pad = size - n
+        contexts = [p + 1 for p in positions]
+        staged = [
+            token_ids + [0] * pad,
+            positions + [0] * pad,
+            slots + [self._scratch_slot] * pad,
+            contexts + [1] * pad,
+            adapter_slots + [-1] * pad,
+        ]
+        width = max(len(table) for table in block_tables)
+        tables = [t + [self.scratch_block] * (width - len(t)) for t in block_tables] + [
+            [self.scratch_block] * width
+        ] * pad
+        with torch.inference_mode():
+            # pinned host memory: the copies are queued behind the previous step without a host wait
+            self._staging[:, :size].copy_(torch.tensor(staged, dtype=torch.int64, pin_memory=True), non_blocking=True)
+            self._block_tables[:size, :width].copy_(
+                torch.tensor(tables, dtype=torch.int32, pin_memory=True), non_blocking=True
+            )
+            self._graphs[size, any(s >= 0 for s in adapter_slots)].replay()
+        return self._logits[:n]
+
+    def _capture_all(self) -> None:
+        """Warm each graph's kernels up eagerly (Triton compiles, cuBLAS handles), then capture it;
+        largest first, so smaller graphs fit in the memory the larger ones' activations freed in
+        the shared pool."""
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            self._stage_padding()
+            for size in reversed(self.sizes):
+                for with_lora in (False, True):
+                    self._forward(size, with_lora)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._forward(size, with_lora)
+                    self._graphs[size, with_lora] = graph
+        torch.cuda.synchronize()
+        log.info("decode_graphs_captured", sizes=self.sizes)
+
+    def _stage_padding(self) -> None:
+        """Fill every row as padding, so warm-up and capture runs write only the scratch block."""
+        self._staging.zero_()
+        self._staging[_SLOT].fill_(self._scratch_slot)
+        self._staging[_CONTEXT].fill_(1)
+        self._staging[_ADAPTER].fill_(-1)
+        self._block_tables.fill_(self.scratch_block)
+
+    def _forward(self, size: int, with_lora: bool) -> None:
+        """model.forward over the first `size` rows of the static buffers into the static logits."""
+        staged = self._staging[:, :size]
+        lora = None
+        if with_lora:
+            lora = LoRABatch.build(staged[_ADAPTER].to(torch.int32), self.model.slot_ranks, self.model.slot_scales)
+        batch = ForwardBatch(
+            input_ids=staged[_TOKEN],
+            positions=staged[_POSITION],
+            slot_mapping=staged[_SLOT],
+            query_start_loc=self._query_start_loc[: size + 1],
+            context_lens=staged[_CONTEXT].to(torch.int32),
+            block_tables=self._block_tables[:size],
+            logits_indices=self._logits_indices[:size],
+            max_query_len=1,
+            # attention reads context lengths on the device; this host copy only bounds them
+            max_context_len=self._block_tables.shape[1] * self.kv_cache.block_size,
+            lora=lora,
+        )
+        # copied into one buffer shared by all sizes, so each graph's own output memory returns to the pool
+        self._logits[:size].copy_(self.model.forward(batch, self.kv_cache))
