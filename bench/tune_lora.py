@@ -9,7 +9,7 @@ min(T, --adapters) adapters laid out as in the benchmark:
      of the two expands;
   2. time the whole projection (base GEMM + LoRA) along each path with those configurations and
      record the fastest path as the plan for batches of up to T tokens.
-Every timing is the median of CUDA-graph replays with L2 flushed before each call (a 128 MiB write,
+Every timing is the median of CUDA-graph replays with L2 flushed before each call (a 128 MiB read,
 timed alone and subtracted), since in a model the previous layer's weights have evicted this one's.
 Plans for shapes and ranks not re-tuned are kept from the existing file.
 """
@@ -53,15 +53,16 @@ GATHER_MAX_TOKENS = 256  # above, the gathering expand's CUDA-core products make
 
 
 class Flushed:
-    """Median time of a function with L2 flushed before each call (the flush timed once, subtracted)."""
+    """Median time of a function with L2 flushed before each call (the flush timed once, subtracted).
+    The flush reads: a write would leave L2 full of dirty lines for the timed call to write back."""
 
     def __init__(self) -> None:
-        self.scratch = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-        self.flush_us = median_us(self.scratch.zero_, rep_ms=8)
+        self.scratch = torch.ones(32 << 20, dtype=torch.float32, device="cuda")
+        self.flush_us = median_us(self.scratch.sum, rep_ms=8)
 
     def __call__(self, fn: Callable[[], object]) -> float:
         def flush_and_run() -> None:
-            self.scratch.zero_()
+            self.scratch.sum()
             fn()
 
         return median_us(flush_and_run, rep_ms=8) - self.flush_us
@@ -97,11 +98,14 @@ def shrink_candidates(num_tokens: int, r_pad: int) -> list[ShrinkConfig]:
 
 
 def expand_candidates(num_tokens: int, r_pad: int) -> list[ExpandConfig]:
-    block_ms = (16,) if num_tokens <= 256 else (64, 128)
+    if num_tokens <= 256:
+        block_ms, walks = (16,), ((64, 64), (128, 512), (128, 2048), (256, 1024), (256, 4096))
+    else:
+        block_ms, walks = (64, 128), ((128, 128), (128, 1024), (256, 256), (256, 2048))
     return [
-        ExpandConfig(block_m=bm, block_n=bn, num_warps=4 if bn <= 128 else 8)
+        ExpandConfig(block_m=bm, block_n=bn, n_chunk=chunk, num_warps=4 if bn <= 128 else 8, num_stages=3)
         for bm in block_ms
-        for bn in (64, 128, 256)
+        for bn, chunk in walks
     ]
 
 

@@ -45,8 +45,13 @@ class ShrinkConfig:
 class ExpandConfig:
     block_m: int = 64
     block_n: int = 128
+    n_chunk: int = 128  # columns one program walks, a multiple of block_n
     num_warps: int = 4
     num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.n_chunk % self.block_n:
+            raise ValueError(f"n_chunk {self.n_chunk} must be a multiple of block_n {self.block_n}")
 
 
 @dataclass(frozen=True, slots=True)

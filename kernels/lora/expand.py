@@ -8,8 +8,10 @@ Semantics (z from shrink.py, summed over its split axis):
     without accumulate, every other token's row is set to the bias (or 0): y needs no prior fill,
     and the base GEMM then adds x · Wᵀ into it in its own epilogue (torch.addmm_, beta = 1).
 
-Grid: (output tiles of all slices, token tiles). A B tile is read by all token tiles of its slot:
-a slot's B is at most N x R (~1 MB), so those re-reads hit L2 whatever the launch order.
+Grid: (output chunks of n_chunk columns over all slices, token tiles). A program walks its chunk
+BLOCK_N columns at a time, so its one-off latency (tile map, token ids, z) is paid once per chunk
+rather than per tile, and the loads of later steps overlap earlier ones. A B tile is read by all
+token tiles of its slot: a slot's B is at most N x R (~1 MB), so those re-reads hit L2.
 """
 
 from __future__ import annotations
@@ -24,20 +26,37 @@ from kernels.lora.tiles import SliceGroup, group_tile, load_z, max_token_tiles, 
 
 
 @triton.jit
-def store_rows(y_ptrs, values, bias_ptrs, mask, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y = values (+ bias), or y += values; values are fp32."""
-    if ACCUMULATE:
-        values += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    elif HAS_BIAS:
-        values += tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, values.to(y_ptrs.dtype.element_ty), mask=mask)
+def expand_chunk(
+    zs, b_ptrs, y_ptrs, bias_ptrs, row_ok, r_ok, n_first, n_last, width, max_rank,
+    BLOCK_N: tl.constexpr, HAS_LORA: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Walk columns [n_first, n_last) BLOCK_N at a time: y = (bias +) zs · B (zs [M, R] already
+    scaled, in B's dtype), or y += zs · B; without LoRA (the no-LoRA group) y = bias, or 0.
+    b_ptrs: [R, BLOCK_N] at column 0; y_ptrs, bias_ptrs: [M, BLOCK_N] / [1, BLOCK_N] at column 0.
+    Every address depends only on the loop index, so the loads of later steps are issued early."""
+    n_offs = tl.arange(0, BLOCK_N)
+    for n in range(n_first, n_last, BLOCK_N):
+        n_ok = (n + n_offs) < width
+        mask = row_ok[:, None] & n_ok[None, :]
+        if ACCUMULATE:
+            acc = tl.load(y_ptrs + n, mask=mask, other=0.0).to(tl.float32)
+        elif HAS_BIAS:
+            acc = tl.zeros(mask.shape, tl.float32) + tl.load(bias_ptrs + n, mask=n_ok[None, :], other=0.0).to(
+                tl.float32
+            )
+        else:
+            acc = tl.zeros(mask.shape, tl.float32)
+        if HAS_LORA:
+            b = tl.load(b_ptrs + n * max_rank, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            acc += tl.dot(zs, b)
+        tl.store(y_ptrs + n, acc.to(y_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["z_stride_split", "z_stride_slice"])
 def _expand_kernel(
     z_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, bias_ptr,
     sorted_tokens_ptr, group_counts_ptr, slot_ranks_ptr, slot_scales_ptr,
-    num_slots, max_rank, n0, n1, n2, col0, col1, col2, tiles0, tiles1,
+    num_slots, max_rank, n0, n1, n2, col0, col1, col2, chunks0, chunks1, n_chunk,
     split_k, y_stride, z_stride_split, z_stride_slice,
     R_PAD: tl.constexpr, GROUPS_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -48,33 +67,35 @@ def _expand_kernel(
     group, row0, count, start = group_tile(tl.program_id(1), group_counts_ptr, num_groups, GROUPS_PAD, BLOCK_M)
     if group >= num_groups:
         return
-    slice_id, pid_n = slice_of(tl.program_id(0), tiles0, tiles1)
+    slice_id, chunk = slice_of(tl.program_id(0), chunks0, chunks1)
     width = select(slice_id, n0, n1, n2)
     col = select(slice_id, col0, col1, col2)
+    n_first = chunk * n_chunk
+    n_last = tl.minimum(n_first + n_chunk, width)
 
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < count
     tokens = tl.load(sorted_tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < width
-    mask = row_ok[:, None] & n_ok[None, :]
-    y_ptrs = y_ptr + tokens[:, None] * y_stride + col + n[None, :]
-    bias_ptrs = bias_ptr + col + n[None, :]
+    n_offs = tl.arange(0, BLOCK_N)
+    y_ptrs = y_ptr + tokens[:, None] * y_stride + col + n_offs[None, :]
+    bias_ptrs = bias_ptr + col + n_offs[None, :]
+    r = tl.arange(0, R_PAD)
     if group == num_slots:
-        store_rows(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), bias_ptrs, mask, False, HAS_BIAS)
+        zs = tl.zeros((BLOCK_M, R_PAD), dtype=y_ptr.dtype.element_ty)
+        expand_chunk(zs, y_ptrs, y_ptrs, bias_ptrs, row_ok, r < 0, n_first, n_last, width, max_rank,
+                     BLOCK_N, False, False, HAS_BIAS)  # fmt: skip
         return
 
     rank = tl.minimum(tl.load(slot_ranks_ptr + group), max_rank)
     scale = tl.load(slot_scales_ptr + group)
-    r = tl.arange(0, R_PAD)
     r_ok = r < rank
     z_ptrs = z_ptr + slice_id * z_stride_slice + tokens[:, None] * R_PAD + r[None, :]
     z = load_z(z_ptrs, row_ok[:, None] & r_ok[None, :], split_k, z_stride_split, SPLIT_PAD)
     b_ptr = select_ptr(slice_id, b0_ptr, b1_ptr, b2_ptr)
-    b_ptrs = b_ptr + group.to(tl.int64) * width * max_rank + n[None, :] * max_rank + r[:, None]
-    b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [R_PAD, BLOCK_N]
-    delta = tl.dot((z * scale).to(b.dtype), b)
-    store_rows(y_ptrs, delta, bias_ptrs, mask, ACCUMULATE, HAS_BIAS)
+    b_ptrs = b_ptr + group.to(tl.int64) * width * max_rank + n_offs[None, :] * max_rank + r[:, None]
+    zs = (z * scale).to(b_ptr.dtype.element_ty)
+    expand_chunk(zs, b_ptrs, y_ptrs, bias_ptrs, row_ok, r_ok, n_first, n_last, width, max_rank,
+                 BLOCK_N, True, ACCUMULATE, HAS_BIAS)  # fmt: skip
 
 
 def lora_expand(
@@ -100,13 +121,13 @@ def lora_expand(
         raise ValueError("bias is only written without accumulate, contiguous and in y's dtype")
     if num_tokens == 0:
         return
-    tiles = group.tiles(config.block_n)
+    chunks = group.tiles(config.n_chunk)
     num_groups = num_slots if accumulate else num_slots + 1
-    grid = (sum(tiles), max_token_tiles(num_tokens, num_groups, config.block_m))
+    grid = (sum(chunks), max_token_tiles(num_tokens, num_groups, config.block_m))
     _expand_kernel[grid](
         z, *group.lora_b, y, y if bias is None else bias,
         batch.sorted_tokens, batch.group_counts, batch.slot_ranks, batch.slot_scales,
-        num_slots, max_rank, *group.widths, *group.columns, tiles[0], tiles[1],
+        num_slots, max_rank, *group.widths, *group.columns, chunks[0], chunks[1], config.n_chunk,
         split_k, y.stride(0), z.stride(0), z.stride(1),
         R_PAD=r_pad, GROUPS_PAD=triton.next_power_of_2(num_slots + 1), SPLIT_PAD=triton.next_power_of_2(split_k),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,

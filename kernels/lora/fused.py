@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora.configs import FusedConfig
-from kernels.lora.expand import store_rows
+from kernels.lora.expand import expand_chunk
 from kernels.lora.metadata import LoRABatch
 from kernels.lora.tiles import SliceGroup, group_tile, max_token_tiles, rank_pad, select, select_ptr, slice_of
 
@@ -50,16 +50,15 @@ def _fused_kernel(
     bias_ptrs = bias_ptr + col + n_offs[None, :]
     n_first = chunk * n_chunk
     n_last = tl.minimum(n_first + n_chunk, width)
+    r = tl.arange(0, R_PAD)
     if group == num_slots:
-        for n in range(n_first, n_last, BLOCK_N):
-            mask = row_ok[:, None] & (n + n_offs < width)[None, :]
-            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            store_rows(y_ptrs + n, zero, bias_ptrs + n, mask, False, HAS_BIAS)
+        zs = tl.zeros((BLOCK_M, R_PAD), dtype=y_ptr.dtype.element_ty)
+        expand_chunk(zs, y_ptrs, y_ptrs, bias_ptrs, row_ok, r < 0, n_first, n_last, width, max_rank,
+                     BLOCK_N, False, False, HAS_BIAS)  # fmt: skip
         return
 
     rank = tl.minimum(tl.load(slot_ranks_ptr + group), max_rank)
     scale = tl.load(slot_scales_ptr + group)
-    r = tl.arange(0, R_PAD)
     r_ok = r < rank
     k_offs = tl.arange(0, BLOCK_K)
     a_ptr = select_ptr(slice_id, a0_ptr, a1_ptr, a2_ptr)
@@ -75,15 +74,12 @@ def _fused_kernel(
             x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(a_ptrs + k, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
         z += tl.dot(x, a)
-    z = (z * scale).to(x_ptr.dtype.element_ty)
 
     b_ptr = select_ptr(slice_id, b0_ptr, b1_ptr, b2_ptr)
     b_ptrs = b_ptr + group.to(tl.int64) * width * max_rank + n_offs[None, :] * max_rank + r[:, None]
-    for n in range(n_first, n_last, BLOCK_N):
-        n_ok = (n + n_offs) < width
-        b = tl.load(b_ptrs + n * max_rank, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [R_PAD, BLOCK_N]
-        delta = tl.dot(z, b)
-        store_rows(y_ptrs + n, delta, bias_ptrs + n, row_ok[:, None] & n_ok[None, :], ACCUMULATE, HAS_BIAS)
+    zs = (z * scale).to(x_ptr.dtype.element_ty)
+    expand_chunk(zs, b_ptrs, y_ptrs, bias_ptrs, row_ok, r_ok, n_first, n_last, width, max_rank,
+                 BLOCK_N, True, ACCUMULATE, HAS_BIAS)  # fmt: skip
 
 
 def lora_fused(
