@@ -58,6 +58,16 @@ def fraction(text: str) -> float:
     return value
 
 
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return value
+
+
 def device_name(text: str) -> str:
     if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
         return text
@@ -150,13 +160,20 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
     )
-    return WorkerConfig(
-        redis_url=redis_url(args),
-        models=models,
-        adapter_root=root,
-        engine=engine,
-        worker_id=args.worker_id or default_worker_id(),
-    )
+    try:
+        return WorkerConfig(
+            redis_url=redis_url(args),
+            models=models,
+            adapter_root=root,
+            engine=engine,
+            worker_id=args.worker_id or default_worker_id(),
+            heartbeat_interval_s=args.heartbeat_interval,
+            claim_idle_ms=args.claim_idle_ms,
+            max_deliveries=args.max_deliveries,
+            drain_grace_s=args.drain_grace,
+        )
+    except ValueError as exc:
+        raise ConfigError("--heartbeat-interval / --claim-idle-ms", str(exc)) from None
 
 
 def _check_unique_names(models: tuple[ModelSpec, ...]) -> None:

@@ -18,12 +18,13 @@ from cli import config_from_args as cfa
 from cli.errors import CommandError
 from cli.redis_server import RedisServerError
 from cli.state import DEFAULT_STATE_DIR
-from shared.config import EngineConfig, GatewayConfig
+from shared.config import EngineConfig, GatewayConfig, WorkerConfig
 from shared.errors import LorafleetError
 from shared.log import configure_logging
 
 _ENGINE = EngineConfig()
 _GATEWAY = GatewayConfig(redis_url="")
+_WORKER = WorkerConfig(redis_url="", models=(), adapter_root=Path())
 
 
 def _add_redis_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +77,31 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
         help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)",
     )
     worker.add_argument("--worker-id", help="name in heartbeats and job records (default: HOST-PID)")
+    delivery = worker.add_argument_group("delivery")
+    delivery.add_argument(
+        "--heartbeat-interval",
+        type=cfa.seconds,
+        default=_WORKER.heartbeat_interval_s,
+        help="seconds between heartbeats, which also renew the claim on running jobs (default: %(default)s)",
+    )
+    delivery.add_argument(
+        "--claim-idle-ms",
+        type=cfa.positive_int,
+        default=_WORKER.claim_idle_ms,
+        help="a running job not renewed for this long is taken over by another worker (default: %(default)s)",
+    )
+    delivery.add_argument(
+        "--max-deliveries",
+        type=cfa.positive_int,
+        default=_WORKER.max_deliveries,
+        help="a job started more often than this is failed and dead-lettered (default: %(default)s)",
+    )
+    delivery.add_argument(
+        "--drain-grace",
+        type=cfa.seconds,
+        default=_WORKER.drain_grace_s,
+        help="on SIGTERM, seconds running jobs get to finish before they are handed back (default: %(default)s)",
+    )
     engine = worker.add_argument_group("engine sizes")
     engine.add_argument(
         "--dtype", choices=("float32", "float16", "bfloat16"), help="weights' dtype (default: the checkpoint's)"

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
-from redis.asyncio import Redis
 
 from gateway.job_service import JobService
 from gateway.metrics import GatewayMetrics
@@ -18,6 +17,7 @@ from gateway.tokenization import TokenizerCache
 from shared.config import GatewayConfig
 from shared.jobstore import JobStore
 from shared.rate_limits import Admission
+from shared.redis_client import resilient_redis
 
 # A long-poll holds a Redis XREAD BLOCK for up to limits.max_wait_s; the socket must outwait it by
 # this much, or redis-py's default 5 s read timeout would cut every long-poll short.
@@ -43,7 +43,7 @@ def create_app(config: GatewayConfig) -> web.Application:
 
 async def _services(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    redis = Redis.from_url(config.redis_url, socket_timeout=config.limits.max_wait_s + _REDIS_READ_MARGIN_S)
+    redis = resilient_redis(config.redis_url, socket_timeout_s=config.limits.max_wait_s + _REDIS_READ_MARGIN_S)
     executor = ThreadPoolExecutor(max_workers=_TOKENIZER_THREADS, thread_name_prefix="tokenize")
     app[REDIS] = redis
     app[JOBS] = JobService(

@@ -110,3 +110,15 @@ class WorkerConfig:
     # a pending job whose worker has been silent this long is claimed by another worker
     claim_idle_ms: int = 60_000
     max_deliveries: int = 3
+    # on SIGTERM, running jobs get this long to finish; the rest are handed back to the queue
+    drain_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_s <= 0 or self.drain_grace_s < 0:
+            raise ValueError("heartbeat_interval_s must be > 0 and drain_grace_s >= 0")
+        if self.claim_idle_ms < 3 * self.heartbeat_interval_s * 1000:
+            # a live worker renews its running jobs every heartbeat; a shorter idle time would let
+            # another worker steal them between two renewals
+            raise ValueError("claim_idle_ms must be at least three heartbeat intervals")
+        if self.max_deliveries < 1:
+            raise ValueError("max_deliveries must be >= 1")

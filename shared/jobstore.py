@@ -51,6 +51,16 @@ redis.call('EXPIRE', KEYS[2], ARGV[1])
 return 1
 """
 
+_RELEASE = """
+-- KEYS: job hash   ARGV: worker id
+-- A draining worker hands a job it started back: queued again, and this delivery does not count.
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
+if redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'queued')
+redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+return 1
+"""
+
 _CANCEL = """
 -- KEYS: job hash, job events   ARGV: ttl_s, now_ms, events cap
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -84,6 +94,7 @@ class JobStore:
         self._create = redis.register_script(_CREATE)
         self._start = redis.register_script(_START)
         self._finish = redis.register_script(_FINISH)
+        self._release = redis.register_script(_RELEASE)
         self._cancel = redis.register_script(_CANCEL)
 
     async def create(
@@ -157,6 +168,11 @@ class JobStore:
                 if delta.offset == 0:
                     pipe.expire(stream, self._ttl_s)
             await pipe.execute()
+
+    async def release(self, job_id: str, worker_id: str) -> bool:
+        """Hand a running job back to the queue without counting its delivery (a graceful drain).
+        False when it is no longer this worker's running job."""
+        return bool(await self._release(keys=[keys.job(job_id)], args=[worker_id]))
 
     async def cancel(self, job_id: str) -> JobStatus | None:
         """Cancel a queued or running job. Returns the status after the call (None: no such job)."""

@@ -4,18 +4,28 @@ Delivery is at-least-once: a stream entry is acknowledged only after its job's f
 stored. While a job runs, this worker keeps re-claiming its entry so its idle time stays low; an
 entry whose worker died goes idle and another worker claims it (XAUTOCLAIM) and runs it again.
 The job store's Lua scripts make sure only one result is ever stored.
+
+Every loop survives losing Redis: the client retries a command through a short restart, and past
+that the loop logs, backs off and tries again, holding on to any result it has not stored yet.
+On `stop()` the worker drains: it reads no more jobs, gives running ones `drain_grace_s` to
+finish, and puts the rest back on their queue as new entries that any worker can take at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
-import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
 from shared.chat_template import read_chat_template
@@ -23,15 +33,21 @@ from shared.config import WorkerConfig
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore, now_ms
 from shared.model_registry import publish_model
+from shared.redis_client import resilient_redis
 from shared.schema import JobError, JobMessage, JobStatus, SchemaError, TokenDelta, decode_job
 from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
 from worker.engine_thread import EngineThread
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
+
 _READ_BLOCK_MS = 1000
+_SOCKET_TIMEOUT_S = 10.0  # outlasts the XREADGROUP block; a dead connection is noticed this fast
 _CANCEL_POLL_S = 0.25
 _DEAD_LETTER_MAXLEN = 10_000
+_BACKOFF_MIN_S = 0.1  # a loop that lost Redis waits this long, doubling up to the max, between tries
+_BACKOFF_MAX_S = 2.0
 
 
 @dataclass(slots=True)
@@ -39,6 +55,7 @@ class _InFlight:
     model: str
     entry_id: bytes
     request_id: str
+    fields: dict[bytes, bytes]  # the entry as read, to queue it again if this worker lets it go
 
 
 class Worker:
@@ -46,7 +63,7 @@ class Worker:
         self.config = config
         self.id = config.worker_id
         self.capacity = config.engine.max_num_seqs * 2  # a queue beyond the batch, so admission never idles
-        self._redis = aioredis.Redis.from_url(config.redis_url)
+        self._redis = resilient_redis(config.redis_url, socket_timeout_s=_SOCKET_TIMEOUT_S)
         self._jobs = JobStore(self._redis, config.job_ttl_s)
         self._in_flight: dict[str, _InFlight] = {}
         self._room = asyncio.Event()
@@ -55,6 +72,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._crash: BaseException | None = None
         self._engine_thread: EngineThread | None = None
+        self._last_claim = 0.0
 
     async def run(self) -> int:
         """Serve until `stop()`; returns the process exit code."""
@@ -67,35 +85,36 @@ class Worker:
             on_deltas=lambda deltas: loop.call_soon_threadsafe(self._results.put_nowait, deltas),
         )
         self._engine_thread.start()
-        for name, engine in engines.items():
-            tokenizer_json = (self._model_path(name) / "tokenizer.json").read_bytes()
-            await publish_model(self._redis, engine.info, tokenizer_json, read_chat_template(self._model_path(name)))
-            await self._ensure_group(name)
+        await self._retrying("announce", lambda: self._announce(engines))
         log.info("worker_ready", worker=self.id, models=list(engines))
-        tasks = [
-            asyncio.create_task(self._consume(), name="consume"),
+        consume = asyncio.create_task(self._consume(), name="consume")
+        background = [
             asyncio.create_task(self._publish(), name="publish"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
             asyncio.create_task(self._watch_cancels(), name="cancels"),
         ]
+        for task in (consume, *background):
+            task.add_done_callback(self._task_done)
         await self._stopping.wait()
+        await asyncio.gather(consume, return_exceptions=True)  # returns within one read block
         await self._drain()
-        for task in tasks:
+        for task in background:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._engine_thread.stop()
-        await self._redis.delete(keys.worker(self.id))
-        await self._redis.srem(keys.WORKERS, self.id)
+        await asyncio.gather(*background, return_exceptions=True)
+        with contextlib.suppress(RedisError):  # the heartbeat key expires by itself if Redis is away
+            await self._redis.delete(keys.worker(self.id))
+            await self._redis.srem(keys.WORKERS, self.id)
         await self._redis.aclose()
-        log.info("worker_stopped", worker=self.id)
+        log.info("worker_stopped", worker=self.id, crashed=self._crash is not None)
         return 1 if self._crash is not None else 0
 
     def stop(self) -> None:
         self._stopping.set()
+        self._room.set()  # wake the consumer if it waits for room
 
     # -- start-up -------------------------------------------------------------------------------
 
-    def _model_path(self, name: str):
+    def _model_path(self, name: str) -> Path:
         return next(spec.path for spec in self.config.models if spec.name == name)
 
     def _load_engines(self) -> dict[str, LLMEngine]:
@@ -104,6 +123,12 @@ class Worker:
             spec.name: LLMEngine.from_spec(spec, self.config.engine, self.config.adapter_root, kv_memory_share=share)
             for spec in self.config.models
         }
+
+    async def _announce(self, engines: dict[str, LLMEngine]) -> None:
+        for name, engine in engines.items():
+            tokenizer_json = (self._model_path(name) / "tokenizer.json").read_bytes()
+            await publish_model(self._redis, engine.info, tokenizer_json, read_chat_template(self._model_path(name)))
+            await self._ensure_group(name)
 
     async def _ensure_group(self, model: str) -> None:
         try:
@@ -116,37 +141,83 @@ class Worker:
         self._crash = exc
         self.stop()
 
+    def _task_done(self, task: asyncio.Task) -> None:
+        """A loop that ends by an error other than a lost connection is a bug: stop rather than limp on."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("worker_loop_failed", loop=task.get_name(), exc_info=task.exception())
+        self._crash = task.exception()
+        self.stop()
+
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Run `attempt` until it gets through: a lost Redis connection is logged, waited out and retried."""
+        delay = _BACKOFF_MIN_S
+        while True:
+            try:
+                return await attempt()
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("redis_unavailable", doing=what, error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, _BACKOFF_MAX_S)
+
     # -- intake ---------------------------------------------------------------------------------
 
     async def _consume(self) -> None:
-        streams = {keys.queue(spec.name): ">" for spec in self.config.models}
-        last_claim = 0.0
         while not self._stopping.is_set():
+            await self._retrying("consume", self._consume_once)
+
+    async def _consume_once(self) -> None:
+        room = self.capacity - len(self._in_flight)
+        if room <= 0:
+            self._room.clear()
+            await self._room.wait()
+            return
+        if time.monotonic() - self._last_claim > self.config.claim_idle_ms / 2000:
+            self._last_claim = time.monotonic()
+            for spec in self.config.models:
+                await self._claim_abandoned(spec.name, room)
             room = self.capacity - len(self._in_flight)
             if room <= 0:
-                self._room.clear()
-                await self._room.wait()
-                continue
-            if time.monotonic() - last_claim > self.config.claim_idle_ms / 2000:
-                last_claim = time.monotonic()
-                for spec in self.config.models:
-                    await self._claim_abandoned(spec.name, room)
+                return
+        streams = {keys.queue(spec.name): ">" for spec in self.config.models}
+        try:
             response = await self._redis.xreadgroup(
                 keys.WORKER_GROUP, self.id, streams, count=room, block=_READ_BLOCK_MS
             )
-            for stream, entries in response or []:
-                model = stream.decode().removeprefix(keys.queue(""))
-                for entry_id, fields in entries:
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.error("consumer_group_missing", error=str(exc))  # Redis came back without its data
+            for spec in self.config.models:
+                await self._ensure_group(spec.name)
+            return
+        for stream, entries in response or []:
+            model = stream.decode().removeprefix(keys.queue(""))
+            for entry_id, fields in entries:
+                if self._stopping.is_set():
+                    await self._requeue(model, entry_id, fields)  # read during the stop: not ours to run
+                else:
                     await self._accept(model, entry_id, fields)
 
     async def _claim_abandoned(self, model: str, count: int) -> None:
-        """Take over entries whose worker stopped renewing them (it died)."""
-        _, entries, _ = await self._redis.xautoclaim(
-            keys.queue(model), keys.WORKER_GROUP, self.id, min_idle_time=self.config.claim_idle_ms, count=count
-        )
-        for entry_id, fields in entries:
-            log.warning("job_reclaimed", model=model, entry=entry_id.decode())
-            await self._accept(model, entry_id, fields)
+        """Take over entries whose worker stopped renewing them (it died), scanning the whole pending list."""
+        cursor: bytes | str = "0-0"
+        claimed = 0
+        while claimed < count:
+            cursor, entries, _ = await self._redis.xautoclaim(
+                keys.queue(model),
+                keys.WORKER_GROUP,
+                self.id,
+                min_idle_time=self.config.claim_idle_ms,
+                start_id=cursor,
+                count=count - claimed,
+            )
+            for entry_id, fields in entries:
+                log.warning("job_reclaimed", model=model, entry=entry_id.decode())
+                await self._accept(model, entry_id, fields)
+            claimed += len(entries)
+            if cursor in (b"0-0", "0-0"):
+                return
 
     async def _accept(self, model: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
@@ -164,8 +235,15 @@ class Worker:
         if attempts > self.config.max_deliveries:
             await self._give_up(model, entry_id, fields, message, attempts)
             return
-        self._in_flight[message.job_id] = _InFlight(model, entry_id, message.request_id)
-        log.info("job_started", job=message.job_id, model=model, tenant=message.tenant, request_id=message.request_id)
+        self._in_flight[message.job_id] = _InFlight(model, entry_id, message.request_id, fields)
+        log.info(
+            "job_started",
+            job=message.job_id,
+            model=model,
+            tenant=message.tenant,
+            attempt=attempts,
+            request_id=message.request_id,
+        )
         self._engine_thread.submit(
             model,
             EngineRequest(
@@ -194,10 +272,22 @@ class Worker:
             approximate=True,
         )
         await self._ack(model, entry_id)
+        length = await self._redis.xlen(keys.DEAD_LETTER)
+        if length >= _DEAD_LETTER_MAXLEN * 9 // 10:
+            # the stream is capped: past this, the oldest dead letters are being dropped
+            log.warning("dead_letter_stream_full", length=length, maxlen=_DEAD_LETTER_MAXLEN)
 
     async def _ack(self, model: str, entry_id: bytes) -> None:
         """Acknowledge and delete: a finished job's entry has no further use, so the stream stays short."""
         async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.xack(keys.queue(model), keys.WORKER_GROUP, entry_id)
+            pipe.xdel(keys.queue(model), entry_id)
+            await pipe.execute()
+
+    async def _requeue(self, model: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """Put an entry back as a new one, readable by any worker now (not after `claim_idle_ms`)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(keys.queue(model), fields)
             pipe.xack(keys.queue(model), keys.WORKER_GROUP, entry_id)
             pipe.xdel(keys.queue(model), entry_id)
             await pipe.execute()
@@ -207,67 +297,82 @@ class Worker:
     async def _publish(self) -> None:
         while True:
             result = await self._results.get()
-            if isinstance(result, list):
-                deltas = [delta for delta in result if delta.job_id in self._in_flight]
-                if deltas:
-                    await self._jobs.publish_tokens(deltas)
-                continue
-            flight = self._in_flight.pop(result.job_id, None)
-            if flight is None:
-                continue  # canceled meanwhile: already acknowledged
-            stored = await self._jobs.finish(
-                result.job_id,
-                result.status,
-                output=result.output,
-                error=result.error,
-                completion_tokens=result.completion_tokens,
-                first_token_ms=result.first_token_ms,
-            )
-            await self._ack(flight.model, flight.entry_id)
-            self._room.set()
-            log.info(
-                "job_finished",
-                job=result.job_id,
-                status=result.status.value,
-                stored=stored,
-                tokens=result.completion_tokens,
-                error=result.error.code if result.error else None,
-                request_id=flight.request_id,
-            )
+            try:
+                if isinstance(result, list):
+                    deltas = [delta for delta in result if delta.job_id in self._in_flight]
+                    if deltas:
+                        await self._retrying("publish tokens", lambda deltas=deltas: self._jobs.publish_tokens(deltas))
+                else:
+                    await self._retrying("publish", lambda result=result: self._store(result))
+            finally:
+                self._results.task_done()
+
+    async def _store(self, result: EngineResult) -> None:
+        """Store one result and acknowledge its entry. Safe to repeat: the job store keeps the first result."""
+        flight = self._in_flight.get(result.job_id)
+        if flight is None:
+            return  # canceled meanwhile: already acknowledged
+        stored = await self._jobs.finish(
+            result.job_id,
+            result.status,
+            output=result.output,
+            error=result.error,
+            completion_tokens=result.completion_tokens,
+            first_token_ms=result.first_token_ms,
+        )
+        await self._ack(flight.model, flight.entry_id)
+        self._in_flight.pop(result.job_id, None)
+        self._room.set()
+        log.info(
+            "job_finished",
+            job=result.job_id,
+            status=result.status.value,
+            stored=stored,
+            tokens=result.completion_tokens,
+            error=result.error.code if result.error else None,
+            request_id=flight.request_id,
+        )
 
     async def _watch_cancels(self) -> None:
-        """Stop running jobs that were canceled, or whose record vanished (expired TTL)."""
         while True:
             await asyncio.sleep(_CANCEL_POLL_S)
-            job_ids = list(self._in_flight)
-            if not job_ids:
+            await self._retrying("cancel watch", self._abort_canceled)
+
+    async def _abort_canceled(self) -> None:
+        """Stop running jobs that were canceled, or whose record vanished (expired TTL)."""
+        job_ids = list(self._in_flight)
+        if not job_ids:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(keys.job(job_id), "status")
+            statuses = await pipe.execute()
+        for job_id, status in zip(job_ids, statuses, strict=True):
+            flight = self._in_flight.get(job_id)
+            if flight is None or status not in (b"canceled", None):
                 continue
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for job_id in job_ids:
-                    pipe.hget(keys.job(job_id), "status")
-                statuses = await pipe.execute()
-            for job_id, status in zip(job_ids, statuses, strict=True):
-                flight = self._in_flight.get(job_id)
-                if flight is None or status not in (b"canceled", None):
-                    continue
-                self._engine_thread.abort(job_id)
-                del self._in_flight[job_id]
-                await self._ack(flight.model, flight.entry_id)
-                self._room.set()
-                log.info("job_aborted", job=job_id, status=(status or b"missing").decode())
+            self._engine_thread.abort(job_id)
+            await self._ack(flight.model, flight.entry_id)
+            self._in_flight.pop(job_id, None)
+            self._room.set()
+            log.info("job_aborted", job=job_id, status=(status or b"missing").decode())
 
     async def _heartbeat(self) -> None:
-        """Advertise this worker, and renew the claim on every running entry so no live job is stolen."""
-        ttl_s = max(3, int(self.config.heartbeat_interval_s * 3))
         while True:
-            by_model: dict[str, list[bytes]] = {}
-            for flight in self._in_flight.values():
-                by_model.setdefault(flight.model, []).append(flight.entry_id)
-            for model, entry_ids in by_model.items():
-                await self._redis.xclaim(
-                    keys.queue(model), keys.WORKER_GROUP, self.id, min_idle_time=0, message_ids=entry_ids, justid=True
-                )
-            await self._redis.hset(
+            await self._retrying("heartbeat", self._beat)
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    async def _beat(self) -> None:
+        """Advertise this worker, and renew the claim on every running entry so no live job is stolen."""
+        by_model: dict[str, list[bytes]] = {}
+        for flight in self._in_flight.values():
+            by_model.setdefault(flight.model, []).append(flight.entry_id)
+        for model, entry_ids in by_model.items():
+            await self._redis.xclaim(
+                keys.queue(model), keys.WORKER_GROUP, self.id, min_idle_time=0, message_ids=entry_ids, justid=True
+            )
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
                 keys.worker(self.id),
                 mapping={
                     "models": json.dumps([spec.name for spec in self.config.models]),
@@ -277,15 +382,30 @@ class Worker:
                     "updated_ms": now_ms(),
                 },
             )
-            await self._redis.expire(keys.worker(self.id), ttl_s)
-            await self._redis.sadd(keys.WORKERS, self.id)
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+            pipe.expire(keys.worker(self.id), max(3, int(self.config.heartbeat_interval_s * 3)))
+            pipe.sadd(keys.WORKERS, self.id)
+            await pipe.execute()
 
-    async def _drain(self, grace_s: float = 30.0) -> None:
-        """Stop taking jobs and give running ones `grace_s` to finish; the rest stay pending in the
-        stream for another worker to claim."""
-        deadline = time.monotonic() + grace_s
+    # -- shutdown -------------------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        """Give running jobs `drain_grace_s` to finish (their results stored), then hand the rest back."""
+        deadline = time.monotonic() + self.config.drain_grace_s
         while self._in_flight and self._crash is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if self._in_flight:
-            log.warning("drain_incomplete", left=len(self._in_flight))
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self._engine_thread.stop)
+        await self._results.join()  # results of the engine's last step are stored before we let go
+        if not self._in_flight:
+            return
+        log.warning("drain_incomplete", handed_back=len(self._in_flight), crashed=self._crash is not None)
+        for job_id, flight in list(self._in_flight.items()):
+            await self._retrying("hand back", lambda job_id=job_id, flight=flight: self._hand_back(job_id, flight))
+
+    async def _hand_back(self, job_id: str, flight: _InFlight) -> None:
+        # a graceful stop does not count as a delivery; after an engine crash it does, so a job that
+        # crashes every engine it meets ends in the dead-letter stream instead of looping
+        if self._crash is None:
+            await self._jobs.release(job_id, self.id)
+        await self._requeue(flight.model, flight.entry_id, flight.fields)
+        self._in_flight.pop(job_id, None)
+        log.info("job_handed_back", job=job_id, request_id=flight.request_id)
