@@ -1,0 +1,47 @@
+"""A Redis restart (SHUTDOWN, then a new server on the same port and AOF data dir) loses no job:
+the gateway and the worker reconnect by themselves and every accepted job completes once."""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from cli.redis_server import RedisServer
+from shared.schema import JobStatus
+from tests.e2e.processes import wait_until
+from tests.reliability.conftest import open_fleet
+from tests.reliability.fleet import CLAIM_IDLE_MS, assert_equal_jobs_equal_outputs, jobs_for
+
+pytestmark = pytest.mark.slow
+
+# down for longer than the claim idle time, so the worker's own claims look abandoned afterwards
+DOWNTIME_S = CLAIM_IDLE_MS / 1000 + 0.5
+
+
+def test_jobs_queued_and_running_across_a_redis_restart_all_complete(demo_assets, tmp_path: Path):
+    server = RedisServer(tmp_path / "redis", append_only=True)
+    with ExitStack() as stack:
+        server.start()
+        stack.callback(server.stop)
+        fleet = open_fleet(server.url, demo_assets, tmp_path, stack)
+        gateway = fleet.start_gateway()
+        worker = fleet.start_worker("w1")
+        jobs = jobs_for(30, max_tokens=16)
+        job_ids = fleet.submit(jobs)
+        wait_until(lambda: fleet.running_on("w1", job_ids) >= 2, timeout_s=30, what="running jobs")
+        before = [r.status for r in fleet.records(job_ids)]
+
+        server.stop()  # SIGTERM: Redis writes its AOF and exits
+        time.sleep(DOWNTIME_S)
+        server.start()
+
+        records = fleet.wait_finished(job_ids, timeout_s=90)
+        fleet.assert_nothing_lost(job_ids, records)
+        assert_equal_jobs_equal_outputs(jobs, records)
+        assert JobStatus.QUEUED in before and JobStatus.RUNNING in before  # the restart hit both kinds
+        after = fleet.submit(jobs_for(1, max_tokens=4))
+        assert fleet.wait_finished(after, timeout_s=30)[0].status is JobStatus.SUCCEEDED
+        assert gateway.poll() is None and worker.poll() is None
