@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cli.demo import DemoTenant
-from cli.state import DEMO_FILE, STATE_FILE
+from cli.state import ADMIN_KEY_FILE, DEMO_FILE, STATE_FILE
 from shared.config import ModelSpec
 
 _DEMO_PROMPT = "Once upon a time"
@@ -37,6 +37,7 @@ def startup_banner(
         *(f"  model    {spec.name}  ({_display(spec.path)})" for spec in models),
         f"  workers  {', '.join(workers)}",
         f"  state    {_display(state_dir / STATE_FILE)}",
+        f"  admin    key in {_display(state_dir / ADMIN_KEY_FILE)} (Bearer token for /v1/admin/*)",
     ]
     if demo_tenants:
         lines += ["", f"demo tenants (API keys are kept in {_display(state_dir / DEMO_FILE)}):"]

@@ -17,7 +17,8 @@ from cli.admin import AdapterRegistration
 from cli.devices import visible_gpus
 from cli.errors import CommandError
 from cli.state import DEFAULT_STATE_DIR, DEMO_FILE, FleetState, read_json
-from shared.config import EngineConfig, GatewayConfig, ModelSpec, WorkerConfig, default_worker_id
+from shared.config import EngineConfig, GatewayConfig, ModelSpec, TenantLimits, WorkerConfig, default_worker_id
+from shared.tenants import hash_admin_key
 
 
 class ConfigError(CommandError):
@@ -126,8 +127,45 @@ def adapter_root(args: argparse.Namespace) -> Path:
 # per-process configurations
 
 
+ADMIN_KEY_ENV = "LORAFLEET_ADMIN_KEY"
+
+
+def _admin_key(args: argparse.Namespace) -> str | None:
+    """The admin key from --admin-key-file, else $LORAFLEET_ADMIN_KEY; None leaves the admin API off."""
+    if args.admin_key_file is not None:
+        try:
+            key = args.admin_key_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError("--admin-key-file", f"cannot read {args.admin_key_file}: {exc.strerror}") from exc
+        if not key:
+            raise ConfigError("--admin-key-file", f"{args.admin_key_file} is empty")
+        return key
+    return os.environ.get(ADMIN_KEY_ENV) or None
+
+
+def _gateway_adapter_root(args: argparse.Namespace) -> Path | None:
+    """Where adapters registered over HTTP must live: --adapter-root, else a running `up`'s; None refuses them."""
+    if args.adapter_root is not None:
+        return args.adapter_root.expanduser().resolve()
+    state = _fleet_state(args)
+    return None if state is None else state.adapter_root
+
+
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
-    return GatewayConfig(redis_url=redis_url(args), host=args.host, port=args.port)
+    admin_key = _admin_key(args)
+    return GatewayConfig(
+        redis_url=redis_url(args),
+        host=args.host,
+        port=args.port,
+        admin_key_sha256=None if admin_key is None else hash_admin_key(admin_key),
+        adapter_root=_gateway_adapter_root(args),
+        tenant_limits=TenantLimits(
+            requests_per_min=args.requests_per_min,
+            tokens_per_min=args.tokens_per_min,
+            max_concurrent_jobs=args.max_concurrent_jobs,
+            max_queue_per_model=args.max_queue_per_model,
+        ),
+    )
 
 
 def _worker_device(flag_value: str) -> str:

@@ -60,6 +60,22 @@ def _add_gateway(commands: argparse._SubParsersAction) -> None:
     _add_redis_flags(gateway)
     gateway.add_argument("--host", default=_GATEWAY.host, help="bind address (default: %(default)s)")
     gateway.add_argument("--port", type=cfa.port_number, default=_GATEWAY.port, help="port (default: %(default)s)")
+    gateway.add_argument(
+        "--admin-key-file",
+        type=Path,
+        help=f"file holding the admin API key (default: ${cfa.ADMIN_KEY_ENV}; neither: the admin API is off)",
+    )
+    gateway.add_argument(
+        "--adapter-root", type=Path, help="adapters registered over HTTP must live here (default: from --state-dir)"
+    )
+    limits = gateway.add_argument_group("per-tenant admission limits (a tenant's own limits, set by an admin, win)")
+    for flag, default in (
+        ("--requests-per-min", _GATEWAY.tenant_limits.requests_per_min),
+        ("--tokens-per-min", _GATEWAY.tenant_limits.tokens_per_min),
+        ("--max-concurrent-jobs", _GATEWAY.tenant_limits.max_concurrent_jobs),
+        ("--max-queue-per-model", _GATEWAY.tenant_limits.max_queue_per_model),
+    ):
+        limits.add_argument(flag, type=cfa.positive_int, default=default, help="(default: %(default)s)")
     gateway.set_defaults(run=_run_gateway)
 
 

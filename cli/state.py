@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from cli.errors import CommandError
 DEFAULT_STATE_DIR = Path(".lorafleet")
 STATE_FILE = "lorafleet.json"
 DEMO_FILE = "demo.json"
+ADMIN_KEY_FILE = "admin_key"
 
 
 class StateError(CommandError):
@@ -82,3 +84,14 @@ def write_json(path: Path, data: dict, *, private: bool = False) -> None:
         json.dump(data, f, indent=2)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def ensure_admin_key(state_dir: Path) -> Path:
+    """The admin API key of this state dir's fleet, generated once into an owner-only file."""
+    path = state_dir / ADMIN_KEY_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"lfadmin_{secrets.token_urlsafe(32)}\n")
+    return path

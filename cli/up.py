@@ -30,7 +30,7 @@ from cli.config_from_args import ConfigError, UpConfig
 from cli.demo import DemoTenant, ensure_demo_files, provision_demo
 from cli.embedded_redis import port_is_free, start_embedded_redis
 from cli.errors import CommandError
-from cli.state import FleetState
+from cli.state import FleetState, ensure_admin_key
 from cli.supervisor import Supervisor
 from shared import keys
 from shared.config import ModelSpec
@@ -158,6 +158,8 @@ class _Fleet:
         """Start the gateway and the workers; returns the workers' names."""
         config = self.config
         gateway = ["gateway", "--redis-url", self.redis_url, "--host", config.host, "--port", str(config.port)]
+        gateway += ["--admin-key-file", str(ensure_admin_key(config.state_dir))]
+        gateway += ["--adapter-root", str(config.adapter_root)]
         self.supervisor.start("gateway", self._cli(*gateway), _child_env(None))
         worker = ["worker", "--redis-url", self.redis_url, "--adapter-root", str(config.adapter_root)]
         worker += [arg for spec in models for arg in ("--model", f"{spec.name}={spec.path}")]

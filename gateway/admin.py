@@ -6,7 +6,6 @@ holds the key itself. A tenant's API key on an admin route is FORBIDDEN, whateve
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
 from aiohttp import web
@@ -18,10 +17,7 @@ from shared.adapter_registry import AdapterRecord, register_adapter
 from shared.config import GatewayConfig
 from shared.errors import ErrorCode
 from shared.model_registry import get_model, list_models
-
-
-def hash_admin_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+from shared.tenants import hash_admin_key
 
 
 def require_admin(request: web.Request) -> None:

@@ -28,6 +28,11 @@ class Tenant:
     disabled: bool = False
 
 
+def hash_admin_key(key: str) -> str:
+    """Hex SHA-256 of the admin key: what a gateway is configured with instead of the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 def _hash_secret(salt: bytes, secret: str) -> bytes:
     return hashlib.sha256(salt + secret.encode()).digest()
 

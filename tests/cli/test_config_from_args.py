@@ -11,6 +11,7 @@ from cli import config_from_args as cfa
 from cli.main import build_parser, main
 from cli.state import DEMO_FILE, FleetState
 from shared.adapter_format import CONFIG_FILE
+from shared.tenants import hash_admin_key
 from tests.cli.conftest import DemoFiles
 
 REDIS = "redis://127.0.0.1:7777/0"
@@ -180,3 +181,30 @@ def test_submit_target_errors_name_the_flag(running_up: Path, flags: tuple, flag
     with pytest.raises(cfa.ConfigError) as refused:
         cfa.submit_target(parse("submit", "hi", "--model", "demo", "--state-dir", str(running_up), *flags))
     assert refused.value.flag == flag
+
+
+def test_gateway_takes_the_admin_key_from_a_file_and_stores_only_its_hash(tmp_path, monkeypatch):
+    monkeypatch.delenv("LORAFLEET_ADMIN_KEY", raising=False)
+    key_file = tmp_path / "admin_key"
+    key_file.write_text("lfadmin_secret\n")
+    args = build_parser().parse_args(
+        ["gateway", "--redis-url", "redis://x:1/0", "--admin-key-file", str(key_file), "--requests-per-min", "5"]
+    )
+    config = cfa.gateway_config(args)
+    assert config.admin_key_sha256 == hash_admin_key("lfadmin_secret")
+    assert config.tenant_limits.requests_per_min == 5
+
+
+def test_gateway_without_an_admin_key_leaves_the_admin_api_off(monkeypatch):
+    monkeypatch.delenv("LORAFLEET_ADMIN_KEY", raising=False)
+    config = cfa.gateway_config(build_parser().parse_args(["gateway", "--redis-url", "redis://x:1/0"]))
+    assert config.admin_key_sha256 is None
+
+
+def test_unreadable_admin_key_file_names_the_flag(tmp_path):
+    args = build_parser().parse_args(
+        ["gateway", "--redis-url", "redis://x:1/0", "--admin-key-file", str(tmp_path / "missing")]
+    )
+    with pytest.raises(cfa.ConfigError) as info:
+        cfa.gateway_config(args)
+    assert info.value.flag == "--admin-key-file"

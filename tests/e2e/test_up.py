@@ -49,6 +49,10 @@ def test_up_serves_the_demo_for_every_tenant_and_stops_cleanly(tmp_path: Path):
             finished = http("GET", f"{url}/v1/jobs/{submitted['id']}?wait=60", tenant["api_key"])
             assert finished["status"] == "succeeded", finished
             assert finished["usage"]["completion_tokens"] >= 1
+        admin_key = (state_dir / "admin_key").read_text().strip()
+        assert oct((state_dir / "admin_key").stat().st_mode & 0o777) == "0o600"
+        listed = http("GET", f"{url}/v1/admin/tenants", admin_key)
+        assert {t["tenant"] for t in listed["data"]} >= {t["tenant"] for t in demo["tenants"]}
         redis_port = int(
             json.loads((state_dir / "lorafleet.json").read_text())["redis_url"].rsplit(":", 1)[1].split("/")[0]
         )

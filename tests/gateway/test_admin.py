@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from gateway.admin import hash_admin_key
 from gateway.app import create_app
 from shared.config import GatewayConfig
+from shared.tenants import hash_admin_key
 from tests.gateway.fleet import LIMITS, write_adapter
 
 ADMIN_KEY = "admin-secret-for-tests"
