@@ -33,11 +33,13 @@ from cli.errors import CommandError
 from cli.state import FleetState, ensure_admin_key
 from cli.supervisor import Supervisor
 from shared import keys
-from shared.config import ModelSpec
+from shared.config import DEFAULT_DRAIN_GRACE_S, ModelSpec
 
 log = structlog.get_logger(__name__)
 
-STOP_GRACE_S = 15.0  # how long a child may take to finish in-flight work after SIGTERM
+# A worker drains for DEFAULT_DRAIN_GRACE_S after SIGTERM (finishing its running jobs, handing
+# the rest back); the supervisor waits a little longer before SIGKILL so a Ctrl-C is a clean drain.
+STOP_GRACE_S = DEFAULT_DRAIN_GRACE_S + 10.0
 _POLL_S = 0.25
 _WAITING_LOG_EVERY_S = 10.0
 _REDIS_MISSED_PINGS = 3  # consecutive failures before the embedded Redis counts as dead

@@ -94,6 +94,10 @@ class EngineConfig:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
 
 
+# how long a worker on SIGTERM lets running jobs finish before handing the rest back
+DEFAULT_DRAIN_GRACE_S = 30.0
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -111,7 +115,7 @@ class WorkerConfig:
     claim_idle_ms: int = 60_000
     max_deliveries: int = 3
     # on SIGTERM, running jobs get this long to finish; the rest are handed back to the queue
-    drain_grace_s: float = 30.0
+    drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.drain_grace_s < 0:
