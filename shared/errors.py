@@ -39,6 +39,7 @@ class ErrorCode(StrEnum):
     # failures on the worker side (job.error.code)
     ADAPTER_LOAD_FAILED = "adapter_load_failed"
     NUMERICAL_ERROR = "numerical_error"
+    OUT_OF_MEMORY = "out_of_memory"
     WORKER_CRASHED = "worker_crashed"
     INTERNAL_ERROR = "internal_error"
     DEADLINE_EXCEEDED = "deadline_exceeded"

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models
 
 from shared.adapter_format import WEIGHTS_FILE, file_sha256
@@ -152,3 +153,38 @@ def test_abort_frees_the_sequence(llama: TinyCheckpoint):
     assert engine.abort("x")
     assert engine.blocks.num_free_blocks > free_before
     assert not engine.num_unfinished and engine.step() == []
+
+
+def test_out_of_memory_step_is_retried_with_a_smaller_batch(llama: TinyCheckpoint, monkeypatch):
+    engine = make_engine(llama)
+    execute = engine.runner.execute
+    too_big = []
+
+    def execute_fitting_two(scheduled, *args):
+        if len(scheduled) > 2:  # the device "holds" at most two sequences a step
+            too_big.append(len(scheduled))
+            raise torch.OutOfMemoryError("injected")
+        return execute(scheduled, *args)
+
+    monkeypatch.setattr(engine.runner, "execute", execute_fitting_two)
+    jobs = {f"job-{name}": name for name in PROMPTS}
+    results = run_to_completion(engine, [greedy_request(llama, job, adapter) for job, adapter in jobs.items()])
+    assert too_big, "the injected out-of-memory never happened"
+    assert_matches_oracle(llama, results, jobs)
+
+
+def test_request_that_does_not_fit_alone_fails_and_the_engine_goes_on(llama: TinyCheckpoint, monkeypatch):
+    engine = make_engine(llama)
+    execute = engine.runner.execute
+
+    def execute_without_room_for_the_long_prompt(scheduled, *args):
+        if any(item.seq.seq_id == "huge" for item in scheduled):
+            raise torch.OutOfMemoryError("injected")
+        return execute(scheduled, *args)
+
+    monkeypatch.setattr(engine.runner, "execute", execute_without_room_for_the_long_prompt)
+    huge = greedy_request(llama, "huge", "attn_r4_rslora")
+    results = run_to_completion(engine, [huge, greedy_request(llama, "fine", None)])
+    assert results["huge"].status is JobStatus.FAILED
+    assert results["huge"].error.code == ErrorCode.OUT_OF_MEMORY
+    assert list(results["fine"].output.token_ids) == expected_tokens(llama, None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+import torch
 from tokenizers import Tokenizer
 
 from shared.adapter_format import WEIGHTS_FILE, file_sha256, resolve_adapter_dir
@@ -155,8 +156,12 @@ class LLMEngine:
         if not scheduled:
             return results
         try:
-            logits = self.runner.execute(scheduled, self.adapter_slots.slot_of, self.blocks.block_size)
-            tokens, finite = self.runner.sample(logits, scheduled)
+            scheduled, tokens, finite = self._run_within_memory(scheduled)
+        except torch.OutOfMemoryError:
+            # halving keeps the front of the batch, so the one sequence that did not fit alone is the first
+            log.warning("request_out_of_memory", job=scheduled[0].seq.seq_id)
+            error = JobError(ErrorCode.OUT_OF_MEMORY, "the request does not fit in device memory even alone")
+            return [*results, self._fail(scheduled[0].seq.seq_id, error)]
         except Exception as exc:  # a failed step fails its requests, not the worker
             log.exception("engine_step_failed", num_seqs=len(scheduled))
             error = JobError(ErrorCode.INTERNAL_ERROR, f"engine step failed: {type(exc).__name__}")
@@ -170,6 +175,27 @@ class LLMEngine:
             if result is not None:
                 results.append(result)
         return results
+
+    def _run_within_memory(
+        self, scheduled: list[ScheduledSequence]
+    ) -> tuple[list[ScheduledSequence], list[int], list[bool]]:
+        """Run the step's forward pass and sampling. When the device runs out of memory, hand the newer
+        half of the batch back to the scheduler (preempted, recomputed in a later step) and retry with
+        the rest; raises OutOfMemoryError only when a single sequence does not fit."""
+        while True:
+            try:
+                logits = self.runner.execute(scheduled, self.adapter_slots.slot_of, self.blocks.block_size)
+                tokens, finite = self.runner.sample(logits, scheduled)
+                return scheduled, tokens, finite
+            except torch.OutOfMemoryError:
+                if len(scheduled) == 1:
+                    raise
+                keep = len(scheduled) // 2
+                log.warning("step_out_of_memory", num_seqs=len(scheduled), retrying_with=keep)
+                for item in scheduled[keep:]:
+                    self.scheduler.preempt(item.seq)
+                scheduled = scheduled[:keep]
+                torch.cuda.empty_cache()  # a no-op unless CUDA is in use
 
     def _advance(self, item: ScheduledSequence, token: int) -> EngineResult | None:
         completes = item.completes_prompt

@@ -144,13 +144,14 @@ class Scheduler:
         Returns False if `seq` had to be preempted itself."""
         while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_tokens)):
             victim = self.running[-1]
-            self._preempt(victim)
+            self.preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and adapter pin; it waits at the front to be recomputed."""
         self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free(seq)
