@@ -13,8 +13,9 @@ projections, spread round-robin over the batch, preloaded into their slots (load
     TPOT    mean over requests of (last token - first token) / (new tokens - 1)
     decode  output tok/s of the decode steps alone (batch / TPOT)
 Pure-decode steps replay CUDA graphs (worker/engine/cuda_graphs.py), captured when the runner is built.
---profile-batch B: instead, where one decode step of B sequences (prompt 128) goes, per adapter
-count: wall time and GPU kernel time by kind (torch.profiler), with decode graphs and eagerly.
+--profile-batch B: instead, where one decode step of B sequences (prompt: the first of --prompts)
+goes, per adapter count: wall time and GPU kernel time by kind (torch.profiler), with decode graphs
+and eagerly.
 Roofline (per decode step): all weights read once (lm_head included, embedding rows excluded) plus
 each sequence's K/V at its mean decode context, over the measured device-to-device copy bandwidth.
 """
@@ -248,15 +249,17 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in _KERNEL_KINDS if any(m in lowered for m in marks)), "other")
 
 
-def profile_decode(bench: EngineBench, batch: int, adapters: int, steps: int = 10) -> dict[str, float]:
-    """Milliseconds per decode step of `batch` sequences (prompt 128): "wall" under the profiler and
-    the GPU kernel time by kind (kernels inside graph replays included)."""
+def profile_decode(bench: EngineBench, batch: int, prompt: int, adapters: int, steps: int = 10) -> dict[str, float]:
+    """Milliseconds per decode step of `batch` sequences of `prompt` tokens: "wall" under the profiler
+    and the GPU kernel time by kind (kernels inside graph replays included; kernels that run at once
+    on two streams both count, so "gpu" can exceed the wall time)."""
     engine = bench.engine()
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
-    for i, tokens in enumerate(prompts(batch, 128, bench.info.vocab_size)):
+    prefill_steps = -(-batch * prompt // PREFILL_TOKENS_PER_STEP)
+    params = SamplingParams(max_tokens=prefill_steps + steps + 4, temperature=0.0, ignore_eos=True)
+    for i, tokens in enumerate(prompts(batch, prompt, bench.info.vocab_size)):
         adapter = bench.refs[i % adapters] if adapters else None
         engine.add(EngineRequest(job_id=str(i), prompt_token_ids=tokens, sampling=params, adapter=adapter))
-    for _ in range(3):  # the prefill step, then decode steps warm
+    for _ in range(prefill_steps + 2):  # prefill chunks, then decode steps warm
         engine.step()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -268,7 +271,8 @@ def profile_decode(bench: EngineBench, batch: int, adapters: int, steps: int = 1
         wall = time.perf_counter() - start
     times = {"wall": wall * 1e3 / steps}
     for event in prof.key_averages():
-        if event.self_device_time_total > 0:
+        # kernels and copies only: an operator's own row repeats the time of the kernels it launched
+        if event.device_type == torch.autograd.DeviceType.CUDA:
             kind = kernel_kind(event.key)
             times[kind] = times.get(kind, 0.0) + event.self_device_time_total / 1e3 / steps
     times["gpu"] = sum(v for k, v in times.items() if k != "wall")
@@ -290,14 +294,16 @@ def main() -> None:
     args = parser.parse_args()
     info = LLAMA3_8B
     if args.profile_batch:
-        bench = EngineBench(info, max(args.adapters), args.profile_batch, 128 + 32)
+        prompt = args.prompts[0]
+        bench = EngineBench(info, max(args.adapters), args.profile_batch, prompt + 64)
         graphs = bench.runner.graphs
         for adapters in args.adapters:
             for mode in ("graphs", "eager"):
                 bench.runner.graphs = graphs if mode == "graphs" else None
-                times = profile_decode(bench, args.profile_batch, adapters)
+                times = profile_decode(bench, args.profile_batch, prompt, adapters)
                 cells = "  ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(times.items()))
-                print(f"batch {args.profile_batch} adapters {adapters} {mode:<6} ms/step: {cells}", flush=True)
+                label = f"batch {args.profile_batch} prompt {prompt} adapters {adapters} {mode:<6}"
+                print(f"{label} ms/step: {cells}", flush=True)
         return
     bandwidth = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
