@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 
@@ -16,6 +19,7 @@ import redis
 import redis.asyncio as aioredis
 
 from cli.redis_server import RedisServer
+from tests.fleet import Fleet, open_fleet, write_demo_assets
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -48,3 +52,17 @@ async def aredis(redis_url: str):
     client = aioredis.Redis.from_url(redis_url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model dir, adapter root): the demo model and its tenants' adapters, written once per session."""
+    return write_demo_assets(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture
+def fleet(redis_url: str, demo_assets: tuple[Path, Path], tmp_path: Path) -> Iterator[Fleet]:
+    """Demo tenants and adapters registered in the session's Redis; processes start on demand and stop
+    with the test."""
+    with ExitStack() as stack:
+        yield open_fleet(redis_url, demo_assets, tmp_path, stack)

@@ -5,93 +5,31 @@ run in-process on the same model and adapters."""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 import pytest
-import redis
 import redis.asyncio as aioredis
 from tokenizers import Tokenizer
 
-from cli.demo_adapters import DEMO_ADAPTERS, write_demo_adapter
-from cli.demo_model import write_demo_model
-from cli.redis_server import free_port
-from shared import keys
-from shared.adapter_registry import get_adapter, register_adapter
+from cli.demo_adapters import DEMO_ADAPTERS
+from shared.adapter_registry import get_adapter
 from shared.config import EngineConfig, ModelSpec
-from shared.model_info import ModelInfo
 from shared.schema import AdapterRef, SamplingParams
-from shared.tenants import create_tenant
-from tests.e2e.processes import lorafleet_process, wait_until
+from tests.fleet import MODEL, Fleet
 from worker.engine.engine import EngineRequest, LLMEngine
 
 pytestmark = pytest.mark.slow
 
-MODEL = "demo"
 PROMPTS = ["Once upon a time", "The quick brown fox", "In the beginning"]
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The demo model and its three tenants' adapters, written as `lorafleet up` writes them."""
-    root = tmp_path_factory.mktemp("assets")
-    model_dir, adapter_root = root / "model", root / "adapters"
-    model_dir.mkdir()
-    write_demo_model(model_dir)
-    info = ModelInfo.from_pretrained(MODEL, model_dir)
-    for adapter in DEMO_ADAPTERS:
-        (adapter_root / adapter.path).mkdir(parents=True)
-        write_demo_adapter(adapter_root / adapter.path, adapter, info, model_dir)
-    return model_dir, adapter_root
-
-
 @pytest.fixture
-def stack(assets, redis_url: str, tmp_path: Path):
-    """Tenants and adapters registered, then a gateway and a CPU worker running. Yields (url, keys)."""
-    model_dir, adapter_root = assets
-    info = ModelInfo.from_pretrained(MODEL, model_dir)
-
-    async def provision() -> dict[str, str]:
-        client = aioredis.Redis.from_url(redis_url)
-        api_keys = {}
-        for adapter in DEMO_ADAPTERS:
-            api_keys[adapter.tenant] = await create_tenant(client, adapter.tenant)
-            await register_adapter(
-                client,
-                name=adapter.name,
-                tenant=adapter.tenant,
-                model=info,
-                adapter_root=adapter_root,
-                path=adapter.path,
-                max_rank=64,
-                max_bytes=1 << 30,
-            )
-        await client.aclose()
-        return api_keys
-
-    api_keys = asyncio.run(provision())
-    port = free_port()
-    gateway_log, worker_log = tmp_path / "gateway.log", tmp_path / "worker.log"
-    gateway_args = ["gateway", "--redis-url", redis_url, "--port", str(port)]
-    worker_args = ["worker", "--redis-url", redis_url, "--model", f"{MODEL}={model_dir}"]
-    worker_args += ["--adapter-root", str(adapter_root), "--device", "cpu", "--max-loras", "2"]
-    with lorafleet_process(gateway_args, gateway_log), lorafleet_process(worker_args, worker_log) as worker:
-        sync = redis.Redis.from_url(redis_url)
-
-        def ready() -> bool:
-            if worker.poll() is not None:
-                raise AssertionError(f"worker exited:\n{worker_log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as response:
-                    gateway_ok = response.status == 200
-            except OSError:
-                return False
-            return gateway_ok and sync.exists(keys.model(MODEL)) and sync.scard(keys.WORKERS) > 0
-
-        wait_until(ready, timeout_s=90, what="gateway and worker", logs=[gateway_log, worker_log])
-        yield f"http://127.0.0.1:{port}", api_keys, worker
-        sync.close()
+def stack(fleet: Fleet):
+    """A gateway and a CPU worker with two adapter slots (three tenants' adapters: slots get evicted)."""
+    fleet.start_gateway()
+    worker = fleet.start_worker("w1", "--max-loras", "2")
+    yield fleet.url, fleet.api_keys, worker
 
 
 def engine_outputs(model_dir: Path, adapter_root: Path, jobs: list[dict], redis_url: str) -> list[tuple[int, ...]]:
@@ -134,7 +72,7 @@ async def submit_and_wait(session: aiohttp.ClientSession, url: str, api_key: str
     raise AssertionError(f"job {job_id} did not finish: {body}")
 
 
-def test_jobs_of_several_tenants_and_adapters_match_the_engine(stack, assets, redis_url):
+def test_jobs_of_several_tenants_and_adapters_match_the_engine(stack, demo_assets, redis_url):
     url, api_keys, _ = stack
     jobs: list[tuple[str, dict]] = []
     for adapter, prompt in zip(DEMO_ADAPTERS, PROMPTS, strict=True):
@@ -150,7 +88,7 @@ def test_jobs_of_several_tenants_and_adapters_match_the_engine(stack, assets, re
 
     finished = asyncio.run(run_all())
     assert [body["status"] for body in finished] == ["succeeded"] * len(jobs), finished
-    expected = engine_outputs(*assets, [job for _, job in jobs], redis_url)
+    expected = engine_outputs(*demo_assets, [job for _, job in jobs], redis_url)
     for body, tokens in zip(finished, expected, strict=True):
         assert tuple(body["output"]["token_ids"]) == tokens
         assert body["usage"]["completion_tokens"] == len(tokens)

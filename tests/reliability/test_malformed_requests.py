@@ -21,8 +21,8 @@ from shared.config import GatewayConfig
 from shared.model_registry import publish_model
 from shared.schema import JobStatus
 from shared.tenants import create_tenant
+from tests.fleet import Fleet as ProcessFleet
 from tests.gateway.fleet import LIMITS, Fleet, build_tokenizer, submit, tiny_model
-from tests.reliability.fleet import Fleet as ProcessFleet
 from tests.reliability.malformed import Corpus, Malformed
 
 REQUESTS = 1200

@@ -12,8 +12,7 @@ import pytest
 from cli.redis_server import RedisServer
 from shared.schema import JobStatus
 from tests.e2e.processes import wait_until
-from tests.reliability.conftest import open_fleet
-from tests.reliability.fleet import CLAIM_IDLE_MS, assert_equal_jobs_equal_outputs, jobs_for
+from tests.fleet import CLAIM_IDLE_MS, assert_equal_jobs_equal_outputs, jobs_for, open_fleet
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import pytest
 
 from shared import keys
 from tests.e2e.processes import wait_until
-from tests.reliability.fleet import Fleet, assert_equal_jobs_equal_outputs, jobs_for
+from tests.fleet import Fleet, assert_equal_jobs_equal_outputs, jobs_for
 
 pytestmark = pytest.mark.slow
 

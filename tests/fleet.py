@@ -1,5 +1,5 @@
-"""A fleet of real processes for the fault-injection tests: gateway and CPU workers (`python -m cli`)
-over a real Redis, the demo model and adapters, and the checks every fault test ends with."""
+"""A fleet of real processes for end-to-end and fault-injection tests: gateway and CPU workers
+(`python -m cli`) over a real Redis, the demo model and adapters, and the checks fault tests end with."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import aiohttp
 import redis
 import redis.asyncio as aioredis
 
-from cli.demo_adapters import DEMO_ADAPTERS
+from cli.demo_adapters import DEMO_ADAPTERS, write_demo_adapter
+from cli.demo_model import write_demo_model
 from cli.redis_server import free_port
 from shared import keys
 from shared.adapter_registry import register_adapter
@@ -33,6 +34,19 @@ WORKER_FLAGS = [
     "--device", "cpu", "--max-loras", "2", "--max-num-seqs", "8",
     "--heartbeat-interval", str(HEARTBEAT_S), "--claim-idle-ms", str(CLAIM_IDLE_MS),
 ]  # fmt: skip
+
+
+def write_demo_assets(root: Path) -> tuple[Path, Path]:
+    """(model dir, adapter root) under `root`: the demo model and its tenants' adapters, as `lorafleet up`
+    writes them."""
+    model_dir, adapter_root = root / "model", root / "adapters"
+    model_dir.mkdir()
+    write_demo_model(model_dir)
+    info = ModelInfo.from_pretrained(MODEL, model_dir)
+    for adapter in DEMO_ADAPTERS:
+        (adapter_root / adapter.path).mkdir(parents=True)
+        write_demo_adapter(adapter_root / adapter.path, adapter, info, model_dir)
+    return model_dir, adapter_root
 
 
 def provision(redis_url: str, model_dir: Path, adapter_root: Path) -> dict[str, str]:
@@ -119,8 +133,12 @@ class Fleet:
         return self.log_of(name)
 
     def submit(self, jobs: list[dict]) -> list[str]:
-        """POST every job (as the demo's first tenant); returns their ids."""
-        headers = {"Authorization": f"Bearer {self.api_keys[TENANT]}"}
+        """POST every job as the demo's first tenant; returns their ids."""
+        return self.submit_as(TENANT, jobs)
+
+    def submit_as(self, tenant: str, jobs: list[dict]) -> list[str]:
+        """POST every job as `tenant`; returns their ids."""
+        headers = {"Authorization": f"Bearer {self.api_keys[tenant]}"}
 
         async def post_all() -> list[str]:
             async with aiohttp.ClientSession(headers=headers) as session:
@@ -133,6 +151,16 @@ class Fleet:
                 return list(await asyncio.gather(*(post(job) for job in jobs)))
 
         return asyncio.run(post_all())
+
+    def cancel(self, job_id: str) -> dict:
+        """Cancel a job of the demo's first tenant through the API; returns the job after the call."""
+        request = urllib.request.Request(
+            f"{self.url}/v1/jobs/{job_id}/cancel",
+            method="POST",
+            headers={"Authorization": f"Bearer {self.api_keys[TENANT]}"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
 
     def records(self, job_ids: list[str]) -> list[JobRecord]:
         with self.redis() as client, client.pipeline(transaction=False) as pipe:
@@ -186,3 +214,11 @@ def assert_equal_jobs_equal_outputs(jobs: list[dict], records: list[JobRecord]) 
     for job, record in zip(jobs, records, strict=True):
         outputs.setdefault(json.dumps(job, sort_keys=True), set()).add(record.output.token_ids)
     assert all(len(variants) == 1 for variants in outputs.values()), "a re-run job produced different tokens"
+
+
+def open_fleet(redis_url: str, assets: tuple[Path, Path], log_dir: Path, stack: ExitStack) -> Fleet:
+    """A Fleet with the demo tenants and adapters registered in `redis_url`; no process started yet."""
+    model_dir, adapter_root = assets
+    fleet = Fleet(redis_url, model_dir, adapter_root, log_dir, stack)
+    fleet.api_keys = provision(redis_url, model_dir, adapter_root)
+    return fleet
