@@ -17,7 +17,19 @@ from shared.errors import ErrorCode
 from shared.schema import SamplingParams
 
 FIELDS = frozenset(
-    {"model", "adapter", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
+    {
+        "model",
+        "adapter",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "deadline_s",
+    }
 )
 _DEFAULTS = SamplingParams()
 _MAX_SEED = 2**64 - 1
@@ -39,6 +51,7 @@ class JobRequest:
     sampling: SamplingParams
     add_special_tokens: bool = True
     fit_context: bool = False
+    deadline_s: float | None = None  # seconds after submission; a job not finished by then expires
 
 
 def invalid(param: str, message: str) -> RequestError:
@@ -167,4 +180,14 @@ def parse_job_request(body: dict[str, Any], limits: RequestLimits) -> JobRequest
         adapter=_adapter(body),
         prompt=parse_prompt(body, limits),
         sampling=parse_sampling(body, limits),
+        deadline_s=_deadline(body, limits),
     )
+
+
+def _deadline(body: dict[str, Any], limits: RequestLimits) -> float | None:
+    if body.get("deadline_s") is None:
+        return None
+    deadline_s = _number(body, "deadline_s", 0.0)
+    if not 0 < deadline_s <= limits.max_deadline_s:
+        raise invalid("deadline_s", f"deadline_s must be in (0, {limits.max_deadline_s:g}] seconds")
+    return deadline_s

@@ -120,6 +120,7 @@ class JobService:
             sampling=sampling,
             adapter=adapter,
             created_at=created_at,
+            deadline=None if request.deadline_s is None else created_at + request.deadline_s,
             request_id=request_id,
         )
         job_id, created = await self._store.create(record, message, idempotency_key)

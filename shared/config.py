@@ -34,6 +34,7 @@ class RequestLimits:
     max_stop_strings: int = 8
     max_stop_chars: int = 128
     max_wait_s: float = 60.0  # longest long-poll one GET may hold
+    max_deadline_s: float = 24 * 3600.0  # longest `deadline_s` a job may ask for
     max_completion_s: float = 600.0  # longest a non-streaming OpenAI completion waits for its job
 
 

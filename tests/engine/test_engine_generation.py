@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,36 @@ def test_request_that_does_not_fit_alone_fails_and_the_engine_goes_on(llama: Tin
     assert results["huge"].status is JobStatus.FAILED
     assert results["huge"].error.code == ErrorCode.OUT_OF_MEMORY
     assert list(results["fine"].output.token_ids) == expected_tokens(llama, None)
+
+
+def test_request_past_its_deadline_expires_and_frees_its_blocks(llama: TinyCheckpoint):
+    engine = make_engine(llama)
+    overdue = EngineRequest(
+        job_id="late",
+        prompt_token_ids=tuple(PROMPTS[None]),
+        sampling=SamplingParams(max_tokens=50, ignore_eos=True),
+        deadline=time.time() - 1,
+    )
+    results = run_to_completion(engine, [overdue, greedy_request(llama, "on-time", None)])
+    assert results["late"].status is JobStatus.EXPIRED
+    assert results["late"].error.code == ErrorCode.DEADLINE_EXCEEDED
+    assert results["on-time"].status is JobStatus.SUCCEEDED
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_non_finite_logits_fail_only_that_request(llama: TinyCheckpoint, monkeypatch):
+    engine = make_engine(llama)
+    execute = engine.runner.execute
+
+    def poison_the_nan_request(scheduled, *args):
+        logits = execute(scheduled, *args).clone()  # an inference tensor cannot be edited in place
+        for row, item in enumerate(scheduled):
+            if item.seq.seq_id == "nan":
+                logits[row, 0] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner, "execute", poison_the_nan_request)
+    results = run_to_completion(engine, [greedy_request(llama, "nan", "all_r8"), greedy_request(llama, "ok", "all_r8")])
+    assert results["nan"].status is JobStatus.FAILED
+    assert results["nan"].error.code == ErrorCode.NUMERICAL_ERROR
+    assert list(results["ok"].output.token_ids) == expected_tokens(llama, "all_r8")

@@ -182,3 +182,23 @@ async def test_escaped_surrogate_pair_is_one_character(client: TestClient, fleet
     assert response.status == 202
     [message] = await queued_messages(fleet)
     assert message.prompt_token_ids == tuple(fleet.tokenizer.encode("hello \U0001f600").ids)
+
+
+async def test_deadline_is_queued_as_an_absolute_time(client: TestClient, fleet: Fleet) -> None:
+    response = await client.post(
+        "/v1/jobs", json={"model": "tiny", "prompt": "hello", "deadline_s": 2.5}, headers=fleet.auth("acme")
+    )
+    assert response.status == 202
+
+    [message] = await queued_messages(fleet)
+    assert message.deadline == message.created_at + 2.5
+
+
+async def test_deadline_out_of_range_is_refused(client: TestClient, fleet: Fleet) -> None:
+    for bad in (0, -1, "soon", 10**9):
+        response = await client.post(
+            "/v1/jobs", json={"model": "tiny", "prompt": "hello", "deadline_s": bad}, headers=fleet.auth("acme")
+        )
+        assert response.status == 400, bad
+        assert (await response.json())["error"]["param"] == "deadline_s"
+    assert await fleet.redis.xlen(keys.queue("tiny")) == 0
