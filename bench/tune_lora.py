@@ -2,15 +2,16 @@
 
     python -m bench.tune_lora [--tokens 1 8 32 64 256 1024 4096] [--ranks 16 64] [--adapters 16]
 
-For each Llama-3-8B projection shape (bench.lora_kernels.LLAMA3_8B), rank and token bucket T, with
-min(T, --adapters) adapters laid out as in the benchmark:
-  1. time each kernel's candidate configurations alone (fused; shrink; the grouped and the gathering
-     expand on the best shrink's z; the epilogue GEMM), keeping the fastest of each, and the faster
-     of the two expands;
-  2. time the whole projection (base GEMM + LoRA) along each path with those configurations and
-     record the fastest path as the plan for batches of up to T tokens.
-Every timing is the median of CUDA-graph replays with L2 flushed before each call (a 128 MiB read,
-timed alone and subtracted), since in a model the previous layer's weights have evicted this one's.
+For each rank and token bucket T, with min(T, --adapters) adapters laid out as in the benchmark:
+  1. per Llama-3-8B projection shape (bench.lora_kernels.LLAMA3_8B), time each kernel's candidate
+     configurations alone (fused; shrink; the grouped and the gathering expand on the best shrink's
+     z; the epilogue GEMM) and keep the fastest of each, and the faster of the two expands. These
+     timings are medians of CUDA-graph replays with L2 flushed before each call (a 128 MiB read,
+     timed alone and subtracted), since in a model the previous layer's weights have evicted them;
+  2. time the whole layer (its four projections, base GEMMs included, as bench.lora_kernels does)
+     along each path with those configurations, and record the fastest path for batches of up to
+     T tokens. Paths are chosen per layer, not per projection: alone, a projection's timing misses
+     how its LoRA work overlaps the neighbouring GEMMs, and per-projection picks measured worse.
 Plans for shapes and ranks not re-tuned are kept from the existing file.
 """
 
@@ -29,7 +30,7 @@ import torch
 from bench.lora_kernels import LLAMA3_8B, Projection, median_us
 from bench.lora_kernels import make_batch as bench_batch
 from bench.lora_kernels import make_layer as bench_layer
-from kernels.lora import linear_with_plan
+from kernels.lora import LoRABatch, linear_with_plan
 from kernels.lora.configs import (
     PATHS,
     ExpandConfig,
@@ -71,8 +72,7 @@ class Flushed:
 def fused_candidates(num_tokens: int, r_pad: int) -> list[FusedConfig]:
     block_ks = (128, 256) if r_pad >= 64 else (256, 512)
     return [
-        FusedConfig(block_m=16, block_n=bn, block_k=bk, n_chunk=chunk, num_stages=3)
-        for bn in (64, 128)
+        FusedConfig(block_m=16, block_n=128, block_k=bk, n_chunk=chunk, num_stages=3)
         for bk in block_ks
         for chunk in (512, 2048)
     ]
@@ -81,11 +81,7 @@ def fused_candidates(num_tokens: int, r_pad: int) -> list[FusedConfig]:
 def gather_candidates(num_tokens: int, r_pad: int) -> list[GatherConfig]:
     block_ts = (16,) if num_tokens <= 16 else (16, 32)
     return [
-        GatherConfig(block_t=bt, block_n=bn, num_warps=w)
-        for bt in block_ts
-        for bn in (32, 64)
-        for w in (4, 8)
-        if bt * bn <= 1024 or w == 8
+        GatherConfig(block_t=bt, block_n=bn, num_warps=4 if bt * bn <= 512 else 8) for bt in block_ts for bn in (32, 64)
     ]
 
 
@@ -133,11 +129,9 @@ def best(label: str, candidates: list, timed: Callable[[object], float]) -> obje
     return config
 
 
-def tune_bucket(
-    flushed_us: Flushed, proj: Projection, num_tokens: int, adapters: int, rank: int
-) -> tuple[Plan, dict[str, float]]:
-    x = torch.randn(num_tokens, proj.k, device="cuda").to(torch.bfloat16)
-    batch = bench_batch(num_tokens, min(num_tokens, adapters), rank)
+def tune_kernels(flushed_us: Flushed, proj: Projection, x: torch.Tensor, batch: LoRABatch) -> Plan:
+    """Step 1 for one projection: the fastest configuration of every kernel (path left to step 2)."""
+    num_tokens, rank = x.shape[0], proj.lora_a[0].shape[1]
     (group,) = slice_groups(proj.lora_a, proj.lora_b)
     r_pad = rank_pad(rank)
     y = torch.empty(num_tokens, proj.weight.shape[0], device="cuda", dtype=torch.bfloat16)
@@ -159,35 +153,40 @@ def tune_bucket(
     expand = best(
         "expand",
         expand_candidates(num_tokens, r_pad),
-        lambda c: flushed_us(lambda: lora_expand(y, z, group, batch, c, accumulate=False)),
+        lambda c: flushed_us(lambda: lora_expand(y, z, group, batch, c)),
     )
     gather = None
     if num_tokens <= GATHER_MAX_TOKENS:
         gather = best(
             "gather",
             gather_candidates(num_tokens, r_pad),
-            lambda c: flushed_us(lambda: lora_expand_gather(y, z, group, batch, c, accumulate=False)),
+            lambda c: flushed_us(lambda: lora_expand_gather(y, z, group, batch, c)),
         )
-        grouped_us = flushed_us(lambda: lora_expand(y, z, group, batch, expand, accumulate=False))
-        if grouped_us < flushed_us(lambda: lora_expand_gather(y, z, group, batch, gather, accumulate=False)):
+        grouped_us = flushed_us(lambda: lora_expand(y, z, group, batch, expand))
+        if grouped_us < flushed_us(lambda: lora_expand_gather(y, z, group, batch, gather)):
             gather = None
     linear = best(
         "linear",
         linear_candidates(num_tokens, r_pad),
         lambda c: flushed_us(lambda: linear_lora(x, proj.weight, None, z, group, batch, c)),
     )
-    plan = dataclasses.replace(plan, shrink=shrink, expand=expand, linear=linear, gather=gather)
+    return dataclasses.replace(plan, shrink=shrink, expand=expand, linear=linear, gather=gather)
 
-    paths = [p for p in PATHS if p != "fused" or num_tokens <= FUSED_MAX_TOKENS]
 
-    def along(path: str) -> Callable[[], object]:
-        forced = dataclasses.replace(plan, path=path)
-        return lambda: linear_with_plan(forced, x, proj.weight, None, proj.lora_a, proj.lora_b, batch)
+def layer_paths(layer: list[Projection], xs: list[torch.Tensor], plans: list[Plan], batch: LoRABatch) -> dict:
+    """Step 2: the layer's time (us) along each path, and its base time."""
+    paths = [p for p in PATHS if p != "fused" or xs[0].shape[0] <= FUSED_MAX_TOKENS]
+    times = {}
+    for path in paths:
+        forced = [dataclasses.replace(plan, path=path) for plan in plans]
 
-    totals = {path: flushed_us(along(path)) for path in paths}
-    totals["base"] = flushed_us(lambda: torch.nn.functional.linear(x, proj.weight))
-    totals["addmm_"] = flushed_us(lambda: y.addmm_(x, proj.weight.t()))
-    return dataclasses.replace(plan, path=min(paths, key=totals.__getitem__)), totals
+        def run(forced: list[Plan] = forced) -> None:
+            for plan, p, x in zip(forced, layer, xs, strict=True):
+                linear_with_plan(plan, x, p.weight, None, p.lora_a, p.lora_b, batch)
+
+        times[path] = median_us(run)
+    times["base"] = median_us(lambda: [torch.nn.functional.linear(x, p.weight) for p, x in zip(layer, xs, strict=True)])
+    return times
 
 
 def main() -> None:
@@ -195,13 +194,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 4096])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--adapters", type=int, default=16, help="distinct adapters per batch (capped at T)")
-    parser.add_argument("--projections", nargs="+", default=[name for name, _, _ in LLAMA3_8B])
     args = parser.parse_args()
 
     device = torch.cuda.get_device_name()
     path = config_file(device)
     existing = json.loads(path.read_text()) if path.exists() else {"plans": [], "commands": []}
-    shapes = [s for s in LLAMA3_8B if s[0] in args.projections]
+    shapes = LLAMA3_8B
     tuned_keys = {(k, tuple(widths), rank_pad(r)) for _, k, widths in shapes for r in args.ranks}
     plans = [e for e in existing["plans"] if (e["k"], tuple(e["widths"]), e["rank_pad"]) not in tuned_keys]
     command = " ".join(["python -m bench.tune_lora", *sys.argv[1:]])
@@ -216,15 +214,23 @@ def main() -> None:
     flushed_us = Flushed()
     start = time.time()
     for rank in args.ranks:
-        for proj, (name, k, widths) in zip(bench_layer(rank, shapes), shapes, strict=True):
-            for num_tokens in args.tokens:
-                print(f"# {name} r{rank} T={num_tokens} ({time.time() - start:.0f} s)", flush=True)
-                plan, totals = tune_bucket(flushed_us, proj, num_tokens, args.adapters, rank)
-                summary = "  ".join(f"{p} {us:.1f}" for p, us in totals.items())
-                print(f"  -> {plan.path}   (us: {summary})", flush=True)
-                plans.append({"k": k, "widths": list(widths), "rank_pad": rank_pad(rank), "max_tokens": num_tokens}
-                             | plan.to_json())  # fmt: skip
-                write()
+        layer = bench_layer(rank, shapes)
+        for num_tokens in args.tokens:
+            print(f"# r{rank} T={num_tokens} ({time.time() - start:.0f} s)", flush=True)
+            batch = bench_batch(num_tokens, min(num_tokens, args.adapters), rank)
+            xs = [torch.randn(num_tokens, p.k, device="cuda").to(torch.bfloat16) for p in layer]
+            tuned = []
+            for proj, x in zip(layer, xs, strict=True):
+                print(f"  {proj.name}", flush=True)
+                tuned.append(tune_kernels(flushed_us, proj, x, batch))
+            times = layer_paths(layer, xs, tuned, batch)
+            chosen = min((p for p in times if p != "base"), key=times.__getitem__)
+            print(f"  -> {chosen}   (layer us: {'  '.join(f'{p} {us:.1f}' for p, us in times.items())})", flush=True)
+            for (_, k, widths), plan in zip(shapes, tuned, strict=True):
+                entry = {"k": k, "widths": list(widths), "rank_pad": rank_pad(rank), "max_tokens": num_tokens}
+                plans.append(entry | dataclasses.replace(plan, path=chosen).to_json())
+            write()
+        del layer
         torch.cuda.empty_cache()
     print(f"# wrote {len(plans)} plans to {path} in {time.time() - start:.0f} s")
 

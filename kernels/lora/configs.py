@@ -117,16 +117,18 @@ class Plan:
 
 
 GATHER_MAX_TOKENS = 128  # default: above this the per-token B gathers cost more than grouped tiles
+OVERLAP_MAX_TOKENS = 1024  # default: above this the base GEMM's C-input epilogue beats a pass over y
 
 
 def default_plan(num_tokens: int, rank_pad: int) -> Plan:
-    """Untuned fallback: the shrink beside the base GEMM, then a gathering expand for small batches
-    and a grouped one above."""
+    """Untuned fallback, from the H200 measurements in docs/benchmarks.md: the shrink beside the
+    base GEMM and an expand into its output up to prefill sizes (gathering for small batches), the
+    write-then-accumulate split above."""
     block_m = 16 if num_tokens <= 256 else 64
     # spread the K reduction until the grid covers the GPU several times over
     split_k = max(1, min(8, 1024 // max(1, num_tokens // block_m)))
     return Plan(
-        path="overlap",
+        path="overlap" if num_tokens <= OVERLAP_MAX_TOKENS else "split",
         shrink=ShrinkConfig(block_m=block_m, block_k=64 if rank_pad >= 64 else 128, split_k=split_k),
         expand=ExpandConfig(block_m=64, block_n=128 if rank_pad <= 64 else 64),
         gather=GatherConfig() if num_tokens <= GATHER_MAX_TOKENS else None,

@@ -22,12 +22,22 @@ import triton.language as tl
 
 from kernels.lora.configs import ExpandConfig
 from kernels.lora.metadata import LoRABatch
-from kernels.lora.tiles import SliceGroup, group_tile, load_z, max_token_tiles, rank_pad, select, select_ptr, slice_of
+from kernels.lora.tiles import (
+    SliceGroup,
+    group_tile,
+    load_ranked,
+    load_z,
+    max_token_tiles,
+    rank_pad,
+    select,
+    select_ptr,
+    slice_of,
+)
 
 
 @triton.jit
 def expand_chunk(
-    zs, b_ptrs, y_ptrs, bias_ptrs, row_ok, r_ok, n_first, n_last, width, max_rank,
+    zs, b_ptrs, y_ptrs, bias_ptrs, row_ok, r, rank, n_first, n_last, width, max_rank,
     BLOCK_N: tl.constexpr, HAS_LORA: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """Walk columns [n_first, n_last) BLOCK_N at a time: y = (bias +) zs · B (zs [M, R] already
@@ -47,7 +57,7 @@ def expand_chunk(
         else:
             acc = tl.zeros(mask.shape, tl.float32)
         if HAS_LORA:
-            b = tl.load(b_ptrs + n * max_rank, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            b = load_ranked(b_ptrs + n * max_rank, r[:, None], rank, max_rank, n_ok[None, :])
             acc += tl.dot(zs, b)
         tl.store(y_ptrs + n, acc.to(y_ptrs.dtype.element_ty), mask=mask)
 
@@ -82,19 +92,18 @@ def _expand_kernel(
     r = tl.arange(0, R_PAD)
     if group == num_slots:
         zs = tl.zeros((BLOCK_M, R_PAD), dtype=y_ptr.dtype.element_ty)
-        expand_chunk(zs, y_ptrs, y_ptrs, bias_ptrs, row_ok, r < 0, n_first, n_last, width, max_rank,
+        expand_chunk(zs, y_ptrs, y_ptrs, bias_ptrs, row_ok, r, 0, n_first, n_last, width, max_rank,
                      BLOCK_N, False, False, HAS_BIAS)  # fmt: skip
         return
 
     rank = tl.minimum(tl.load(slot_ranks_ptr + group), max_rank)
     scale = tl.load(slot_scales_ptr + group)
-    r_ok = r < rank
     z_ptrs = z_ptr + slice_id * z_stride_slice + tokens[:, None] * R_PAD + r[None, :]
-    z = load_z(z_ptrs, row_ok[:, None] & r_ok[None, :], split_k, z_stride_split, SPLIT_PAD)
+    z = load_z(z_ptrs, row_ok[:, None], split_k, z_stride_split, SPLIT_PAD)
     b_ptr = select_ptr(slice_id, b0_ptr, b1_ptr, b2_ptr)
     b_ptrs = b_ptr + group.to(tl.int64) * width * max_rank + n_offs[None, :] * max_rank + r[:, None]
     zs = (z * scale).to(b_ptr.dtype.element_ty)
-    expand_chunk(zs, b_ptrs, y_ptrs, bias_ptrs, row_ok, r_ok, n_first, n_last, width, max_rank,
+    expand_chunk(zs, b_ptrs, y_ptrs, bias_ptrs, row_ok, r, rank, n_first, n_last, width, max_rank,
                  BLOCK_N, True, ACCUMULATE, HAS_BIAS)  # fmt: skip
 
 

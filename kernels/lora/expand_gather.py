@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels.lora.configs import GatherConfig
 from kernels.lora.metadata import LoRABatch
-from kernels.lora.tiles import SliceGroup, load_z, rank_pad, select, select_ptr, slice_of
+from kernels.lora.tiles import SliceGroup, load_ranked, load_z, rank_pad, select, select_ptr, slice_of
 
 
 @triton.jit(do_not_specialize=["num_tokens", "z_stride_split", "z_stride_slice"])
@@ -68,9 +68,8 @@ def _expand_gather_kernel(
     delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for r0 in tl.static_range(0, R_PAD, R_CHUNK):
         r = r0 + tl.arange(0, R_CHUNK)
-        r_ok = r[None, :] < rank[:, None]  # [T, R]
-        z = load_z(z_rows + r[None, :], r_ok, split_k, z_stride_split, SPLIT_PAD)
-        b = tl.load(b_rows + r[None, None, :], mask=r_ok[:, None, :] & n_ok[None, :, None], other=0.0)
+        z = load_z(z_rows + r[None, :], (rank > 0)[:, None], split_k, z_stride_split, SPLIT_PAD)
+        b = load_ranked(b_rows + r[None, None, :], r[None, None, :], rank[:, None, None], max_rank, n_ok[None, :, None])
         delta += tl.sum(b.to(tl.float32) * z[:, None, :], axis=2)
     acc += delta * scale[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -53,7 +53,7 @@ def _fused_kernel(
     r = tl.arange(0, R_PAD)
     if group == num_slots:
         zs = tl.zeros((BLOCK_M, R_PAD), dtype=y_ptr.dtype.element_ty)
-        expand_chunk(zs, y_ptrs, y_ptrs, bias_ptrs, row_ok, r < 0, n_first, n_last, width, max_rank,
+        expand_chunk(zs, y_ptrs, y_ptrs, bias_ptrs, row_ok, r, 0, n_first, n_last, width, max_rank,
                      BLOCK_N, False, False, HAS_BIAS)  # fmt: skip
         return
 
@@ -78,7 +78,7 @@ def _fused_kernel(
     b_ptr = select_ptr(slice_id, b0_ptr, b1_ptr, b2_ptr)
     b_ptrs = b_ptr + group.to(tl.int64) * width * max_rank + n_offs[None, :] * max_rank + r[:, None]
     zs = (z * scale).to(x_ptr.dtype.element_ty)
-    expand_chunk(zs, b_ptrs, y_ptrs, bias_ptrs, row_ok, r_ok, n_first, n_last, width, max_rank,
+    expand_chunk(zs, b_ptrs, y_ptrs, bias_ptrs, row_ok, r, rank, n_first, n_last, width, max_rank,
                  BLOCK_N, True, ACCUMULATE, HAS_BIAS)  # fmt: skip
 
 

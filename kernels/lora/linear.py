@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kernels.lora.configs import LinearConfig
 from kernels.lora.metadata import LoRABatch
-from kernels.lora.tiles import SliceGroup, load_z, rank_pad, select, select_ptr, slice_of
+from kernels.lora.tiles import SliceGroup, load_ranked, load_z, rank_pad, select, select_ptr, slice_of
 
 GATHER_EPILOGUE_MAX_M = 32  # token tiles up to this many rows gather B per row
 
@@ -83,9 +83,10 @@ def _linear_lora_kernel(
         delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in tl.static_range(0, R_PAD, R_CHUNK):
             rc = r0 + tl.arange(0, R_CHUNK)
-            r_ok = rc[None, :] < rank[:, None]  # [M, R]
-            z = load_z(z_rows + rc[None, :], r_ok, split_k, z_stride_split, SPLIT_PAD)
-            b = tl.load(b_rows + rc[None, None, :], mask=r_ok[:, None, :] & n_ok[None, :, None], other=0.0)
+            z = load_z(z_rows + rc[None, :], (rank > 0)[:, None], split_k, z_stride_split, SPLIT_PAD)
+            b = load_ranked(
+                b_rows + rc[None, None, :], rc[None, None, :], rank[:, None, None], max_rank, n_ok[None, :, None]
+            )
             delta += tl.sum(b.to(tl.float32) * z[:, None, :], axis=2)
         acc += delta * scale[:, None]
     else:
@@ -95,11 +96,10 @@ def _linear_lora_kernel(
             mine = token_slots == active
             if tl.max(mine.to(tl.int32), 0) > 0:
                 active_rank = tl.minimum(tl.load(slot_ranks_ptr + active), max_rank)
-                r_ok = r < active_rank
-                z = load_z(z_ptrs, mine[:, None] & r_ok[None, :], split_k, z_stride_split, SPLIT_PAD)
+                z = load_z(z_ptrs, mine[:, None], split_k, z_stride_split, SPLIT_PAD)
                 z *= tl.load(slot_scales_ptr + active)
                 b_ptrs = b_ptr + active.to(tl.int64) * width * max_rank + n[None, :] * max_rank + r[:, None]
-                b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                b = load_ranked(b_ptrs, r[:, None], active_rank, max_rank, n_ok[None, :])
                 acc += tl.dot(z.to(b.dtype), b)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]

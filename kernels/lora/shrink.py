@@ -3,7 +3,8 @@
 Semantics:
     for each token t with s = token_slots[t] >= 0 and r = slot_ranks[s] > 0, for each slice i:
         z[:, i, t, :r] summed over the split axis == x[t] @ A_i[s, :r].T      (fp32, unscaled)
-    rows of other tokens and columns >= r are not meaningful (never read by expand).
+        z[:, i, t, r:] == 0, so readers mask z by token only (whole rows load as vectors)
+    rows of other tokens are never written (and never read).
 
 Grid: (SPLIT_K, token tiles). Each program owns one tile of one slot's tokens and one K range and
 computes all slices from a single load of its x tile; the K reduction is split so that decode-sized

@@ -54,6 +54,15 @@ def load_z(z_ptrs, mask, split_k, z_stride_split, SPLIT_PAD: tl.constexpr):
 
 
 @triton.jit
+def load_ranked(ptrs, r, rank, max_rank, mask):
+    """Load entries at rank index r < rank (r runs along the contiguous axis; mask covers the others).
+    The load mask stops at a multiple of 16 so Triton keeps 16-byte vector loads (a per-entry rank
+    mask would split them into 2-byte ones); the entries past the rank are zeroed afterwards."""
+    vector_rank = tl.minimum((rank + 15) // 16 * 16, max_rank)
+    return tl.where(r < rank, tl.load(ptrs, mask=mask & (r < vector_rank), other=0.0), 0.0)
+
+
+@triton.jit
 def slice_of(pid_n, tiles0, tiles1):
     """(slice, program index inside it) for programs laid out slice after slice."""
     slice_id = (pid_n >= tiles0).to(tl.int32) + (pid_n >= tiles0 + tiles1).to(tl.int32)
