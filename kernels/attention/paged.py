@@ -79,6 +79,7 @@ def _paged_attention_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         pos_valid = pos < kv_end
         block = tl.load(block_tables_ptr + seq * stride_bt + pos // CACHE_BLOCK, mask=pos_valid, other=0)
+        block = block.to(tl.int64)  # block * stride_kb passes 2**31 elements in a large cache
         in_block = pos % CACHE_BLOCK
         kv_mask = pos_valid[:, None] & dim_valid[None, :]
         k_offsets = block[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]

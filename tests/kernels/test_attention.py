@@ -88,3 +88,30 @@ def test_bf16_on_the_gpu_matches_the_reference(kind: str) -> None:
     out = paged_attention(*case.args())
     ref = paged_attention_reference(*case.args())
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_blocks_past_two_to_the_31_elements_are_addressed_correctly() -> None:
+    """A small model on a large GPU gets millions of blocks: block offsets must not wrap at int32."""
+    block_size, kv_heads, head_dim = 16, 1, 16
+    num_blocks = (2**31) // (block_size * kv_heads * head_dim) + 64  # past 2**31 elements per cache
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache = torch.zeros(shape, dtype=torch.float16, device="cuda")
+    value_cache = torch.zeros(shape, dtype=torch.float16, device="cuda")
+    high_blocks = torch.arange(num_blocks - 4, num_blocks, device="cuda", dtype=torch.int32)  # the top of the cache
+    context = 4 * block_size
+    keys = torch.randn(context, kv_heads, head_dim, dtype=torch.float16, device="cuda")
+    values = torch.randn(context, kv_heads, head_dim, dtype=torch.float16, device="cuda")
+    key_cache[high_blocks.long()] = keys.view(4, block_size, kv_heads, head_dim)
+    value_cache[high_blocks.long()] = values.view(4, block_size, kv_heads, head_dim)
+    q = torch.randn(1, 2, head_dim, dtype=torch.float16, device="cuda")
+    args = (
+        torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+        torch.tensor([context], dtype=torch.int32, device="cuda"),
+        high_blocks.unsqueeze(0),
+        head_dim**-0.5,
+    )
+    out = paged_attention_triton(q, key_cache, value_cache, *args, 1)
+    expected = paged_attention_reference(q, key_cache, value_cache, *args)
+    assert rel_err(out.float(), expected.float()) < 1e-2

@@ -99,7 +99,9 @@ class ModelRunner:
         log.info("model_loaded", model=name, dtype=str(self.dtype), device=str(self.device), kv_blocks=self.num_blocks)
 
     def _fit_kv_blocks(self, share: float) -> int:
-        """KV blocks that fit the memory left after weights, LoRA slots and activation headroom."""
+        """KV blocks that fit the memory left after weights, LoRA slots and activation headroom, but
+        no more than a full batch of full-context sequences can use (a small model on a large GPU
+        would otherwise take all its memory for blocks no request can reach)."""
         info, config = self.info, self.config
         per_block = KVCache.bytes_per_block(
             num_layers=info.num_layers,
@@ -115,7 +117,8 @@ class ModelRunner:
             budget = (free - total * (1 - config.gpu_memory_utilization)) * share - activations
         else:
             budget = config.cpu_kv_cache_gb * (1 << 30) * share
-        blocks = int(budget // per_block)
+        usable = self.config.max_num_seqs * -(-info.max_context // config.block_size)
+        blocks = min(int(budget // per_block), usable)
         if blocks < 1:
             raise RuntimeError("no memory left for the KV cache: lower max_num_batched_tokens or serve fewer models")
         return blocks
