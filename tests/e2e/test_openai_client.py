@@ -8,19 +8,26 @@ import openai
 import pytest
 
 from cli.demo_adapters import DEMO_ADAPTERS
-from tests.e2e.test_gateway_worker import MODEL, assets, stack  # noqa: F401  (fixtures)
+from tests.fleet import MODEL, Fleet
 
 pytestmark = pytest.mark.slow
 
 ADAPTER = DEMO_ADAPTERS[0]
 
 
-def _client(stack) -> openai.OpenAI:  # noqa: F811
-    url, api_keys, _ = stack
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_keys[ADAPTER.tenant], max_retries=0, timeout=60)
+@pytest.fixture
+def stack(fleet: Fleet) -> Fleet:
+    """A gateway and a CPU worker serving the demo model and its tenants' adapters."""
+    fleet.start_gateway()
+    fleet.start_worker("w1")
+    return fleet
 
 
-def test_openai_client_completions_streamed_equal_unstreamed(stack):  # noqa: F811
+def _client(stack: Fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.api_keys[ADAPTER.tenant], max_retries=0, timeout=60)
+
+
+def test_openai_client_completions_streamed_equal_unstreamed(stack):
     client = _client(stack)
     for model in (MODEL, ADAPTER.name, f"{MODEL}:{ADAPTER.name}"):
         whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0)
@@ -36,7 +43,7 @@ def test_openai_client_completions_streamed_equal_unstreamed(stack):  # noqa: F8
     assert base.choices[0].text != adapted.choices[0].text
 
 
-def test_openai_client_chat_streamed_equal_unstreamed(stack):  # noqa: F811
+def test_openai_client_chat_streamed_equal_unstreamed(stack):
     client = _client(stack)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
     whole = client.chat.completions.create(model=ADAPTER.name, messages=messages, max_tokens=10, temperature=0)
@@ -55,7 +62,7 @@ def test_openai_client_chat_streamed_equal_unstreamed(stack):  # noqa: F811
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_openai_client_models_and_errors(stack):  # noqa: F811
+def test_openai_client_models_and_errors(stack):
     client = _client(stack)
     ids = {model.id for model in client.models.list()}
     assert MODEL in ids and ADAPTER.name in ids
