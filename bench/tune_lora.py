@@ -9,8 +9,9 @@ For each rank and token bucket T, with min(T, --adapters) adapters laid out as i
      timings are medians of CUDA-graph replays with L2 flushed before each call (a 128 MiB read,
      timed alone and subtracted), since in a model the previous layer's weights have evicted them;
   2. time the whole layer (its four projections, base GEMMs included, as bench.lora_kernels does)
-     along each path with those configurations, and record the fastest path for batches of up to
-     T tokens. Paths are chosen per layer, not per projection: alone, a projection's timing misses
+     along each path with those configurations, paths in turn and --rounds times over, and record
+     the path with the lowest median for batches of up to T tokens (--paths-only: only this step,
+     on the stored configurations). Paths are chosen per layer, not per projection: alone, a projection's timing misses
      how its LoRA work overlaps the neighbouring GEMMs, and per-projection picks measured worse.
 Plans for shapes and ranks not re-tuned are kept from the existing file.
 """
@@ -21,6 +22,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -173,10 +175,14 @@ def tune_kernels(flushed_us: Flushed, proj: Projection, x: torch.Tensor, batch: 
     return dataclasses.replace(plan, shrink=shrink, expand=expand, linear=linear, gather=gather)
 
 
-def layer_paths(layer: list[Projection], xs: list[torch.Tensor], plans: list[Plan], batch: LoRABatch) -> dict:
-    """Step 2: the layer's time (us) along each path, and its base time."""
+def layer_paths(
+    layer: list[Projection], xs: list[torch.Tensor], plans: list[Plan], batch: LoRABatch, rounds: int
+) -> dict[str, float]:
+    """Step 2: the layer's time (us) along each path, and its base time. Paths are timed in turn,
+    `rounds` times over, and each keeps its median: decode paths differ by a few microseconds,
+    about as much as separate captures of one path do."""
     paths = [p for p in PATHS if p != "fused" or xs[0].shape[0] <= FUSED_MAX_TOKENS]
-    times = {}
+    runs: dict[str, Callable[[], None]] = {}
     for path in paths:
         forced = [dataclasses.replace(plan, path=path) for plan in plans]
 
@@ -184,9 +190,26 @@ def layer_paths(layer: list[Projection], xs: list[torch.Tensor], plans: list[Pla
             for plan, p, x in zip(forced, layer, xs, strict=True):
                 linear_with_plan(plan, x, p.weight, None, p.lora_a, p.lora_b, batch)
 
-        times[path] = median_us(run)
-    times["base"] = median_us(lambda: [torch.nn.functional.linear(x, p.weight) for p, x in zip(layer, xs, strict=True)])
-    return times
+        runs[path] = run
+    runs["base"] = lambda: [torch.nn.functional.linear(x, p.weight) for p, x in zip(layer, xs, strict=True)]
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            samples[name].append(median_us(run))
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def stored_plans(existing: list[dict], k: int, widths: tuple[int, ...], rank: int, num_tokens: int) -> Plan:
+    """The plan a previous run stored for this shape, rank and bucket (for --paths-only)."""
+    for entry in existing:
+        if (entry["k"], tuple(entry["widths"]), entry["rank_pad"], entry["max_tokens"]) == (
+            k,
+            widths,
+            rank_pad(rank),
+            num_tokens,
+        ):
+            return Plan.from_json(entry)
+    raise SystemExit(f"--paths-only: no stored plan for K={k} widths={widths} rank={rank} T={num_tokens}")
 
 
 def main() -> None:
@@ -194,6 +217,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 4096])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--adapters", type=int, default=16, help="distinct adapters per batch (capped at T)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timings of each path per layer")
+    parser.add_argument(
+        "--paths-only", action="store_true", help="keep the stored kernel configurations, choose paths again"
+    )
     args = parser.parse_args()
 
     device = torch.cuda.get_device_name()
@@ -220,10 +247,13 @@ def main() -> None:
             batch = bench_batch(num_tokens, min(num_tokens, args.adapters), rank)
             xs = [torch.randn(num_tokens, p.k, device="cuda").to(torch.bfloat16) for p in layer]
             tuned = []
-            for proj, x in zip(layer, xs, strict=True):
-                print(f"  {proj.name}", flush=True)
-                tuned.append(tune_kernels(flushed_us, proj, x, batch))
-            times = layer_paths(layer, xs, tuned, batch)
+            for proj, x, (_, k, widths) in zip(layer, xs, shapes, strict=True):
+                if args.paths_only:
+                    tuned.append(stored_plans(existing["plans"], k, widths, rank, num_tokens))
+                else:
+                    print(f"  {proj.name}", flush=True)
+                    tuned.append(tune_kernels(flushed_us, proj, x, batch))
+            times = layer_paths(layer, xs, tuned, batch, args.rounds)
             chosen = min((p for p in times if p != "base"), key=times.__getitem__)
             print(f"  -> {chosen}   (layer us: {'  '.join(f'{p} {us:.1f}' for p, us in times.items())})", flush=True)
             for (_, k, widths), plan in zip(shapes, tuned, strict=True):
