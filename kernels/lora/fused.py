@@ -8,8 +8,9 @@ Semantics: exactly expand.py's (accumulate or bias-write), with z computed in th
 
 Grid: (output chunks of all slices, token tiles). A program recomputes its tile's z over the whole
 K (A_i[s] is R x K, re-read from L2 by the other chunks of the slot) and then walks n_chunk output
-columns. Small batches pay one launch instead of two and never write z to memory; the re-reads of
-A grow with T / BLOCK_M, which is why larger batches take shrink.py + expand.py instead.
+columns. It pays one launch instead of two and never writes z to memory, but every chunk re-reads
+A from L2 and redoes the K reduction: on the H200 it measured slower than the other paths at every
+batch size tried (docs/benchmarks.md), so the tuned plans there never pick it.
 """
 
 from __future__ import annotations
