@@ -107,16 +107,15 @@ def _expand_kernel(
                  BLOCK_N, True, ACCUMULATE, HAS_BIAS)  # fmt: skip
 
 
-def lora_expand(
+def check_expand_args(
     y: torch.Tensor,
     z: torch.Tensor,
     group: SliceGroup,
     batch: LoRABatch,
-    config: ExpandConfig,
-    bias: torch.Tensor | None = None,
-    accumulate: bool = True,
-) -> None:
-    """Adds (or, with accumulate=False, writes bias +) the LoRA delta of z into y; see the module docstring."""
+    bias: torch.Tensor | None,
+    accumulate: bool,
+) -> tuple[int, int, int, int]:
+    """Check an expand launch's tensors against each other; returns (T, SPLIT_K, R_PAD, max rank)."""
     num_tokens = y.shape[0]  # y: [T, sum N_i] (this group's slices at group.columns), unit column stride
     split_k, num_slices, _, r_pad = z.shape  # z: float32 [SPLIT_K, num_slices, T, R_PAD] from lora_shrink
     num_slots, _, max_rank = group.lora_b[0].shape  # lora_b[i]: [S, N_i, R] contiguous
@@ -128,6 +127,21 @@ def lora_expand(
         raise ValueError("z, y and the batch metadata disagree on slices, tokens or slots")
     if bias is not None and (accumulate or bias.dtype != y.dtype or not bias.is_contiguous()):
         raise ValueError("bias is only written without accumulate, contiguous and in y's dtype")
+    return num_tokens, split_k, r_pad, max_rank
+
+
+def lora_expand(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    group: SliceGroup,
+    batch: LoRABatch,
+    config: ExpandConfig,
+    bias: torch.Tensor | None = None,
+    accumulate: bool = True,
+) -> None:
+    """Adds (or, with accumulate=False, writes bias +) the LoRA delta of z into y; see the module docstring."""
+    num_tokens, split_k, r_pad, max_rank = check_expand_args(y, z, group, batch, bias, accumulate)
+    num_slots = group.lora_b[0].shape[0]
     if num_tokens == 0:
         return
     chunks = group.tiles(config.n_chunk)

@@ -22,8 +22,9 @@ import triton
 import triton.language as tl
 
 from kernels.lora.configs import GatherConfig
+from kernels.lora.expand import check_expand_args
 from kernels.lora.metadata import LoRABatch
-from kernels.lora.tiles import SliceGroup, load_ranked, load_z, rank_pad, select, select_ptr, slice_of
+from kernels.lora.tiles import SliceGroup, load_ranked, load_z, select, select_ptr, slice_of
 
 
 @triton.jit(do_not_specialize=["num_tokens", "z_stride_split", "z_stride_slice"])
@@ -85,17 +86,7 @@ def lora_expand_gather(
     accumulate: bool = True,
 ) -> None:
     """Same contract as expand.lora_expand; see the module docstring for when it is the faster one."""
-    num_tokens = y.shape[0]  # y: [T, sum N_i] (this group's slices at group.columns), unit column stride
-    split_k, num_slices, _, r_pad = z.shape  # z: float32 [SPLIT_K, num_slices, T, R_PAD] from lora_shrink
-    num_slots, _, max_rank = group.lora_b[0].shape  # lora_b[i]: [S, N_i, R] contiguous
-    if y.stride(1) != 1 or y.dtype != group.lora_b[0].dtype:
-        raise ValueError(f"y must have unit column stride and dtype {group.lora_b[0].dtype}")
-    if z.dtype != torch.float32 or z.shape[2] != num_tokens or r_pad != rank_pad(max_rank) or not z.is_contiguous():
-        raise ValueError(f"z {tuple(z.shape)} {z.dtype} does not come from lora_shrink for these weights")
-    if num_slices != group.num_slices or batch.num_tokens != num_tokens or batch.num_slots != num_slots:
-        raise ValueError("z, y and the batch metadata disagree on slices, tokens or slots")
-    if bias is not None and (accumulate or bias.dtype != y.dtype or not bias.is_contiguous()):
-        raise ValueError("bias is only written without accumulate, contiguous and in y's dtype")
+    num_tokens, split_k, r_pad, max_rank = check_expand_args(y, z, group, batch, bias, accumulate)
     if num_tokens == 0:
         return
     tiles = group.tiles(config.block_n)
