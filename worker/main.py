@@ -6,12 +6,11 @@ import asyncio
 import signal
 
 from shared.config import WorkerConfig
-from shared.log import configure_logging
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Serve jobs until SIGINT/SIGTERM; returns the process exit code."""
-    configure_logging("worker")
+    """Serve jobs until SIGINT/SIGTERM; returns the process exit code. The caller sets up logging
+    (`lorafleet worker` does, with its --log-level), as it does for the gateway."""
     from worker.service import Worker  # torch is imported only once we are sure to need it
 
     async def serve() -> int:
