@@ -30,6 +30,8 @@ TENANT = DEMO_ADAPTERS[0].tenant
 # fast failure detection for tests: a dead worker's jobs are taken over after 1.5 s
 HEARTBEAT_S = 0.3
 CLAIM_IDLE_MS = 1500
+# fault tests submit bursts of 100 jobs as one tenant: admission limits must not be what they measure
+GATEWAY_FLAGS = ["--max-concurrent-jobs", "1000", "--requests-per-min", "100000"]
 WORKER_FLAGS = [
     "--device", "cpu", "--max-loras", "2", "--max-num-seqs", "8",
     "--heartbeat-interval", str(HEARTBEAT_S), "--claim-idle-ms", str(CLAIM_IDLE_MS),
@@ -96,7 +98,7 @@ class Fleet:
     def start_gateway(self) -> subprocess.Popen:
         log = self._log("gateway")
         process = self.stack.enter_context(
-            lorafleet_process(["gateway", "--redis-url", self.redis_url, "--port", str(self.port)], log)
+            lorafleet_process(["gateway", "--redis-url", self.redis_url, "--port", str(self.port), *GATEWAY_FLAGS], log)
         )
 
         def ready() -> bool:
