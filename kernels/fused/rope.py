@@ -1,0 +1,105 @@
+"""Rotary embedding of q and k plus the KV-cache write, as one Triton kernel over the packed qkv
+projection output (HF "rotate half" layout: dimension i pairs with i + D/2).
+
+    for each token t, with c, s = cos[t], sin[t] (the step's angles, in the dtype) and p = slot_mapping[t]:
+        q heads:   qkv[t, q_h] = rotate(q_h)                      in place
+        k heads:   key_cache[p, h]   = rotate(k_h)
+        v heads:   value_cache[p, h] = v_h
+    rotate(x) = x * c + rotate_half(x) * s, each product and the sum rounded to the dtype as torch does
+
+Grid: (tokens, H + 2 H_kv); each program moves one head of one token. k is never written back to
+qkv: attention reads keys from the cache only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_and_cache_kernel(
+    qkv_ptr,  # [T, (H + 2 H_kv) * D]
+    cos_ptr,  # [T, D]
+    sin_ptr,  # [T, D]
+    key_cache_ptr,  # [num_blocks, block_size, H_kv, D], contiguous
+    value_cache_ptr,  # [num_blocks, block_size, H_kv, D], contiguous
+    slot_mapping_ptr,  # int64 [T]
+    num_heads,
+    num_kv_heads,
+    stride_qkv,
+    stride_cos,
+    stride_sin,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,  # HEAD_DIM // 2
+    HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dtype = qkv_ptr.dtype.element_ty
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < HALF
+    src = qkv_ptr + token * stride_qkv + head * HEAD_DIM + d
+    first = tl.load(src, mask=d_ok, other=0.0)
+    second = tl.load(src + HALF, mask=d_ok, other=0.0)
+    if head >= num_heads + num_kv_heads:  # v: copied into the cache as it is
+        slot = tl.load(slot_mapping_ptr + token)
+        dst = value_cache_ptr + (slot * num_kv_heads + head - num_heads - num_kv_heads) * HEAD_DIM + d
+        tl.store(dst, first, mask=d_ok)
+        tl.store(dst + HALF, second, mask=d_ok)
+    else:
+        cos = tl.load(cos_ptr + token * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + token * stride_sin + d, mask=d_ok, other=0.0).to(tl.float32)
+        x1 = first.to(tl.float32)
+        x2 = second.to(tl.float32)
+        out1 = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
+        out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+        if head < num_heads:
+            tl.store(src, out1, mask=d_ok)
+            tl.store(src + HALF, out2, mask=d_ok)
+        else:
+            slot = tl.load(slot_mapping_ptr + token)
+            dst = key_cache_ptr + (slot * num_kv_heads + head - num_heads) * HEAD_DIM + d
+            tl.store(dst, out1, mask=d_ok)
+            tl.store(dst + HALF, out2, mask=d_ok)
+
+
+def rope_and_cache_kv_triton(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """Same contract as reference.rope_and_cache_kv_reference: rotates q in place in qkv, writes
+    rotated k and v at slot_mapping. Returns q, a [T, H, D] view of qkv."""
+    num_tokens, width = qkv.shape
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    if head_dim % 2 or width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"rope_and_cache_kv: qkv {tuple(qkv.shape)} is not [T, (H + 2 H_kv) * {head_dim}]")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or key_cache.dtype != qkv.dtype:
+        raise ValueError("rope_and_cache_kv: the caches must be contiguous and of qkv's dtype")
+    if cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError(f"rope_and_cache_kv: cos/sin {tuple(cos.shape)} are not [{num_tokens}, {head_dim}]")
+    if num_tokens:
+        _rope_and_cache_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
+            qkv,
+            cos,
+            sin,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            num_heads,
+            num_kv_heads,
+            qkv.stride(0),
+            cos.stride(0),
+            sin.stride(0),
+            HEAD_DIM=head_dim,
+            HALF=head_dim // 2,
+            HALF_PAD=triton.next_power_of_2(head_dim // 2),
+            num_warps=1,
+        )
+    return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
