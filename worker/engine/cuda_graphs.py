@@ -150,5 +150,5 @@ class DecodeGraphs:
             max_context_len=self._block_tables.shape[1] * self.kv_cache.block_size,
             lora=lora,
         )
-        # copied into one buffer shared by all sizes, so each graph's own output memory returns to the pool
-        self._logits[:size].copy_(self.model.forward(batch, self.kv_cache))
+        # written into one buffer shared by all sizes, so no graph keeps logits memory of its own in the pool
+        self.model.forward(batch, self.kv_cache, out=self._logits[:size])

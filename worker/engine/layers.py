@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused import add_rms_norm, rms_norm, rope_and_cache_kv, silu_and_mul
 from kernels.lora import LoRABatch
 from shared.model_info import ModelInfo
 from worker.engine.attention import paged_attention
 from worker.engine.forward_batch import ForwardBatch
 from worker.engine.lora_linear import LoRALinear, LoRASlotShape
-from worker.engine.rope import apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -27,9 +27,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, size] normalised in float32, cast back before the weight (as HF does, so low-precision
         checkpoints round the same way)."""
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) for x, residual [T, size], in one kernel on CUDA, which
+        writes the sum into `residual` itself."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class VocabEmbedding(nn.Module):
@@ -45,9 +48,13 @@ class VocabEmbedding(nn.Module):
         """int64 [T] → [T, hidden]."""
         return F.embedding(token_ids, self.weight)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] → float32 [N, vocab]."""
-        return F.linear(hidden, self.weight).float()
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] → float32 [N, vocab], rounded to the model dtype first as HF's head does; into
+        `out` [N, vocab] when given (the decode graphs' static buffer: one cast, no extra copy)."""
+        logits = F.linear(hidden, self.weight)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
 
 class SelfAttention(nn.Module):
@@ -87,14 +94,10 @@ class SelfAttention(nn.Module):
 
         rope: (cos, sin) [T, head_dim] for the step's positions.
         """
-        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden, batch.lora)
-        q, k, v = qkv.split(self.qkv_proj.out_features, dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        attended = paged_attention(q, k, v, key_cache, value_cache, batch, self.scale)
-        return self.o_proj(attended.reshape(num_tokens, -1), batch.lora)
+        q = rope_and_cache_kv(qkv, *rope, key_cache, value_cache, batch.slot_mapping, self.num_heads)
+        attended = paged_attention(q, key_cache, value_cache, batch, self.scale)
+        return self.o_proj(attended.reshape(hidden.shape[0], -1), batch.lora)
 
 
 class GatedMLP(nn.Module):
@@ -119,8 +122,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         """[T, hidden_size] → [T, hidden_size]."""
-        gate, up = self.gate_up_proj(hidden, lora).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, lora)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -140,11 +142,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         batch: ForwardBatch,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """[T, hidden_size] → [T, hidden_size] (pre-norm residual block)."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, batch, key_cache, value_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), batch.lora)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual block over [T, hidden_size] tensors, with each residual add deferred into
+        the next norm (one kernel): takes the previous block's output and the residual stream before
+        it (None for the first block, whose input is the embedding) and returns the same pair, so
+        the stream after this block is their sum."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attended = self.self_attn(normed, rope, batch, key_cache, value_cache)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attended, residual)
+        return self.mlp(normed, batch.lora), residual

@@ -56,10 +56,12 @@ class DecoderStack(nn.Module):
         """Final hidden states [B, hidden_size] of the tokens at `batch.logits_indices`."""
         hidden = self.embed_tokens(batch.input_ids)  # [T, hidden_size]
         rope = self.rotary_emb.cos_sin(batch.positions, hidden.dtype)  # once per step, shared by all layers
+        residual = None
         for layer, key_cache, value_cache in zip(self.layers, kv_cache.key, kv_cache.value, strict=True):
-            hidden = layer(hidden, rope, batch, key_cache, value_cache)
-        # the norm is per token: normalise only the rows whose logits are wanted
-        return self.norm(hidden[batch.logits_indices])
+            hidden, residual = layer(hidden, residual, rope, batch, key_cache, value_cache)
+        # the norm is per token: add the last residual and normalise only the rows whose logits are wanted
+        wanted = batch.logits_indices
+        return self.norm.add_and_norm(hidden[wanted], residual[wanted])[0]
 
 
 class CausalLM(nn.Module):
@@ -97,12 +99,13 @@ class CausalLM(nn.Module):
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Logits float32 [B, vocab] of the tokens at `batch.logits_indices`, one row per sequence.
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits float32 [B, vocab] of the tokens at `batch.logits_indices`, one row per sequence,
+        written into `out` [B, vocab] when given.
 
         Writes the step's K/V into `kv_cache` at `batch.slot_mapping` as a side effect.
         """
-        return self.lm_head.logits(self.model(batch, kv_cache))
+        return self.lm_head.logits(self.model(batch, kv_cache), out)
 
     def load_weights(self, model_dir: Path) -> None:
         """Fill every parameter from the HF safetensors checkpoint in `model_dir` (single or sharded)."""

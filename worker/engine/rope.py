@@ -2,7 +2,8 @@
 
 Supported `rope_scaling` types: none / "default" and "llama3" (Llama 3.1's frequency-dependent
 stretch of the long wavelengths). Angles are computed per step from the positions rather than read
-from a precomputed table: one tiny [T, head_dim/2] product, no max_context-sized buffer.
+from a precomputed table: one tiny [T, head_dim/2] product, no max_context-sized buffer. The
+rotation itself is kernels.fused.rope_and_cache_kv (q and k in one launch, with the KV-cache write).
 """
 
 from __future__ import annotations
@@ -47,11 +48,6 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
     return scaling.get("rope_type") or scaling.get("type") or "default"
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(
         self, head_dim: int, theta: float, scaling: dict[str, Any] | None, *, device: torch.device | str
@@ -72,9 +68,3 @@ class RotaryEmbedding(nn.Module):
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim/2] radians
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by cos/sin [T, head_dim] (from `RotaryEmbedding.cos_sin`)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
