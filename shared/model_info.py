@@ -15,10 +15,22 @@ from shared.errors import ErrorCode, LorafleetError
 
 # Decoder-only families that share the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
 # Qwen2 differs only by a bias on q/k/v; Mistral's sliding window is honoured as a context cap.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The MoE families swap the MLP for a routed mixture of SwiGLU experts; Qwen3-MoE also RMS-normalises
+# q and k per head before RoPE.
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", *MOE_ARCHITECTURES)
 
 # The seven projections an adapter may target, as PEFT names them.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Each MoE family's names for an expert's (gate, up, down) projections, as its checkpoints and
+# per-expert PEFT adapters spell them: `mlp.experts.{e}.gate_proj` / `block_sparse_moe.experts.{e}.w1`.
+EXPERT_PROJECTIONS = {
+    "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj"),
+    "MixtralForCausalLM": ("w1", "w3", "w2"),
+}
+# the checkpoint's name for the MoE block of a layer
+MOE_BLOCK = {"Qwen3MoeForCausalLM": "mlp", "MixtralForCausalLM": "block_sparse_moe"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +53,25 @@ class ModelInfo:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
+    # Mixture of experts (0 / empty for dense families)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # one expert's SwiGLU width
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block (others: a dense MLP)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def expert_projection_shape(self, projection: str) -> tuple[int, int]:
+        """(in_features, out_features) of one expert's projection, by its family's name for it."""
+        gate, up, down = EXPERT_PROJECTIONS[self.architecture]
+        width = self.moe_intermediate_size
+        return {gate: (self.hidden_size, width), up: (self.hidden_size, width), down: (width, self.hidden_size)}[
+            projection
+        ]
 
     def projection_shape(self, projection: str) -> tuple[int, int]:
         """(in_features, out_features) of one target module of a decoder layer."""
@@ -63,6 +94,7 @@ class ModelInfo:
     def from_json(cls, text: str | bytes) -> ModelInfo:
         data = json.loads(text)
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
+        data["moe_layers"] = tuple(data.get("moe_layers", ()))
         return cls(**data)
 
     @classmethod
@@ -86,6 +118,7 @@ class ModelInfo:
         max_context = config.get("max_position_embeddings", 4096)
         if config.get("sliding_window") and config.get("use_sliding_window", True):
             max_context = min(max_context, config["sliding_window"])
+        moe = _moe_fields(architecture, config)
         rope_theta = config.get("rope_theta")
         rope_scaling = config.get("rope_scaling")
         # transformers >= 5 folds rope settings into `rope_parameters`
@@ -113,4 +146,32 @@ class ModelInfo:
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=config.get("torch_dtype") or config.get("dtype") or "float32",
+            **moe,
         )
+
+
+def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of ModelInfo from an HF config, as each family's modeling code reads them."""
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    num_layers = config["num_hidden_layers"]
+    # transformers 5 writes num_local_experts for both families; Qwen3's hub configs say num_experts
+    num_experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    if architecture == "MixtralForCausalLM":
+        return {
+            "num_experts": num_experts,
+            "num_experts_per_tok": config["num_experts_per_tok"],
+            "moe_intermediate_size": config["intermediate_size"],
+            "norm_topk_prob": True,  # Mixtral always renormalises
+            "moe_layers": tuple(range(num_layers)),
+        }
+    step = config.get("decoder_sparse_step", 1)
+    dense = set(config.get("mlp_only_layers") or ())
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": config["num_experts_per_tok"],
+        "moe_intermediate_size": config["moe_intermediate_size"],
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "moe_layers": tuple(i for i in range(num_layers) if i not in dense and num_experts and (i + 1) % step == 0),
+        "qk_norm": True,
+    }

@@ -1,0 +1,80 @@
+"""Sorting (token, k) pairs into block-padded groups: the metadata every MoE kernel tiles over.
+
+A pair p = t * top_k + k is token t's k-th routed expert. Pairs are grouped — by expert for the base
+GEMMs, by (adapter slot, expert) for the LoRA kernels — and each group is padded to a multiple of
+BLOCK_M, so one tile of BLOCK_M rows never mixes weights. Built with device ops of fixed output size
+(no host sync, capturable in a CUDA graph): unused tail blocks have group -1 and kernels exit there.
+
+    groups of pairs = [1, 0, 1, 1, 2]       (G = 3, BLOCK_M = 2, P = 5)
+    sorted_pairs    = [1, 5, 0, 2, 3, 5, 4, 5, (5 …)]      P marks padding
+    block_groups    = [0, 1, 1, 2, (-1 …)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class PairBlocks:
+    sorted_pairs: torch.Tensor  # int32 [max_blocks * block_m]: pair ids by group, padded with num_pairs
+    block_groups: torch.Tensor  # int32 [max_blocks]: group of each block, -1 past the last used block
+    block_m: int
+    num_pairs: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_groups.shape[0]
+
+
+def max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
+    """Blocks enough for any grouping: each non-empty group wastes at most block_m - 1 rows."""
+    padded = num_pairs + min(num_groups, num_pairs) * (block_m - 1)
+    return max(1, -(-padded // block_m))
+
+
+def align_pairs(groups: torch.Tensor, num_groups: int, block_m: int) -> PairBlocks:
+    """Pairs grouped and block-padded. groups: int [P], the group of each pair in 0..num_groups-1,
+    or num_groups (or more) for a pair no kernel should see (a token without an adapter)."""
+    num_pairs = groups.shape[0]
+    device = groups.device
+    groups = groups.long().clamp(max=num_groups)  # one "skipped" group past the real ones
+    counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=device)
+    counts.index_add_(0, groups, torch.ones_like(groups))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_groups] = 0  # skipped pairs get no rows
+    padded_ends = torch.cumsum(padded, 0)
+    group_starts = padded_ends - padded
+    count_starts = torch.cumsum(counts, 0) - counts
+
+    sorted_groups, order = torch.sort(groups, stable=True)
+    rank_in_group = torch.arange(num_pairs, device=device) - count_starts[sorted_groups]
+    destination = group_starts[sorted_groups] + rank_in_group
+    blocks = max_blocks(num_pairs, num_groups, block_m)
+    rows = blocks * block_m
+    destination = torch.where(sorted_groups < num_groups, destination, rows)  # skipped → a dump row
+    sorted_pairs = torch.full((rows + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, destination, order.to(torch.int32))
+
+    block_starts = torch.arange(blocks, device=device) * block_m
+    block_groups = torch.searchsorted(padded_ends, block_starts, right=True)
+    block_groups = torch.where(block_starts < padded_ends[-1], block_groups, -1).to(torch.int32)
+    return PairBlocks(sorted_pairs[:rows], block_groups, block_m, num_pairs)
+
+
+def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> PairBlocks:
+    """Pairs of ids int [T, K] grouped by expert."""
+    return align_pairs(ids.reshape(-1), num_experts, block_m)
+
+
+def adapter_expert_blocks(
+    ids: torch.Tensor, token_slots: torch.Tensor, num_slots: int, num_experts: int, block_m: int
+) -> PairBlocks:
+    """Pairs grouped by (adapter slot, expert), group = slot * E + expert; tokens whose slot is -1
+    are left out. ids int [T, K], token_slots int [T]."""
+    top_k = ids.shape[1]
+    slots = token_slots.long().repeat_interleave(top_k)
+    groups = torch.where(slots >= 0, slots * num_experts + ids.reshape(-1).long(), num_slots * num_experts)
+    return align_pairs(groups, num_slots * num_experts, block_m)

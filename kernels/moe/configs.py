@@ -1,0 +1,90 @@
+"""Launch configurations of the MoE kernels, tuned per GPU model by bench/tune_moe.py.
+
+kernels/configs/moe_<GPU name, spaces as underscores>.json holds, per kernel and GEMM shape
+(N, K) and pair bucket, the best configuration measured:
+
+    {"device": "NVIDIA H200", "date": "...", "commands": ["python -m bench.tune_moe ..."],
+     "entries": [{"kernel": "gemm", "n": 1536, "k": 2048, "max_pairs": 64, "config": {...}}, ...]}
+
+A launch over P (token, expert) pairs takes the entry of its kernel and shape with the smallest
+max_pairs >= P (the largest if P exceeds them all); without a file, the defaults below. P never
+enters a kernel as a constexpr, so no token count recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+KernelName = Literal["gemm", "shrink", "expand"]
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    """The base grouped GEMM and the LoRA expand (BLOCK_K unused by the expand: K is the rank)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 8  # L2 swizzle: this many row blocks walk the N tiles together
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ShrinkConfig:
+    block_m: int = 16
+    block_k: int = 128
+    split_k: int = 4
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_config(kernel: KernelName, num_pairs: int) -> GemmConfig | ShrinkConfig:
+    """Untuned fallback: small tiles for decode-sized pair counts (most blocks are mostly padding),
+    larger ones for prefill."""
+    large = num_pairs > 1024
+    if kernel == "shrink":
+        return ShrinkConfig(block_m=64 if large else 16, split_k=1 if large else 4)
+    if kernel == "expand":
+        return GemmConfig(block_m=64 if large else 16, block_n=128, num_stages=2)
+    return GemmConfig(block_m=64 if large else 16, block_n=128 if large else 64, num_warps=8 if large else 4)
+
+
+def config_file(device_name: str) -> Path:
+    return CONFIG_DIR / f"moe_{device_name.replace(' ', '_')}.json"
+
+
+@functools.cache
+def _tuned(device_name: str) -> dict[tuple[str, int, int], list[tuple[int, GemmConfig | ShrinkConfig]]]:
+    path = config_file(device_name)
+    if not path.exists():
+        return {}
+    table: dict[tuple[str, int, int], list[tuple[int, GemmConfig | ShrinkConfig]]] = {}
+    for entry in json.loads(path.read_text())["entries"]:
+        kind = ShrinkConfig if entry["kernel"] == "shrink" else GemmConfig
+        key = (entry["kernel"], entry["n"], entry["k"])
+        table.setdefault(key, []).append((entry["max_pairs"], kind(**entry["config"])))
+    for bucket in table.values():
+        bucket.sort(key=lambda item: item[0])
+    return table
+
+
+@functools.lru_cache(maxsize=4096)
+def config_for(device_name: str, kernel: KernelName, n: int, k: int, num_pairs: int) -> GemmConfig | ShrinkConfig:
+    """The tuned configuration for this GPU, kernel, shape and pair count, else the default."""
+    bucket = _tuned(device_name).get((kernel, n, k))
+    if not bucket:
+        return default_config(kernel, num_pairs)
+    return next((config for max_pairs, config in bucket if max_pairs >= num_pairs), bucket[-1][1])
+
+
+def entry(kernel: KernelName, n: int, k: int, max_pairs: int, config: GemmConfig | ShrinkConfig) -> dict[str, Any]:
+    """One JSON entry, as the tuner writes it."""
+    return {"kernel": kernel, "n": n, "k": k, "max_pairs": max_pairs, "config": dataclasses.asdict(config)}

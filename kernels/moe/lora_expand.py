@@ -1,0 +1,85 @@
+"""MoE-LoRA expand, fused with the add: out[p] += scale[s] * z[p] @ B[s, expert]ᵀ (* weights[p]).
+
+Semantics:
+    for each pair p with adapter slot s >= 0 and expert e (blocks from align.adapter_expert_blocks):
+        out[p, :] += scale[s] * (sum over splits of z[:, p, :R]) @ B[s, e].T   (* weights[p] if given)
+    other rows of out are untouched.
+
+`out` is the base grouped GEMM's output, so the LoRA delta lands in the same buffer with no extra
+pass: each (pair, column) belongs to exactly one block and one column tile, so the read-add-write
+needs no atomics. With the down projection the routing weight the base GEMM applied is applied to
+the delta too. Grid and block ordering as in gemm.py (B[s, e] plays the expert weight).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.align import PairBlocks
+from kernels.moe.configs import GemmConfig
+from kernels.moe.gemm import swizzle
+from kernels.moe.lora_shrink import rank_pad
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "z_stride_split"])
+def _moe_expand_kernel(
+    z_ptr, lora_b_ptr, out_ptr, scales_ptr, weights_ptr, sorted_pairs_ptr, block_groups_ptr,
+    num_pairs, num_blocks, num_experts, n_size, rank, split_k,
+    z_stride_split, out_stride,
+    MUL_WEIGHT: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = swizzle(tl.program_id(0), num_blocks, tl.cdiv(n_size, BLOCK_N), GROUP_M)
+    group = tl.load(block_groups_ptr + pid_m)
+    if group < 0:
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    r = tl.arange(0, R_PAD)
+    z_ptrs = z_ptr + pairs.to(tl.int64)[:, None] * R_PAD + r[None, :]
+    z = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    for split in range(split_k):
+        z += tl.load(z_ptrs + split * z_stride_split, mask=pair_ok[:, None], other=0.0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_size
+    b_ptrs = lora_b_ptr + group.to(tl.int64) * n_size * rank + n[None, :] * rank + r[:, None]  # [R_PAD, BLOCK_N]
+    b = tl.load(b_ptrs, mask=(r < rank)[:, None] & n_ok[None, :], other=0.0)
+    delta = tl.dot(z.to(b.dtype), b) * tl.load(scales_ptr + group // num_experts)
+    if MUL_WEIGHT:
+        delta *= tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * out_stride + n[None, :]
+    mask = pair_ok[:, None] & n_ok[None, :]
+    base = tl.load(out_ptrs, mask=mask, other=0.0)
+    tl.store(out_ptrs, (base.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_lora_expand(
+    out: torch.Tensor,
+    z: torch.Tensor,
+    lora_b: torch.Tensor,
+    slot_scales: torch.Tensor,
+    blocks: PairBlocks,
+    config: GemmConfig,
+    weights: torch.Tensor | None = None,
+) -> None:
+    """out [P, N] += LoRA delta, in place; z float32 [SPLIT_K, P, R_PAD] from moe_lora_shrink,
+    lora_b [S, E, N, R] contiguous, slot_scales float32 [S], weights float32 [P] or None."""
+    if blocks.block_m != config.block_m:
+        raise ValueError(f"pair blocks of {blocks.block_m} rows, config wants {config.block_m}")
+    _, num_experts, n_size, rank = lora_b.shape
+    if out.shape != (blocks.num_pairs, n_size) or out.stride(1) != 1 or not lora_b.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} does not match LoRA B {tuple(lora_b.shape)} over {blocks.num_pairs}")
+    if z.shape[1:] != (blocks.num_pairs, rank_pad(rank)) or not z.is_contiguous():
+        raise ValueError(f"z {tuple(z.shape)} is not the shrink output for rank {rank}")
+    if blocks.num_pairs == 0:
+        return
+    grid = (blocks.max_blocks * triton.cdiv(n_size, config.block_n),)
+    _moe_expand_kernel[grid](
+        z, lora_b, out, slot_scales, out if weights is None else weights, blocks.sorted_pairs, blocks.block_groups,
+        blocks.num_pairs, blocks.max_blocks, num_experts, n_size, rank, z.shape[0],
+        z.stride(0), out.stride(0),
+        MUL_WEIGHT=weights is not None, R_PAD=rank_pad(rank), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
