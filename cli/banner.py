@@ -27,6 +27,7 @@ def startup_banner(
     state_dir: Path,
     models: Sequence[ModelSpec],
     workers: Sequence[str],
+    worker_metrics: Sequence[str],
     demo_tenants: Sequence[DemoTenant],
 ) -> str:
     redis_where = f"embedded, data in {_display(state_dir / 'redis')}" if embedded_redis else "external"
@@ -36,6 +37,7 @@ def startup_banner(
         f"  redis    {redis_url} ({redis_where})",
         *(f"  model    {spec.name}  ({_display(spec.path)})" for spec in models),
         f"  workers  {', '.join(workers)}",
+        *(f"  metrics  {url}" for url in worker_metrics),
         f"  state    {_display(state_dir / STATE_FILE)}",
         f"  admin    key in {_display(state_dir / ADMIN_KEY_FILE)} (Bearer token for /v1/admin/*)",
     ]

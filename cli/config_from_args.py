@@ -49,6 +49,13 @@ def port_number(text: str) -> int:
     return value
 
 
+def port_or_off(text: str) -> int:
+    """A TCP port, or 0 for "do not listen"."""
+    if text.strip() == "0":
+        return 0
+    return port_number(text)
+
+
 def fraction(text: str) -> float:
     try:
         value = float(text)
@@ -209,6 +216,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             claim_idle_ms=args.claim_idle_ms,
             max_deliveries=args.max_deliveries,
             drain_grace_s=args.drain_grace,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
         )
     except ValueError as exc:
         raise ConfigError("--heartbeat-interval / --claim-idle-ms", str(exc)) from None
@@ -233,6 +242,11 @@ def adapter_registration(args: argparse.Namespace) -> AdapterRegistration:
     )
 
 
+# `up` serves its workers' metrics by default (the gateway's are on its own port); 9200 is clear of
+# Prometheus (9090), node-exporter (9100) and DCGM's exporter (9400)
+DEFAULT_WORKER_METRICS_PORT = 9200
+
+
 @dataclass(frozen=True, slots=True)
 class UpConfig:
     """What `lorafleet up` starts: Redis (unless `redis_url`), a gateway, and workers."""
@@ -245,10 +259,17 @@ class UpConfig:
     adapter_root: Path
     gpus: tuple[str, ...]  # one worker pinned to each; empty: one CPU worker
     log_level: str
+    worker_metrics_port: int  # the first worker's metrics port, the next worker's one above; 0: off
 
     @property
     def demo(self) -> bool:
         return not self.models
+
+    def worker_metrics_ports(self, num_workers: int) -> list[int]:
+        """One metrics port per worker, counting up from `worker_metrics_port`; empty when it is off."""
+        if not self.worker_metrics_port:
+            return []
+        return list(range(self.worker_metrics_port, self.worker_metrics_port + num_workers))
 
 
 def up_config(args: argparse.Namespace) -> UpConfig:
@@ -267,6 +288,7 @@ def up_config(args: argparse.Namespace) -> UpConfig:
         adapter_root=(args.adapter_root or directory / "adapters").expanduser().resolve(),
         gpus=tuple(gpus),
         log_level=args.log_level,
+        worker_metrics_port=args.worker_metrics_port,
     )
 
 

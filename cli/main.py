@@ -52,6 +52,12 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="one worker per GPU, or one on CPU"
     )
+    up.add_argument(
+        "--worker-metrics-port",
+        type=cfa.port_or_off,
+        default=cfa.DEFAULT_WORKER_METRICS_PORT,
+        help="Prometheus metrics of the first worker (the next ones count up); 0: off (default: %(default)s)",
+    )
     up.set_defaults(run=_run_up)
 
 
@@ -117,6 +123,16 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
         type=cfa.seconds,
         default=_WORKER.drain_grace_s,
         help="on SIGTERM, seconds running jobs get to finish before they are handed back (default: %(default)s)",
+    )
+    metrics = worker.add_argument_group("Prometheus metrics")
+    metrics.add_argument(
+        "--metrics-port",
+        type=cfa.port_or_off,
+        default=_WORKER.metrics_port,
+        help="serve the worker's metrics over HTTP on this port; 0: off (default: %(default)s)",
+    )
+    metrics.add_argument(
+        "--metrics-host", default=_WORKER.metrics_host, help="bind address of the metrics port (default: %(default)s)"
     )
     engine = worker.add_argument_group("engine sizes")
     engine.add_argument(

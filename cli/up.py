@@ -59,8 +59,8 @@ def _exclusive(state_dir: Path) -> Iterator[None]:
         yield
 
 
-def _gateway_url(host: str, port: int) -> str:
-    """Where a client on this machine reaches a gateway bound to `host`."""
+def _local_url(host: str, port: int) -> str:
+    """Where a client on this machine reaches a server (the gateway, a worker's metrics) bound to `host`."""
     connect = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
     return f"http://[{connect}]:{port}" if ":" in connect else f"http://{connect}:{port}"
 
@@ -92,7 +92,7 @@ class _Fleet:
         self.supervisor = supervisor
         self.redis_url = redis_url
         self.embedded = embedded
-        self.gateway_url = _gateway_url(config.host, config.port)
+        self.gateway_url = _local_url(config.host, config.port)
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._missed_pings = 0
 
@@ -118,6 +118,9 @@ class _Fleet:
         if self.supervisor.stop_requested:
             return 0
         workers = self._start_children(models)
+        metrics_urls = [
+            f"{_local_url(self.config.host, port)}/metrics" for port in self.config.worker_metrics_ports(len(workers))
+        ]
         print(
             startup_banner(
                 gateway_url=self.gateway_url,
@@ -126,6 +129,7 @@ class _Fleet:
                 state_dir=self.config.state_dir,
                 models=models,
                 workers=workers,
+                worker_metrics=metrics_urls,
                 demo_tenants=tenants,
             ),
             flush=True,
@@ -165,11 +169,15 @@ class _Fleet:
         self.supervisor.start("gateway", self._cli(*gateway), _child_env(None))
         worker = ["worker", "--redis-url", self.redis_url, "--adapter-root", str(config.adapter_root)]
         worker += [arg for spec in models for arg in ("--model", f"{spec.name}={spec.path}")]
-        if not config.gpus:  # hide any GPU from a CPU worker
-            return [self.supervisor.start("worker-cpu", self._cli(*worker, "--device", "cpu"), _child_env("")).name]
+        worker += ["--metrics-host", config.host]
+        # (name, --device, CUDA_VISIBLE_DEVICES): one per GPU, or one CPU worker with every GPU hidden
+        placements = [(f"worker-gpu{gpu}", "cuda", gpu) for gpu in config.gpus] or [("worker-cpu", "cpu", "")]
+        ports = config.worker_metrics_ports(len(placements)) or [0] * len(placements)
         return [
-            self.supervisor.start(f"worker-gpu{gpu}", self._cli(*worker, "--device", "cuda"), _child_env(gpu)).name
-            for gpu in config.gpus
+            self.supervisor.start(
+                name, self._cli(*worker, "--device", device, "--metrics-port", str(port)), _child_env(visible)
+            ).name
+            for (name, device, visible), port in zip(placements, ports, strict=True)
         ]
 
     def _check_alive(self) -> None:
@@ -225,6 +233,9 @@ def run_up(config: UpConfig) -> int:
         cleanup.enter_context(supervisor.signals_handled())
         if not port_is_free(config.host, config.port):
             raise ConfigError("--port", f"{config.host}:{config.port} is already in use")
+        for port in config.worker_metrics_ports(max(1, len(config.gpus))):
+            if not port_is_free(config.host, port):
+                raise ConfigError("--worker-metrics-port", f"{config.host}:{port} is already in use (0 turns it off)")
         cleanup.callback(log.info, "stopped")
         redis_url = config.redis_url
         if redis_url is None:

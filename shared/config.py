@@ -81,18 +81,31 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
+    # a hard cap on this process's share of the GPU (torch's per-process memory fraction), for
+    # several processes on one GPU under MPS; the KV cache is sized within it. None: no cap
+    gpu_memory_fraction: float | None = None
     cpu_kv_cache_gb: float = 0.5
     max_loras: int = 8  # adapter slots resident on the device at once
     max_lora_rank: int = 64
     max_adapter_bytes: int = 2 << 30
+    # pinned host tier of the adapter pool; None: room for two max-rank adapters per slot. It must
+    # hold at least max_loras of them (checked when the engine starts, knowing the model's shapes)
+    adapter_host_cache_gb: float | None = None
+    adapter_eviction: str = "lru"  # or "lfu": frequency-aware (worker/adapter_pool/eviction.py)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError("gpu_memory_fraction must be in (0, 1]")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.adapter_eviction not in ("lru", "lfu"):
+            raise ValueError(f"adapter_eviction must be 'lru' or 'lfu', not {self.adapter_eviction!r}")
+        if self.adapter_host_cache_gb is not None and self.adapter_host_cache_gb <= 0:
+            raise ValueError("adapter_host_cache_gb must be > 0")
 
 
 # how long a worker on SIGTERM lets running jobs finish before handing the rest back
@@ -117,6 +130,15 @@ class WorkerConfig:
     max_deliveries: int = 3
     # on SIGTERM, running jobs get this long to finish; the rest are handed back to the queue
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
+    # base models on the device at once (None: all of them); the others wait warm or cold
+    max_resident_models: int | None = None
+    # the warm tier: checkpoints kept in (pinned) host memory, least recently used evicted first
+    cpu_model_cache_bytes: int = 0
+    # when switching models, the outgoing one's running jobs get this long before they are handed back
+    switch_grace_s: float = 10.0
+    # Prometheus metrics over HTTP on this port (0: not served); bind 0.0.0.0 where Prometheus scrapes pods
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.drain_grace_s < 0:
@@ -127,3 +149,9 @@ class WorkerConfig:
             raise ValueError("claim_idle_ms must be at least three heartbeat intervals")
         if self.max_deliveries < 1:
             raise ValueError("max_deliveries must be >= 1")
+        if self.max_resident_models is not None and self.max_resident_models < 1:
+            raise ValueError("max_resident_models must be >= 1")
+        if self.cpu_model_cache_bytes < 0 or self.switch_grace_s < 0:
+            raise ValueError("cpu_model_cache_bytes and switch_grace_s must be >= 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be a TCP port, or 0 for none")

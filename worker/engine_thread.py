@@ -1,15 +1,21 @@
 """Runs the engines' step loop on its own thread, so the asyncio loop does only I/O.
 
-Commands (add, abort, stop) arrive through a thread-safe queue; finished results, and each step's
+Commands (add, abort, call, stop) arrive through a thread-safe queue; finished results, and each step's
 token deltas for streaming, leave through callbacks that the asyncio side makes thread-safe. With
-several base models, each engine that has work gets one step in turn.
+several base models, each engine that has work gets one step in turn. Each step is timed and recorded
+into the engine's metrics here (prometheus_client is thread-safe; the HTTP server reads them).
+
+`call` runs a function on this thread between steps: a model switch changes the engines there,
+never during a step.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import structlog
@@ -31,6 +37,12 @@ class _Abort:
     job_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Call:
+    fn: Callable[[dict[str, LLMEngine]], object]
+    future: Future
+
+
 class _Stop:
     pass
 
@@ -47,7 +59,7 @@ class EngineThread:
         self._on_result = on_result
         self._on_deltas = on_deltas
         self._on_crash = on_crash
-        self._inbox: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _Call | _Stop] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -59,6 +71,12 @@ class EngineThread:
     def abort(self, job_id: str) -> None:
         self._inbox.put(_Abort(job_id))
 
+    def call(self, fn: Callable[[dict[str, LLMEngine]], object]) -> Future:
+        """Run `fn(engines)` on the engine thread between steps; the future holds its result or error."""
+        future: Future = Future()
+        self._inbox.put(_Call(fn, future))
+        return future
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._inbox.put(_Stop())
         self._thread.join(timeout_s)
@@ -68,6 +86,8 @@ class EngineThread:
 
     def _run(self) -> None:
         try:
+            for engine in self.engines.values():
+                engine.metrics.record_state(engine)  # sizes are known before the first step
             while True:
                 # block only while idle; with work in flight, take whatever commands are waiting
                 command = self._inbox.get() if not self._busy() else self._next_nowait()
@@ -78,7 +98,9 @@ class EngineThread:
                     command = self._next_nowait()
                 for engine in self.engines.values():
                     if engine.num_unfinished:
+                        started = time.perf_counter()
                         results = engine.step()
+                        engine.metrics.record_step(engine, time.perf_counter() - started)
                         deltas = engine.take_deltas()
                         if deltas and self._on_deltas is not None:
                             self._on_deltas(deltas)  # before the results: a stream's tokens precede its end
@@ -88,14 +110,19 @@ class EngineThread:
             log.exception("engine_thread_crashed")
             self._on_crash(exc)
 
-    def _next_nowait(self) -> _Add | _Abort | _Stop | None:
+    def _next_nowait(self) -> _Add | _Abort | _Call | _Stop | None:
         try:
             return self._inbox.get_nowait()
         except queue.Empty:
             return None
 
-    def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Add):
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Call):
+            try:
+                command.future.set_result(command.fn(self.engines))
+            except Exception as exc:  # the caller decides; the engines step on
+                command.future.set_exception(exc)
+        elif isinstance(command, _Add):
             immediate = self.engines[command.model].add(command.request)
             if immediate is not None:
                 self._on_result(immediate)

@@ -9,6 +9,10 @@ Every loop survives losing Redis: the client retries a command through a short r
 that the loop logs, backs off and tries again, holding on to any result it has not stored yet.
 On `stop()` the worker drains: it reads no more jobs, gives running ones `drain_grace_s` to
 finish, and puts the rest back on their queue as new entries that any worker can take at once.
+
+A worker may serve more base models than it keeps resident (worker/models/): it reads only the
+streams of resident models, measures the others' queues without consuming them, and switches
+(models/switcher.py) when waiting jobs outweigh the switch's cost.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import structlog
@@ -27,17 +30,23 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from tokenizers import Tokenizer
 
 from shared import keys
 from shared.chat_template import read_chat_template
 from shared.config import WorkerConfig
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore, now_ms
+from shared.model_info import ModelInfo
 from shared.model_registry import publish_model
 from shared.redis_client import resilient_redis
 from shared.schema import JobError, JobMessage, JobStatus, SchemaError, TokenDelta, decode_job
 from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
+from worker.engine.model_runner import ModelRunner
 from worker.engine_thread import EngineThread
+from worker.metrics import WorkerMetrics
+from worker.models.residency import ModelResidency
+from worker.models.switcher import ModelSwitcher
 
 log = structlog.get_logger(__name__)
 
@@ -89,9 +98,16 @@ class Worker:
         self._crash: BaseException | None = None
         self._engine_thread: EngineThread | None = None
         self._last_claim = 0.0
+        self._residency = ModelResidency(config, self._new_engine)
+        self._switcher: ModelSwitcher | None = None
+        self.metrics = WorkerMetrics(config.engine.device)
 
     async def run(self) -> int:
         """Serve until `stop()`; returns the process exit code."""
+        metrics_server = None
+        if self.config.metrics_port:  # before the model loads: a taken port fails in seconds, not minutes
+            metrics_server = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
+            log.info("metrics_serving", host=self.config.metrics_host, port=self.config.metrics_port)
         engines = await asyncio.to_thread(self._load_engines)
         loop = asyncio.get_running_loop()
         self._engine_thread = EngineThread(
@@ -101,13 +117,23 @@ class Worker:
             on_deltas=lambda deltas: loop.call_soon_threadsafe(self._results.put_nowait, deltas),
         )
         self._engine_thread.start()
-        await self._retrying("announce", lambda: self._announce(engines))
-        log.info("worker_ready", worker=self.id, models=list(engines))
+        self._switcher = ModelSwitcher(
+            self._residency,
+            self._engine_thread,
+            self._redis,
+            claim_idle_ms=self.config.claim_idle_ms,
+            switch_grace_s=self.config.switch_grace_s,
+            in_flight=self._in_flight_of,
+            hand_back=self._hand_back_model,
+        )
+        await self._retrying("announce", self._announce)
+        log.info("worker_ready", worker=self.id, models=[s.name for s in self.config.models], resident=list(engines))
         consume = asyncio.create_task(self._consume(), name="consume")
         background = [
             asyncio.create_task(self._publish(), name="publish"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
             asyncio.create_task(self._watch_cancels(), name="cancels"),
+            asyncio.create_task(self._manage_models(), name="models"),
         ]
         for task in (consume, *background):
             task.add_done_callback(self._task_done)
@@ -121,6 +147,9 @@ class Worker:
             await self._redis.delete(keys.worker(self.id))
             await self._redis.srem(keys.WORKERS, self.id)
         await self._redis.aclose()
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.shutdown)  # waits out its poll interval (0.5 s)
+            metrics_server.server_close()
         log.info("worker_stopped", worker=self.id, crashed=self._crash is not None)
         return 1 if self._crash is not None else 0
 
@@ -130,21 +159,24 @@ class Worker:
 
     # -- start-up -------------------------------------------------------------------------------
 
-    def _model_path(self, name: str) -> Path:
-        return next(spec.path for spec in self.config.models if spec.name == name)
-
     def _load_engines(self) -> dict[str, LLMEngine]:
-        share = 1.0 / len(self.config.models)  # each served model gets an equal part of the KV memory
-        return {
-            spec.name: LLMEngine.from_spec(spec, self.config.engine, self.config.adapter_root, kv_memory_share=share)
-            for spec in self.config.models
-        }
+        """Make the first models given resident, as many as the residency has slots for."""
+        for spec in self.config.models[: self._residency.slots]:
+            self._residency.activate(self._residency.prepare(spec.name))
+        return self._residency.engines
 
-    async def _announce(self, engines: dict[str, LLMEngine]) -> None:
-        for name, engine in engines.items():
-            tokenizer_json = (self._model_path(name) / "tokenizer.json").read_bytes()
-            await publish_model(self._redis, engine.info, tokenizer_json, read_chat_template(self._model_path(name)))
-            await self._ensure_group(name)
+    def _new_engine(self, name: str, runner: ModelRunner, tokenizer: Tokenizer) -> LLMEngine:
+        return LLMEngine(
+            runner, tokenizer, self.config.engine, self.config.adapter_root, self.metrics.engine(name)
+        )
+
+    async def _announce(self) -> None:
+        """Publish every served model, resident or not: the gateway accepts jobs for all of them."""
+        for spec in self.config.models:
+            info = ModelInfo.from_pretrained(spec.name, spec.path)
+            tokenizer_json = (spec.path / "tokenizer.json").read_bytes()
+            await publish_model(self._redis, info, tokenizer_json, read_chat_template(spec.path))
+            await self._ensure_group(spec.name)
 
     async def _ensure_group(self, model: str) -> None:
         try:
@@ -188,14 +220,20 @@ class Worker:
             self._room.clear()
             await self._room.wait()
             return
+        # only resident models' streams: a job read for a model that is not resident could not run
+        # soon, and would sit in this worker's pending list where no other worker takes it
+        readable = self._switcher.readable()
+        if not readable:
+            await asyncio.sleep(_READ_BLOCK_MS / 1000 / 10)  # mid-switch
+            return
         if time.monotonic() - self._last_claim > self.config.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
-            for spec in self.config.models:
-                await self._claim_abandoned(spec.name, room)
+            for model in readable:
+                await self._claim_abandoned(model, room)
             room = self.capacity - len(self._in_flight)
             if room <= 0:
                 return
-        streams = {keys.queue(spec.name): ">" for spec in self.config.models}
+        streams = {keys.queue(model): ">" for model in readable}
         try:
             response = await self._redis.xreadgroup(
                 keys.WORKER_GROUP, self.id, streams, count=room, block=_READ_BLOCK_MS
@@ -210,8 +248,8 @@ class Worker:
         for stream, entries in response or []:
             model = stream.decode().removeprefix(keys.queue(""))
             for entry_id, fields in entries:
-                if self._stopping.is_set():
-                    await self._requeue(model, entry_id, fields)  # read during the stop: not ours to run
+                if self._stopping.is_set() or not self._switcher.admitting(model):
+                    await self._requeue(model, entry_id, fields)  # read during a stop or switch: not ours to run
                 else:
                     await self._accept(model, entry_id, fields)
 
@@ -245,6 +283,10 @@ class Worker:
             return
         if attempts > self.config.max_deliveries:
             await self._give_up(model, entry_id, fields, message, attempts)
+            return
+        if not self._switcher.admitting(model):  # a switch began while the job was being started
+            await self._jobs.release(message.job_id, self.id)
+            await self._requeue(model, entry_id, fields)
             return
         self._in_flight[message.job_id] = _InFlight(model, entry_id, message.request_id, fields)
         log.info(
@@ -387,6 +429,7 @@ class Worker:
                 keys.worker(self.id),
                 mapping={
                     "models": json.dumps([spec.name for spec in self.config.models]),
+                    **{field: json.dumps(value) for field, value in self._switcher.report().items()},
                     "device": self.config.engine.device,
                     "in_flight": len(self._in_flight),
                     "capacity": self.capacity,
@@ -396,6 +439,23 @@ class Worker:
             pipe.expire(keys.worker(self.id), max(3, int(self.config.heartbeat_interval_s * 3)))
             pipe.sadd(keys.WORKERS, self.id)
             await pipe.execute()
+
+    # -- model switching ------------------------------------------------------------------------
+
+    async def _manage_models(self) -> None:
+        while True:
+            await self._retrying("model switching", self._switcher.run)
+
+    def _in_flight_of(self, model: str) -> int:
+        return sum(1 for flight in self._in_flight.values() if flight.model == model)
+
+    async def _hand_back_model(self, model: str) -> int:
+        """Abort `model`'s running jobs in the engine and queue them again (a switch past its grace)."""
+        flights = [(job_id, flight) for job_id, flight in self._in_flight.items() if flight.model == model]
+        for job_id, flight in flights:
+            self._engine_thread.abort(job_id)
+            await self._retrying("hand back", lambda job_id=job_id, flight=flight: self._hand_back(job_id, flight))
+        return len(flights)
 
     # -- shutdown -------------------------------------------------------------------------------
 

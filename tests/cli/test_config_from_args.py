@@ -148,6 +148,8 @@ def test_up_defaults_to_the_demo_in_dot_lorafleet_with_an_embedded_redis(tmp_pat
     assert config.state_dir == tmp_path / ".lorafleet"
     assert config.adapter_root == tmp_path / ".lorafleet" / "adapters"
     assert (config.host, config.port) == ("127.0.0.1", 8000)
+    assert config.worker_metrics_ports(2) == [cfa.DEFAULT_WORKER_METRICS_PORT, cfa.DEFAULT_WORKER_METRICS_PORT + 1]
+    assert cfa.up_config(parse("up", "--worker-metrics-port", "0")).worker_metrics_ports(2) == []
 
 
 def test_up_starts_one_worker_per_visible_gpu_unless_told_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from cli.banner import startup_banner
 from cli.demo import DemoTenant
+from cli.redis_server import free_port
 from shared.config import ModelSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +38,18 @@ def test_a_busy_gateway_port_is_refused_naming_the_flag_before_anything_starts(t
     assert result.stdout == ""
 
 
+def test_a_busy_worker_metrics_port_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        result = run_up("--state-dir", str(tmp_path), "--port", str(free_port()), "--worker-metrics-port", str(port))
+
+    assert result.returncode == 2
+    assert f"error: --worker-metrics-port: 127.0.0.1:{port} is already in use" in result.stderr
+    assert not (tmp_path / "redis").exists()
+
+
 def test_a_second_up_on_the_same_state_dir_is_refused(tmp_path: Path) -> None:
     with (tmp_path / "up.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running `up` holds it
@@ -56,11 +69,13 @@ def test_the_banner_gives_the_url_each_demo_key_and_commands_that_parse(tmp_path
         state_dir=tmp_path,
         models=[ModelSpec("demo", tmp_path / "models" / "demo")],
         workers=["worker-cpu"],
+        worker_metrics=["http://127.0.0.1:9200/metrics"],
         demo_tenants=tenants,
     )
 
     assert "http://127.0.0.1:8123" in banner and "redis://127.0.0.1:6400/0" in banner
     assert "lf_acme_key" in banner and "lf_globex_key" in banner
+    assert "metrics  http://127.0.0.1:9200/metrics" in banner
     curl = next(line for line in banner.splitlines() if "/v1/jobs " in line)
     words = shlex.split(curl)
     assert words[:3] == ["curl", "-s", "http://127.0.0.1:8123/v1/jobs"]

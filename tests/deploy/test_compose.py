@@ -122,6 +122,19 @@ def test_prometheus_scrapes_every_gateway_replica():
     assert job["dns_sd_configs"] == [{"names": ["gateway"], "type": "A", "port": 8000, "refresh_interval": "15s"}]
 
 
+def test_prometheus_scrapes_every_worker_on_its_metrics_port(services: dict[str, dict[str, Any]]):
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "lorafleet-worker"]
+    assert job["metrics_path"] == "/metrics"
+    (discovery,) = job["dns_sd_configs"]
+    assert set(discovery["names"]) == {"worker", "worker-mps"}
+    for name in discovery["names"]:
+        worker = services[name]
+        args = parse_lorafleet_args(["worker", "--worker-id", "container-1", *worker["command"]])
+        assert (args.metrics_port, args.metrics_host) == (discovery["port"], "0.0.0.0")
+        assert str(args.metrics_port) in worker["expose"]
+
+
 def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard(services: dict[str, dict[str, Any]]):
     provisioning = DEPLOY / "grafana" / "provisioning"
     (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]

@@ -165,6 +165,20 @@ def test_workers_run_a_valid_command_ask_for_a_gpu_and_probe_their_heartbeat(nam
 
 
 @pytest.mark.parametrize("name", sorted(WORKERS))
+def test_workers_serve_metrics_on_the_port_their_pods_announce_for_scraping(name: str):
+    deployment = WORKERS[name]
+    (container,) = containers(deployment)
+    args = parse_lorafleet_args(worker_args(deployment))
+    assert args.metrics_port > 0 and args.metrics_host == "0.0.0.0", "Prometheus scrapes the pod's address"
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert ports["metrics"] == args.metrics_port
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == args.metrics_port
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
+@pytest.mark.parametrize("name", sorted(WORKERS))
 def test_keda_scales_each_worker_on_its_models_stream(name: str):
     (model,) = parse_lorafleet_args(worker_args(WORKERS[name])).model
     (scaled,) = [s for s in of_kind("ScaledObject").values() if s["spec"]["scaleTargetRef"]["name"] == name]

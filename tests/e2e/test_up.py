@@ -35,9 +35,10 @@ def port_open(port: int) -> bool:
 
 
 def test_up_serves_the_demo_for_every_tenant_and_stops_cleanly(tmp_path: Path):
-    state_dir, port = tmp_path / "state", free_port()
+    state_dir, port, metrics_port = tmp_path / "state", free_port(), free_port()
     log = tmp_path / "up.log"
-    with lorafleet_process(["up", "--state-dir", str(state_dir), "--port", str(port)], log) as up:
+    command = ["up", "--state-dir", str(state_dir), "--port", str(port), "--worker-metrics-port", str(metrics_port)]
+    with lorafleet_process(command, log) as up:
         wait_until(lambda: "ready in" in log.read_text(), timeout_s=240, what="lorafleet up to be ready", logs=[log])
         demo = json.loads((state_dir / "demo.json").read_text())
         assert len(demo["tenants"]) == 3
@@ -57,6 +58,9 @@ def test_up_serves_the_demo_for_every_tenant_and_stops_cleanly(tmp_path: Path):
             json.loads((state_dir / "lorafleet.json").read_text())["redis_url"].rsplit(":", 1)[1].split("/")[0]
         )
         assert port_open(redis_port)
+        assert f"metrics  http://127.0.0.1:{metrics_port}/metrics" in log.read_text()
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+            assert f'lorafleet_worker_generated_tokens_total{{model="{model}"}}' in response.read().decode()
 
         up.send_signal(signal.SIGINT)
         try:
@@ -65,4 +69,5 @@ def test_up_serves_the_demo_for_every_tenant_and_stops_cleanly(tmp_path: Path):
             pytest.fail(f"lorafleet up did not stop on Ctrl-C:\n{log.read_text()[-3000:]}")
     assert not port_open(port), "the gateway outlived lorafleet up"
     assert not port_open(redis_port), "the embedded Redis outlived lorafleet up"
+    assert not port_open(metrics_port), "the worker's metrics outlived lorafleet up"
     assert any((state_dir / "redis").rglob("*.aof*")), "the embedded Redis does not persist append-only"

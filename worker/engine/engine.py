@@ -1,8 +1,8 @@
 """The engine: requests in, finished results out, one `step()` at a time.
 
-Ties the scheduler (who runs), the model runner (the device work), adapter slots (which LoRA
-weights are resident) and detokenizers (text and stop strings) together. Single-threaded: the
-worker calls it from its engine thread only.
+Ties the scheduler (who runs), the model runner (the device work), the adapter pool (which LoRA
+weights are resident; it loads the rest ahead of need) and detokenizers (text and stop strings)
+together. Single-threaded: the worker calls it from its engine thread only.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import structlog
 import torch
 from tokenizers import Tokenizer
 
-from shared.adapter_format import WEIGHTS_FILE, file_sha256, resolve_adapter_dir
 from shared.config import EngineConfig, ModelSpec
 from shared.errors import ErrorCode, LorafleetError
 from shared.schema import AdapterRef, FinishReason, JobError, JobOutput, JobStatus, SamplingParams, TokenDelta
-from worker.engine.adapter_slots import AdapterSlots, SlotGrant
+from worker.adapter_pool.pool import AdapterPool, LoadFailure
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledSequence, Scheduler
 from worker.engine.sequence import Sequence
+from worker.metrics import EngineMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +50,15 @@ class EngineResult:
     first_token_ms: int = 0  # unix ms
 
 
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one step ran, for metrics: sequences in its batch, tokens it processed, tokens it sampled."""
+
+    num_seqs: int = 0
+    num_tokens: int = 0
+    num_sampled: int = 0
+
+
 @dataclass(slots=True)
 class _Tracked:
     request: EngineRequest
@@ -60,19 +69,32 @@ class _Tracked:
     streamed_chars: int = 0  # output text already handed out in TokenDeltas
 
 
+# With nothing runnable but adapter loads in flight, a step waits this long at most for one to land.
+_IDLE_WAIT_S = 0.005
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, adapter_root: Path) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        adapter_root: Path,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
         self.runner = runner
         self.info = runner.info
         self.tokenizer = tokenizer
         self.config = config
         self.adapter_root = adapter_root
         self.blocks = BlockManager(runner.num_blocks, config.block_size)
-        self.adapter_slots = AdapterSlots(config.max_loras)
+        self.metrics = metrics if metrics is not None else EngineMetrics.unregistered(self.info.name)
+        self.adapter_pool = AdapterPool(runner.model, config, adapter_root, self.metrics.adapters)
+        self.adapter_slots = self.adapter_pool.gpu  # which adapter sits in which device slot
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -82,14 +104,21 @@ class LLMEngine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._deltas: list[TokenDelta] = []
+        self.last_step = StepStats()
 
     @classmethod
     def from_spec(
-        cls, spec: ModelSpec, config: EngineConfig, adapter_root: Path, *, kv_memory_share: float = 1.0
+        cls,
+        spec: ModelSpec,
+        config: EngineConfig,
+        adapter_root: Path,
+        *,
+        kv_memory_share: float = 1.0,
+        metrics: EngineMetrics | None = None,
     ) -> LLMEngine:
         runner = ModelRunner(spec, config, kv_memory_share=kv_memory_share)
         tokenizer = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
-        return cls(runner, tokenizer, config, adapter_root)
+        return cls(runner, tokenizer, config, adapter_root, metrics)
 
     @property
     def num_unfinished(self) -> int:
@@ -130,6 +159,8 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
         self._tracked[request.job_id] = _Tracked(request, seq, detokenizer, max_tokens)
         self.scheduler.add(seq)
+        if request.adapter is not None:
+            self.adapter_pool.request(request.adapter)  # prefetch: loads while earlier requests run
         return None
 
     def take_deltas(self) -> list[TokenDelta]:
@@ -144,16 +175,19 @@ class LLMEngine:
         tracked = self._tracked.pop(job_id, None)
         if tracked is None:
             return False
-        self.scheduler.finish(tracked.seq)
+        self._release(tracked.seq)
         return True
 
     def step(self) -> list[EngineResult]:
         """Run one batch step. Returns the requests that finished in it."""
+        self.last_step = StepStats()
         results = self._expire_overdue()
+        results += self._fail_adapter_loads(self.adapter_pool.poll())
         plan = self.scheduler.schedule()
-        results += self._load_adapters(plan.adapter_loads)
         scheduled = [s for s in plan.scheduled if s.seq.seq_id in self._tracked]
         if not scheduled:
+            if self.adapter_pool.loads_in_flight:
+                self.adapter_pool.wait(_IDLE_WAIT_S)  # only adapter loads can unblock the queue
             return results
         try:
             scheduled, tokens, finite = self._run_within_memory(scheduled)
@@ -166,6 +200,9 @@ class LLMEngine:
             log.exception("engine_step_failed", num_seqs=len(scheduled))
             error = JobError(ErrorCode.INTERNAL_ERROR, f"engine step failed: {type(exc).__name__}")
             return results + [self._fail(s.seq.seq_id, error) for s in scheduled]
+        self.last_step = StepStats(
+            len(scheduled), sum(s.num_new_tokens for s in scheduled), sum(s.completes_prompt for s in scheduled)
+        )
         for item, token, ok in zip(scheduled, tokens, finite, strict=True):
             if not ok:
                 error = JobError(ErrorCode.NUMERICAL_ERROR, "the model produced non-finite logits")
@@ -226,7 +263,7 @@ class LLMEngine:
     def _succeed(self, tracked: _Tracked, reason: FinishReason) -> EngineResult:
         seq = tracked.seq
         del self._tracked[seq.seq_id]
-        self.scheduler.finish(seq)
+        self._release(seq)
         output = JobOutput(text=tracked.detokenizer.text, token_ids=tuple(seq.output_token_ids), finish_reason=reason)
         return EngineResult(
             seq.seq_id,
@@ -238,7 +275,7 @@ class LLMEngine:
 
     def _fail(self, job_id: str, error: JobError, status: JobStatus = JobStatus.FAILED) -> EngineResult:
         tracked = self._tracked.pop(job_id)
-        self.scheduler.finish(tracked.seq)
+        self._release(tracked.seq)
         return EngineResult(
             job_id,
             status,
@@ -253,21 +290,18 @@ class LLMEngine:
         error = JobError(ErrorCode.DEADLINE_EXCEEDED, "the job's deadline passed before it finished")
         return [self._fail(t.seq.seq_id, error, JobStatus.EXPIRED) for t in overdue]
 
-    def _load_adapters(self, loads: list[tuple[str, SlotGrant]]) -> list[EngineResult]:
-        """Copy newly granted adapters into their slots; a load that fails fails only its requests."""
+    def _release(self, seq: Sequence) -> None:
+        """A request left the engine: its blocks and adapter pin go back, and its adapter's demand."""
+        self.scheduler.finish(seq)
+        if seq.adapter_uid is not None:
+            self.adapter_pool.drop(seq.adapter_uid)
+
+    def _fail_adapter_loads(self, failures: list[LoadFailure]) -> list[EngineResult]:
+        """Fail the requests of adapters whose load failed; every other request goes on."""
         results: list[EngineResult] = []
-        for uid, grant in loads:
-            users = [t for t in self._tracked.values() if t.seq.adapter_uid == uid]
-            ref = users[0].request.adapter
-            try:
-                adapter_dir = resolve_adapter_dir(self.adapter_root, ref.path)
-                if file_sha256(adapter_dir / WEIGHTS_FILE) != ref.sha256:
-                    raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "adapter files changed since registration")
-                self.runner.load_adapter(grant.slot, adapter_dir)
-            except Exception as exc:
-                log.warning("adapter_load_failed", adapter=uid, error=str(exc))
-                message = exc.message if isinstance(exc, LorafleetError) else f"{type(exc).__name__}: {exc}"
-                error = JobError(ErrorCode.ADAPTER_LOAD_FAILED, f"adapter {ref.name!r} could not be loaded: {message}")
-                results += [self._fail(t.seq.seq_id, error) for t in users]
-                self.adapter_slots.discard(uid)
+        for failure in failures:
+            users = [t for t in self._tracked.values() if t.seq.adapter_uid == failure.uid]
+            for tracked in users:
+                message = f"adapter {tracked.request.adapter.name!r} could not be loaded: {failure.message}"
+                results.append(self._fail(tracked.seq.seq_id, JobError(ErrorCode.ADAPTER_LOAD_FAILED, message)))
         return results

@@ -1,0 +1,56 @@
+"""A real worker process serves its Prometheus metrics over HTTP (`--metrics-port`): after jobs of a
+base model and an adapter ran, the text exposition shows their tokens and batches, an empty KV
+cache, and (on this CPU worker) no GPU series."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cli.redis_server import free_port
+from tests.e2e.processes import wait_until
+from tests.fleet import MODEL, Fleet, jobs_for
+
+pytestmark = pytest.mark.slow
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_a_worker_serves_its_engine_metrics_over_http(fleet: Fleet):
+    port = free_port()
+    fleet.start_gateway()
+    fleet.start_worker("w1", "--metrics-port", str(port))
+    model = (("model", MODEL),)
+    before = scrape(port)
+    assert before[("lorafleet_worker_generated_tokens_total", model)] == 0
+    assert before[("lorafleet_worker_kv_blocks_total", model)] > 0
+
+    jobs = jobs_for(4, max_tokens=5)
+    records = fleet.wait_finished(fleet.submit(jobs), timeout_s=120)
+    generated = sum(record.completion_tokens for record in records)
+    assert generated == 4 * 5
+
+    # the last step's numbers are recorded right after its results are handed over: allow a moment
+    wait_until(
+        lambda: scrape(port)[("lorafleet_worker_generated_tokens_total", model)] == generated,
+        timeout_s=10,
+        what="the worker's metrics to count every generated token",
+        logs=fleet.logs,
+    )
+    after = scrape(port)
+    assert after[("lorafleet_worker_batch_size_count", model)] >= 5
+    assert after[("lorafleet_worker_step_seconds_sum", model)] > 0
+    assert after[("lorafleet_worker_running_seqs", model)] == 0
+    assert after[("lorafleet_worker_kv_blocks_used", model)] == 0
+    assert after[("lorafleet_worker_adapters_resident", (("model", MODEL), ("tier", "gpu")))] == 1
+    assert not any(name.startswith("lorafleet_worker_gpu_") for name, _ in after)

@@ -1,0 +1,113 @@
+"""The worker's metrics as the engine thread records them from a real engine (tiny checkpoint, CPU),
+and the GPU series' device lookup. The HTTP endpoint of a real worker process is tested in
+tests/e2e/test_worker_metrics.py."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+from tests.engine.test_engine_generation import NEW_TOKENS, greedy_request, make_engine
+from tests.engine.tiny_hf import TinyCheckpoint
+from worker.engine.engine import EngineResult
+from worker.engine_thread import EngineThread
+from worker.gpu_metrics import GpuCollector, cuda_index, nvml_id
+from worker.metrics import AdapterTier, WorkerMetrics
+
+
+def run_on_thread(metrics: WorkerMetrics, checkpoint: TinyCheckpoint, adapters: list[str | None]) -> list[EngineResult]:
+    engine = make_engine(checkpoint, max_loras=2)
+    engine.metrics = metrics.engine("tiny")
+    results: queue.Queue[EngineResult] = queue.Queue()
+    crashes: list[BaseException] = []
+    thread = EngineThread({"tiny": engine}, on_result=results.put, on_crash=crashes.append)
+    thread.start()
+    for index, adapter in enumerate(adapters):
+        thread.submit("tiny", greedy_request(checkpoint, f"job{index}", adapter))
+    finished = [results.get(timeout=120) for _ in adapters]
+    thread.stop()
+    assert not crashes
+    return finished
+
+
+def value(metrics: WorkerMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def test_steps_record_batches_tokens_and_an_empty_cache_after(llama: TinyCheckpoint):
+    metrics = WorkerMetrics(device="cpu")
+    adapters = [None, "all_r8", "mlp_k_r4", None]
+    finished = run_on_thread(metrics, llama, adapters)
+
+    generated = sum(result.completion_tokens for result in finished)
+    assert generated == NEW_TOKENS * len(adapters)
+    assert value(metrics, "lorafleet_worker_generated_tokens_total", model="tiny") == generated
+    steps = value(metrics, "lorafleet_worker_batch_size_count", model="tiny")
+    assert steps is not None and NEW_TOKENS <= steps < generated  # requests shared steps
+    assert value(metrics, "lorafleet_worker_batch_size_sum", model="tiny") >= generated
+    assert value(metrics, "lorafleet_worker_step_seconds_count", model="tiny") == steps
+    assert value(metrics, "lorafleet_worker_step_seconds_sum", model="tiny") > 0
+    prompt_tokens = sum(len(greedy_request(llama, "", a).prompt_token_ids) for a in adapters)
+    # every prompt token is processed once; every output token but the last is fed back once
+    fed_back = generated - len(adapters)
+    assert value(metrics, "lorafleet_worker_batch_tokens_sum", model="tiny") == prompt_tokens + fed_back
+    assert value(metrics, "lorafleet_worker_running_seqs", model="tiny") == 0
+    assert value(metrics, "lorafleet_worker_waiting_seqs", model="tiny") == 0
+    assert value(metrics, "lorafleet_worker_kv_blocks_used", model="tiny") == 0
+    assert value(metrics, "lorafleet_worker_kv_blocks_total", model="tiny") == 64
+    assert value(metrics, "lorafleet_worker_adapters_resident", model="tiny", tier="gpu") == 2
+
+
+def test_adapter_series_exist_for_every_tier_before_anything_is_recorded():
+    metrics = WorkerMetrics(device="cpu")
+    recorder = metrics.engine("m").adapters
+    for tier in AdapterTier:
+        assert value(metrics, "lorafleet_worker_adapter_hits_total", model="m", tier=tier) == 0
+        assert value(metrics, "lorafleet_worker_adapter_misses_total", model="m", tier=tier) == 0
+    recorder.hit(AdapterTier.CPU)
+    recorder.miss(AdapterTier.GPU)
+    recorder.evicted(AdapterTier.GPU)
+    recorder.loaded(AdapterTier.DISK, 0.02)
+    recorder.set_resident(AdapterTier.CPU, 5)
+    assert value(metrics, "lorafleet_worker_adapter_hits_total", model="m", tier="cpu") == 1
+    assert value(metrics, "lorafleet_worker_adapter_misses_total", model="m", tier="gpu") == 1
+    assert value(metrics, "lorafleet_worker_adapter_evictions_total", model="m", tier="gpu") == 1
+    assert value(metrics, "lorafleet_worker_adapter_load_seconds_sum", model="m", tier="disk") == pytest.approx(0.02)
+    assert value(metrics, "lorafleet_worker_adapters_resident", model="m", tier="cpu") == 5
+
+
+def test_cuda_ordinals_map_to_nvml_through_cuda_visible_devices():
+    assert cuda_index("cpu") is None
+    assert cuda_index("cuda") == 0 and cuda_index("cuda:3") == 3
+    assert nvml_id(1, None) == 1
+    assert nvml_id(0, "2,3") == 2 and nvml_id(1, "2, 3") == 3
+    assert nvml_id(0, "GPU-8e1c1d9a-0000") == "GPU-8e1c1d9a-0000"
+    with pytest.raises(LookupError):
+        nvml_id(1, "0")
+    with pytest.raises(LookupError):
+        nvml_id(0, "")
+
+
+def test_a_cpu_worker_exports_no_gpu_series():
+    assert GpuCollector.for_device("cpu") is None
+    exported = {metric.name for metric in WorkerMetrics(device="cpu").registry.collect()}
+    assert not any(name.startswith("lorafleet_worker_gpu_") for name in exported)
+
+
+@pytest.mark.gpu
+def test_a_cuda_worker_exports_its_gpus_memory_and_utilisation():
+    torch.ones(1, device="cuda")  # a context, so some memory is in use
+    metrics = WorkerMetrics(device="cuda")
+    total = metrics.registry.get_sample_value("lorafleet_worker_gpu_memory_total_bytes", {"gpu": _gpu_label(metrics)})
+    used = metrics.registry.get_sample_value("lorafleet_worker_gpu_memory_used_bytes", {"gpu": _gpu_label(metrics)})
+    busy = metrics.registry.get_sample_value("lorafleet_worker_gpu_utilization_ratio", {"gpu": _gpu_label(metrics)})
+    assert abs(total - torch.cuda.get_device_properties(0).total_memory) < 0.05 * total  # NVML and CUDA agree
+    assert 0 < used <= total
+    assert 0.0 <= busy <= 1.0
+
+
+def _gpu_label(metrics: WorkerMetrics) -> str:
+    (family,) = [m for m in metrics.registry.collect() if m.name == "lorafleet_worker_gpu_memory_total_bytes"]
+    return family.samples[0].labels["gpu"]

@@ -1,0 +1,176 @@
+"""The worker's Prometheus metrics, served over HTTP from the worker process (`lorafleet worker --metrics-port`).
+
+Three groups, one registry per worker (so several workers in one test process never collide):
+- engine series, per served model: the engine thread records them once per step from counts the
+  engine already keeps (no device sync, nothing per token, a few lock-protected adds per step);
+- adapter-pool series, per model and tier (gpu / cpu / disk): the adapter pool records hits, misses,
+  evictions, load latency and residency through `AdapterMetrics`;
+- GPU utilisation and memory, read from NVML at scrape time (worker/gpu_metrics.py); a worker
+  without a GPU simply has no such series.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from worker.gpu_metrics import GpuCollector
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from worker.engine.engine import LLMEngine
+
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class AdapterTier(StrEnum):
+    """Where an adapter's weights were found: device slots, pinned host memory, or PEFT files on disk."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+    DISK = "disk"
+
+
+class WorkerMetrics:
+    """Every series one worker exports; `engine(model)` hands out the recorder for one served model."""
+
+    def __init__(self, device: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model"]
+        tier_labels = ["model", "tier"]
+        self.running_seqs = Gauge(
+            "lorafleet_worker_running_seqs", "sequences in the running batch", labels, registry=self.registry
+        )
+        self.waiting_seqs = Gauge(
+            "lorafleet_worker_waiting_seqs", "sequences waiting to be admitted", labels, registry=self.registry
+        )
+        self.batch_size = Histogram(
+            "lorafleet_worker_batch_size", "sequences in one engine step", labels, buckets=_BATCH_BUCKETS,
+            registry=self.registry,
+        )  # fmt: skip
+        self.batch_tokens = Histogram(
+            "lorafleet_worker_batch_tokens", "tokens one engine step processed (prefill chunks + decodes)", labels,
+            buckets=_TOKEN_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.step_seconds = Histogram(
+            "lorafleet_worker_step_seconds", "wall time of one engine step (schedule, forward, sample)", labels,
+            buckets=_STEP_BUCKETS_S, registry=self.registry,
+        )  # fmt: skip
+        self.generated_tokens = Counter(
+            "lorafleet_worker_generated_tokens", "output tokens sampled", labels, registry=self.registry
+        )
+        self.preemptions = Counter(
+            "lorafleet_worker_preemptions", "running sequences preempted for KV-cache room (recomputed later)",
+            labels, registry=self.registry,
+        )  # fmt: skip
+        self.kv_blocks_used = Gauge(
+            "lorafleet_worker_kv_blocks_used", "KV-cache blocks held by sequences", labels, registry=self.registry
+        )
+        self.kv_blocks_total = Gauge(
+            "lorafleet_worker_kv_blocks_total", "KV-cache blocks of the model's cache", labels, registry=self.registry
+        )
+        self.adapter_hits = Counter(
+            "lorafleet_worker_adapter_hits", "adapter lookups answered by a tier", tier_labels, registry=self.registry
+        )
+        self.adapter_misses = Counter(
+            "lorafleet_worker_adapter_misses", "adapter lookups a tier could not answer", tier_labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.adapter_evictions = Counter(
+            "lorafleet_worker_adapter_evictions", "adapters evicted from a tier", tier_labels, registry=self.registry
+        )
+        self.adapter_load_seconds = Histogram(
+            "lorafleet_worker_adapter_load_seconds", "time to bring an adapter up from a tier", tier_labels,
+            buckets=_LOAD_BUCKETS_S, registry=self.registry,
+        )  # fmt: skip
+        self.adapters_resident = Gauge(
+            "lorafleet_worker_adapters_resident", "adapters held in a tier", tier_labels, registry=self.registry
+        )
+        gpus = GpuCollector.for_device(device)
+        if gpus is not None:
+            self.registry.register(gpus)
+
+    def engine(self, model: str) -> EngineMetrics:
+        return EngineMetrics(self, model)
+
+    def serve(self, host: str, port: int) -> WSGIServer:
+        """Serve `/metrics` (any path, in fact) on a daemon thread; `shutdown()` the result to stop."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server
+
+
+class AdapterMetrics:
+    """The adapter pool's recorder for one model: every call is a lock-protected add, safe from any thread."""
+
+    def __init__(self, metrics: WorkerMetrics, model: str) -> None:
+        # children resolved once: recording is then a plain add, and every tier's series exists from 0
+        self._hits = {tier: metrics.adapter_hits.labels(model, tier) for tier in AdapterTier}
+        self._misses = {tier: metrics.adapter_misses.labels(model, tier) for tier in AdapterTier}
+        self._evictions = {tier: metrics.adapter_evictions.labels(model, tier) for tier in AdapterTier}
+        self._load_seconds = {tier: metrics.adapter_load_seconds.labels(model, tier) for tier in AdapterTier}
+        self._resident = {tier: metrics.adapters_resident.labels(model, tier) for tier in AdapterTier}
+
+    def hit(self, tier: AdapterTier) -> None:
+        self._hits[tier].inc()
+
+    def miss(self, tier: AdapterTier) -> None:
+        self._misses[tier].inc()
+
+    def evicted(self, tier: AdapterTier) -> None:
+        self._evictions[tier].inc()
+
+    def loaded(self, tier: AdapterTier, seconds: float) -> None:
+        """An adapter was brought up from `tier` (e.g. disk → pinned host, host → device slot) in `seconds`."""
+        self._load_seconds[tier].observe(seconds)
+
+    def set_resident(self, tier: AdapterTier, count: int) -> None:
+        self._resident[tier].set(count)
+
+
+class EngineMetrics:
+    """Recorder for one model's engine; `unregistered(model)` gives one that exports nowhere (tests, tools)."""
+
+    def __init__(self, metrics: WorkerMetrics, model: str) -> None:
+        self.adapters = AdapterMetrics(metrics, model)
+        self._running = metrics.running_seqs.labels(model)
+        self._waiting = metrics.waiting_seqs.labels(model)
+        self._batch_size = metrics.batch_size.labels(model)
+        self._batch_tokens = metrics.batch_tokens.labels(model)
+        self._step_seconds = metrics.step_seconds.labels(model)
+        self._generated = metrics.generated_tokens.labels(model)
+        self._preemptions = metrics.preemptions.labels(model)
+        self._kv_used = metrics.kv_blocks_used.labels(model)
+        self._kv_total = metrics.kv_blocks_total.labels(model)
+        self._preemptions_seen = 0
+
+    @classmethod
+    def unregistered(cls, model: str) -> EngineMetrics:
+        return WorkerMetrics(device="cpu").engine(model)
+
+    def record_step(self, engine: LLMEngine, seconds: float) -> None:
+        """After one `engine.step()` that took `seconds`: its batch, and the queues and KV cache it left."""
+        step = engine.last_step
+        if step.num_seqs:
+            self._batch_size.observe(step.num_seqs)
+            self._batch_tokens.observe(step.num_tokens)
+            self._generated.inc(step.num_sampled)
+            self._step_seconds.observe(seconds)
+        self.record_state(engine)
+
+    def record_state(self, engine: LLMEngine) -> None:
+        """The queues, KV cache and resident adapters as `engine` has them now."""
+        scheduler = engine.scheduler
+        self._running.set(len(scheduler.running))
+        self._waiting.set(len(scheduler.waiting))
+        self._kv_used.set(engine.blocks.num_blocks - engine.blocks.num_free_blocks)
+        self._kv_total.set(engine.blocks.num_blocks)
+        self.adapters.set_resident(AdapterTier.GPU, len(engine.adapter_slots.resident))
+        if scheduler.num_preemptions != self._preemptions_seen:
+            self._preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = scheduler.num_preemptions
