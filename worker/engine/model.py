@@ -8,6 +8,7 @@ The model is built directly on its device and is not meant to be moved afterward
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from worker.engine.layers import DecoderLayer, RMSNorm, VocabEmbedding
 from worker.engine.lora_linear import LoRALinear, LoRASlotShape
 from worker.engine.peft_adapter import AdapterWeights
 from worker.engine.rope import RotaryEmbedding
-from worker.engine.weights import TensorLoader, copy_weight, load_checkpoint
+from worker.engine.weights import TensorLoader, copy_weight, load_checkpoint, load_tensors
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, info: ModelInfo) -> torch.dtype:
@@ -109,14 +110,20 @@ class CausalLM(nn.Module):
 
     def load_weights(self, model_dir: Path) -> None:
         """Fill every parameter from the HF safetensors checkpoint in `model_dir` (single or sharded)."""
-        tied = self.info.tie_word_embeddings
-
-        def ignore(name: str) -> bool:
-            # a tied head is the embedding; old checkpoints also saved the rotary frequencies
-            return (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
-
         with torch.no_grad():
-            load_checkpoint(Path(model_dir), self._checkpoint_loaders(), ignore=ignore)
+            load_checkpoint(Path(model_dir), self._checkpoint_loaders(), ignore=self._derived)
+
+    def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], *, source: str) -> None:
+        """Fill every parameter from (checkpoint name, tensor) pairs already in host memory (a warm
+        model's pinned copy). Copies are queued on the current CUDA stream without a host wait: the
+        caller synchronises that stream before use and keeps `tensors` alive until then."""
+        with torch.no_grad():
+            load_tensors(tensors, self._checkpoint_loaders(), ignore=self._derived, source=source)
+
+    def _derived(self, name: str) -> bool:
+        """Checkpoint tensors the model derives itself: a tied head is the embedding; old checkpoints
+        also saved the rotary frequencies."""
+        return (self.info.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
 
     def _checkpoint_loaders(self) -> dict[str, TensorLoader]:
         """Checkpoint tensor name → where it goes; packed layers declare their own slices."""

@@ -38,6 +38,17 @@ def engine_dtype(name: str | None, info: ModelInfo, device: torch.device) -> tor
     return torch.float32 if device.type == "cpu" and dtype is torch.float16 else dtype
 
 
+def device_bytes_left(config: EngineConfig, device: torch.device) -> int:
+    """Device memory this process may still take. With `gpu_memory_fraction` (processes sharing a GPU
+    under MPS) it is the process's own cap less what its allocator holds, since the device's free
+    memory also shrinks as the other processes allocate; otherwise the device's free memory less the
+    part `gpu_memory_utilization` leaves alone."""
+    free, total = torch.cuda.mem_get_info(device)
+    if config.gpu_memory_fraction is not None:
+        return min(free, int(total * config.gpu_memory_fraction) - torch.cuda.memory_reserved(device))
+    return int(free - total * (1 - config.gpu_memory_utilization))
+
+
 def _token_at(seq: SequenceState, position: int) -> int:
     """The token at `position` of prompt + output, without concatenating the two lists."""
     prompt_len = len(seq.prompt_token_ids)
@@ -111,10 +122,9 @@ class ModelRunner:
             dtype=self.dtype,
         )
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
             widest = max(2 * info.intermediate_size, info.vocab_size)
             activations = config.max_num_batched_tokens * widest * 4 * _ACTIVATION_HEADROOM
-            budget = (free - total * (1 - config.gpu_memory_utilization)) * share - activations
+            budget = device_bytes_left(config, self.device) * share - activations
         else:
             budget = config.cpu_kv_cache_gb * (1 << 30) * share
         usable = self.config.max_num_seqs * -(-info.max_context // config.block_size)

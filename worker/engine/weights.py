@@ -9,7 +9,7 @@ model has no place for, or a parameter no tensor filled, is an error naming it. 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -45,24 +45,39 @@ def read_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def copy_weight(target: torch.Tensor, tensor: torch.Tensor, *, name: str) -> None:
-    """Copy a checkpoint tensor into a parameter (or a slice of one), converting its dtype."""
+    """Copy a checkpoint tensor into a parameter (or a slice of one), converting its dtype.
+
+    Asynchronous from pinned host memory (the caller synchronises the stream before the weights are
+    used, and keeps the host tensors alive until then); from pageable memory torch copies synchronously."""
     if target.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
-    target.copy_(tensor)
+    target.copy_(tensor, non_blocking=True)
 
 
 def load_checkpoint(model_dir: Path, loaders: dict[str, TensorLoader], *, ignore: Callable[[str], bool]) -> None:
     """Feed every checkpoint tensor to its loader; `ignore(name)` marks tensors the model derives
     itself (a tied lm_head, an old checkpoint's rotary buffer)."""
+    load_tensors(read_checkpoint(model_dir), loaders, ignore=ignore, source=str(model_dir))
+
+
+def load_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    loaders: dict[str, TensorLoader],
+    *,
+    ignore: Callable[[str], bool],
+    source: str,
+) -> None:
+    """Feed (checkpoint name, tensor) pairs, read from disk or held in host memory, to their loaders,
+    strictly: every loader filled once, no tensor without a loader. `source` names them in errors."""
     pending = dict(loaders)
-    for name, tensor in read_checkpoint(model_dir):
+    for name, tensor in tensors:
         if ignore(name):
             continue
         loader = pending.pop(name, None)
         if loader is None:
             reason = "given twice" if name in loaders else "not a parameter of this model"
-            raise ValueError(f"{model_dir}: checkpoint tensor {name!r} is {reason}")
+            raise ValueError(f"{source}: checkpoint tensor {name!r} is {reason}")
         loader(tensor)
     if pending:
         missing = sorted(pending)
-        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensors: {', '.join(missing[:5])}")
+        raise ValueError(f"{source}: checkpoint lacks {len(missing)} tensors: {', '.join(missing[:5])}")
