@@ -41,6 +41,9 @@ HTTP contract decisions:
   A chat on a model without a chat template is 400 chat_template_missing. A job that fails answers
   with its error code (500). Streams (SSE) end with `data: [DONE]`; their text deltas always add up
   to the job's final text (held-back text comes from the final record).
+  Token events: a worker publishes them only for jobs queued with the `stream` flag, which the gateway
+  sets for OpenAI `stream: true` and for POST /v1/jobs with `"stream": true`. GET /v1/jobs/{id}/events
+  of a job submitted without it yields the `end` event alone (its output is in the job body).
   A JSON null for an optional field means its default. Text prompts are encoded with the model's
   special tokens (e.g. BOS); token-id prompts are queued exactly as given.
 """

@@ -29,6 +29,7 @@ FIELDS = frozenset(
         "stop",
         "ignore_eos",
         "deadline_s",
+        "stream",
     }
 )
 _DEFAULTS = SamplingParams()
@@ -42,7 +43,9 @@ class JobRequest:
 
     `add_special_tokens`: encode a text prompt with the model's special tokens (False for a rendered
     chat template, which writes its own). `fit_context`: lower max_tokens to the room the prompt
-    leaves in the context instead of refusing (for requests that gave no max_tokens).
+    leaves in the context instead of refusing (for requests that gave no max_tokens). `stream`: the
+    worker publishes each token to the job's event stream (`GET /v1/jobs/{id}/events`, OpenAI
+    `stream: true`); otherwise the events are the end only.
     """
 
     model: str
@@ -52,6 +55,7 @@ class JobRequest:
     add_special_tokens: bool = True
     fit_context: bool = False
     deadline_s: float | None = None  # seconds after submission; a job not finished by then expires
+    stream: bool = False
 
 
 def invalid(param: str, message: str) -> RequestError:
@@ -181,6 +185,7 @@ def parse_job_request(body: dict[str, Any], limits: RequestLimits) -> JobRequest
         prompt=parse_prompt(body, limits),
         sampling=parse_sampling(body, limits),
         deadline_s=_deadline(body, limits),
+        stream=boolean(body, "stream", False),
     )
 
 

@@ -122,6 +122,7 @@ class JobService:
             created_at=created_at,
             deadline=None if request.deadline_s is None else created_at + request.deadline_s,
             request_id=request_id,
+            stream=request.stream,
         )
         job_id, created = await self._store.create(record, message, idempotency_key)
         if created:

@@ -3,6 +3,14 @@
 Queue messages are msgpack maps carrying a schema version `v`; a worker refuses a message whose
 version it does not know rather than guessing. The job record lives in a Redis hash whose fields
 are plain strings (so Lua scripts can read them) plus msgpack blobs for nested values.
+
+Versioning rules for queue messages (gateways and workers of two releases meet during a rolling
+upgrade):
+- A new field whose absence means exactly what the old code did keeps the version: decoders read
+  it with `.get(name, <the old behaviour>)`, and older decoders ignore it. (`stream`: messages from
+  before it existed were all streamed, so its absence decodes as True.)
+- Removing a field, making one required, or changing what a value means bumps SCHEMA_VERSION; a
+  worker then refuses the other version's messages (dead-lettered), never misreads them.
 """
 
 from __future__ import annotations
@@ -98,6 +106,8 @@ class JobMessage:
     created_at: float = 0.0  # unix seconds
     deadline: float | None = None  # unix seconds; a job not finished by then expires
     request_id: str = ""
+    # publish each token to the job's event stream (an SSE reader waits for them); otherwise only the end
+    stream: bool = False
 
 
 def encode_job(message: JobMessage) -> bytes:
@@ -125,6 +135,7 @@ def encode_job(message: JobMessage) -> bytes:
             "created_at": message.created_at,
             "deadline": message.deadline,
             "request_id": message.request_id,
+            "stream": message.stream,
         }
     )
 
@@ -157,6 +168,7 @@ def decode_job(payload: bytes) -> JobMessage:
             created_at=data["created_at"],
             deadline=data["deadline"],
             request_id=data["request_id"],
+            stream=bool(data.get("stream", True)),  # see the versioning rules above
         )
     except (KeyError, TypeError) as exc:
         raise SchemaError(f"malformed job message: {exc!r}") from exc

@@ -306,6 +306,7 @@ class Worker:
                 tenant=message.tenant,
                 adapter=message.adapter,
                 deadline=message.deadline,
+                stream=message.stream,
             ),
         )
 

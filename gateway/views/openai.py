@@ -77,6 +77,7 @@ async def _serve(request: web.Request, tenant: Tenant, parsed: OpenAIRequest, *,
         sampling=parsed.sampling,
         add_special_tokens=not chat,
         fit_context=parsed.fit_context,
+        stream=parsed.stream,
     )
     record, _ = await jobs.submit(tenant, job_request, request_id=request[REQUEST_ID], idempotency_key=None)
     created = record.created_ms // 1000

@@ -27,6 +27,7 @@ async def test_completion_runs_as_a_job_and_answers_in_openai_shape(client, flee
     message = await next_queued_job(fleet.redis)
     assert message.prompt_token_ids == (BOS_ID, WORDS.index("hello"), WORDS.index("world"))
     assert message.sampling.max_tokens == 5 and message.adapter is None
+    assert not message.stream, "nobody reads a non-streamed completion's token events"
     await play_worker(fleet.redis, message, ["the", " fox"], "the fox", finish=FinishReason.LENGTH)
     response = await request
     assert response.status == 200, await response.text()
@@ -82,6 +83,7 @@ async def test_streamed_completion_adds_up_to_the_final_text(client, fleet):
     }
     request = asyncio.create_task(_post(client, fleet, "/v1/completions", body))
     message = await next_queued_job(fleet.redis)
+    assert message.stream
     # the last piece was held back by the worker (a possible stop string): the end supplies it
     await play_worker(fleet.redis, message, ["the", " quick"], "the quick fox")
     response = await request

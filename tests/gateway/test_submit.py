@@ -202,3 +202,16 @@ async def test_deadline_out_of_range_is_refused(client: TestClient, fleet: Fleet
         assert response.status == 400, bad
         assert (await response.json())["error"]["param"] == "deadline_s"
     assert await fleet.redis.xlen(keys.queue("tiny")) == 0
+
+
+async def test_the_stream_flag_is_queued_only_for_jobs_that_ask_for_token_events(
+    client: TestClient, fleet: Fleet
+) -> None:
+    await submit(client, fleet)
+    await submit(client, fleet, stream=True)
+    await submit(client, fleet, stream=None)  # null is the default
+    assert [message.stream for message in await queued_messages(fleet)] == [False, True, False]
+    response = await client.post(
+        "/v1/jobs", json={"model": "tiny", "prompt": "hello", "stream": "yes"}, headers=fleet.auth("acme")
+    )
+    assert response.status == 400 and (await response.json())["error"]["param"] == "stream"

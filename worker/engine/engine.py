@@ -38,6 +38,7 @@ class EngineRequest:
     tenant: str = ""
     adapter: AdapterRef | None = None
     deadline: float | None = None  # unix seconds
+    stream: bool = True  # hand out a TokenDelta per token (take_deltas); off, the result alone reports it
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +250,8 @@ class LLMEngine:
             return self._succeed(tracked, FinishReason.STOP)
         if len(seq.output_token_ids) >= tracked.max_tokens or seq.num_tokens >= self.info.max_context:
             return self._succeed(tracked, FinishReason.LENGTH)
-        self._record_delta(tracked, token)
+        if tracked.request.stream:
+            self._record_delta(tracked, token)
         return None
 
     def _record_delta(self, tracked: _Tracked, token: int) -> None:
