@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import ErrorCode, LorafleetError
+from shared.expert_adapter_keys import check_expert_tensor, check_experts_complete, parse_expert_key
 from shared.model_info import PROJECTIONS, ModelInfo
 
 CONFIG_FILE = "adapter_config.json"
@@ -36,7 +37,7 @@ class AdapterManifest:
     rank: int
     lora_alpha: float
     use_rslora: bool
-    target_modules: tuple[str, ...]  # subset of PROJECTIONS, in PROJECTIONS order
+    target_modules: tuple[str, ...]  # subset of PROJECTIONS, in PROJECTIONS order, then `experts.{projection}`
     size_bytes: int
     sha256: str  # of adapter_model.safetensors
 
@@ -143,7 +144,16 @@ def inspect_adapter(adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_b
         raise _invalid(ErrorCode.ADAPTER_TOO_LARGE, f"{WEIGHTS_FILE} is {size} bytes, over the limit of {max_bytes}")
 
     seen: dict[tuple[int, str], set[str]] = {}
+    experts_seen: dict[tuple[int, str], set[int]] = {}
     for name, entry in read_safetensors_header(weights).items():
+        expert = parse_expert_key(name, model)
+        if expert is not None:
+            if entry.get("dtype") not in _ACCEPTED_DTYPES:
+                raise _invalid(ErrorCode.INVALID_ADAPTER, f"{name}: dtype {entry.get('dtype')!r} is not F16/BF16/F32")
+            check_expert_tensor(name, expert, list(entry.get("shape", [])), model, rank)
+            seen.setdefault((expert.layer, f"experts.{expert.expert}.{expert.projection}"), set()).add(expert.which)
+            experts_seen.setdefault((expert.layer, expert.projection), set()).add(expert.expert)
+            continue
         match = _LORA_KEY.match(name)
         if match is None:
             raise _invalid(
@@ -152,6 +162,8 @@ def inspect_adapter(adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_b
         layer, projection, which = int(match[1]), match[2], match[3]
         if layer >= model.num_layers:
             raise _invalid(ErrorCode.ADAPTER_SHAPE_MISMATCH, f"{name}: the base model has {model.num_layers} layers")
+        if layer in model.moe_layers and projection in ("gate_proj", "up_proj", "down_proj"):
+            raise _invalid(ErrorCode.ADAPTER_SHAPE_MISMATCH, f"{name}: layer {layer}'s MLP is a mixture of experts")
         if entry.get("dtype") not in _ACCEPTED_DTYPES:
             raise _invalid(ErrorCode.INVALID_ADAPTER, f"{name}: dtype {entry.get('dtype')!r} is not F16, BF16 or F32")
         in_features, out_features = model.projection_shape(projection)
@@ -168,11 +180,12 @@ def inspect_adapter(adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_b
     if unpaired:
         raise _invalid(ErrorCode.INVALID_ADAPTER, f"LoRA A without B (or B without A) at {', '.join(unpaired[:3])}")
     targets = {projection for _, projection in seen}
+    expert_targets = check_experts_complete(experts_seen, model)
     return AdapterManifest(
         rank=rank,
         lora_alpha=float(config.get("lora_alpha", rank)),
         use_rslora=bool(config.get("use_rslora", False)),
-        target_modules=tuple(p for p in PROJECTIONS if p in targets),
+        target_modules=tuple(p for p in PROJECTIONS if p in targets) + expert_targets,
         size_bytes=size,
         sha256=file_sha256(weights),
     )

@@ -1,5 +1,6 @@
 """The Llama block shared by Llama, Mistral and Qwen2: RMSNorm, GQA self-attention with RoPE over the
-paged cache, SwiGLU MLP. Every projection is a `LoRALinear`; q/k/v and gate/up are packed.
+paged cache, SwiGLU MLP. Every projection is a `LoRALinear`; q/k/v and gate/up are packed. Qwen3-MoE
+and Mixtral swap the MLP for moe.MoEBlock (Qwen3 adds a per-head q/k RMSNorm).
 
 Activations are flat over the step's tokens: [T, features], no batch or padding axis.
 """
@@ -16,6 +17,7 @@ from shared.model_info import ModelInfo
 from worker.engine.attention import paged_attention
 from worker.engine.forward_batch import ForwardBatch
 from worker.engine.lora_linear import LoRALinear, LoRASlotShape
+from worker.engine.moe import MoEBlock
 
 
 class RMSNorm(nn.Module):
@@ -81,6 +83,9 @@ class SelfAttention(nn.Module):
         self.o_proj = LoRALinear(
             q_width, {"o_proj": info.hidden_size}, bias=o_bias, slots=slots, dtype=dtype, device=device
         )
+        # Qwen3 RMS-normalises every q and k head before RoPE
+        self.q_norm = RMSNorm(info.head_dim, info.rms_norm_eps, dtype=dtype, device=device) if info.qk_norm else None
+        self.k_norm = RMSNorm(info.head_dim, info.rms_norm_eps, dtype=dtype, device=device) if info.qk_norm else None
 
     def forward(
         self,
@@ -95,9 +100,17 @@ class SelfAttention(nn.Module):
         rope: (cos, sin) [T, head_dim] for the step's positions.
         """
         qkv = self.qkv_proj(hidden, batch.lora)
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_heads(qkv, self.q_norm, self.k_norm)
         q = rope_and_cache_kv(qkv, *rope, key_cache, value_cache, batch.slot_mapping, self.num_heads)
         attended = paged_attention(q, key_cache, value_cache, batch, self.scale)
         return self.o_proj(attended.reshape(hidden.shape[0], -1), batch.lora)
+
+    def _norm_heads(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
+        """RMS-normalise each q and k head of qkv [T, (H + 2 H_kv) * D] in place."""
+        q_width, k_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        for norm, part in ((q_norm, qkv[:, :q_width]), (k_norm, qkv[:, q_width : q_width + k_width])):
+            part.copy_(norm(part.reshape(-1, self.head_dim)).view(part.shape))
 
 
 class GatedMLP(nn.Module):
@@ -127,17 +140,31 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, info: ModelInfo, *, slots: LoRASlotShape, dtype: torch.dtype, device: torch.device | str
+        self,
+        info: ModelInfo,
+        *,
+        layer_index: int,
+        slots: LoRASlotShape,
+        dtype: torch.dtype,
+        device: torch.device | str,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype=dtype, device=device)
         self.self_attn = SelfAttention(info, slots=slots, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = GatedMLP(info, slots=slots, dtype=dtype, device=device)
+        self.mlp: GatedMLP | MoEBlock = (
+            MoEBlock(info, slots=slots, dtype=dtype, device=device)
+            if layer_index in info.moe_layers
+            else GatedMLP(info, slots=slots, dtype=dtype, device=device)
+        )
 
     def lora_linears(self) -> tuple[LoRALinear, ...]:
-        """The layer's adaptable projections; together their slices are the seven PEFT targets."""
-        return (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        """The layer's adaptable projections; together their slices are the seven PEFT targets (four
+        in an MoE layer, whose experts hold their own adapter slots)."""
+        attention = (self.self_attn.qkv_proj, self.self_attn.o_proj)
+        if isinstance(self.mlp, MoEBlock):
+            return attention
+        return (*attention, self.mlp.gate_up_proj, self.mlp.down_proj)
 
     def forward(
         self,

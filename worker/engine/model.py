@@ -20,6 +20,7 @@ from worker.engine.forward_batch import ForwardBatch
 from worker.engine.kv_cache import KVCache
 from worker.engine.layers import DecoderLayer, RMSNorm, VocabEmbedding
 from worker.engine.lora_linear import LoRALinear, LoRASlotShape
+from worker.engine.moe import MoEBlock
 from worker.engine.peft_adapter import AdapterWeights
 from worker.engine.rope import RotaryEmbedding
 from worker.engine.weights import TensorLoader, copy_weight, load_checkpoint, load_tensors
@@ -49,7 +50,8 @@ class DecoderStack(nn.Module):
         self.embed_tokens = VocabEmbedding(info.vocab_size, info.hidden_size, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(info.head_dim, info.rope_theta, info.rope_scaling, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(info, slots=slots, dtype=dtype, device=device) for _ in range(info.num_layers)
+            DecoderLayer(info, layer_index=index, slots=slots, dtype=dtype, device=device)
+            for index in range(info.num_layers)
         )
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype=dtype, device=device)
 
@@ -129,7 +131,7 @@ class CausalLM(nn.Module):
         """Checkpoint tensor name → where it goes; packed layers declare their own slices."""
         loaders: dict[str, TensorLoader] = {}
         for module_name, module in self.named_modules():
-            if isinstance(module, LoRALinear):
+            if isinstance(module, LoRALinear | MoEBlock):
                 loaders.update(module.checkpoint_loaders(module_name.rpartition(".")[0]))
                 continue
             for param_name, param in module.named_parameters(prefix=module_name, recurse=False):
@@ -150,6 +152,8 @@ class CausalLM(nn.Module):
         for layer_index, layer in enumerate(self.model.layers):
             for linear in layer.lora_linears():
                 linear.set_lora(slot, [adapter.lora.get((layer_index, name)) for name in linear.projections])
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.set_lora(slot, layer_index, adapter.experts)
         self.slot_ranks[slot] = adapter.rank
         self.slot_scales[slot] = adapter.scaling
 
@@ -160,6 +164,8 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             for linear in layer.lora_linears():
                 linear.clear_lora(slot)
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.clear_lora(slot)
         self.slot_ranks[slot] = 0
         self.slot_scales[slot] = 0.0
 

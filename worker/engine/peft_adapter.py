@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from shared.adapter_format import WEIGHTS_FILE, inspect_adapter
 from shared.model_info import ModelInfo
+from worker.engine.moe import stack_expert_loras
 
 ATTENTION_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 
@@ -24,6 +25,8 @@ class AdapterWeights:
     # it (q_proj … down_proj). A (layer, projection) absent here is not adapted.
     lora: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     sha256: str  # of adapter_model.safetensors: the weights' identity
+    # MoE models: (layer, expert projection as the family names it) → (A [E, rank, in], B [E, out, rank])
+    experts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def peft_key(layer: int, projection: str, matrix: str) -> str:
@@ -45,4 +48,10 @@ def load_adapter_weights(adapter_dir: Path, info: ModelInfo, *, max_rank: int, m
             a_key = peft_key(layer, projection, "A")
             if a_key in tensors:
                 lora[(layer, projection)] = (tensors[a_key], tensors[peft_key(layer, projection, "B")])
-    return AdapterWeights(rank=manifest.rank, scaling=manifest.scaling, lora=lora, sha256=manifest.sha256)
+    return AdapterWeights(
+        rank=manifest.rank,
+        scaling=manifest.scaling,
+        lora=lora,
+        sha256=manifest.sha256,
+        experts=stack_expert_loras(tensors, info),
+    )

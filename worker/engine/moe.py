@@ -1,0 +1,134 @@
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral) with every expert's adapter slots.
+
+Experts are held stacked, as the kernels read them: gate|up as w13 [E, 2I, H], down as w2 [E, H, I]
+(filled from the checkpoint's per-expert `experts.{e}.gate_proj.weight` …). Each adapter slot holds
+every expert's LoRA: gate_up A [S, E, 2R, H] / B [S, E, 2I, 2R], down A [S, E, R, I] / B [S, E, H, R].
+gate_up gets twice the slot rank because an adapter's gate and up LoRAs (rank r each) are stacked
+block-diagonally into one rank-2r LoRA of the packed projection: A = [A_gate; A_up],
+B = [[B_gate, 0], [0, B_up]], so one shrink and one expand serve both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+
+from kernels.lora import LoRABatch
+from kernels.moe import ExpertLoRA, moe_forward, route
+from shared.expert_adapter_keys import expert_key
+from shared.model_info import EXPERT_PROJECTIONS, MOE_BLOCK, ModelInfo
+from worker.engine.lora_linear import LoRASlotShape
+from worker.engine.weights import copy_weight
+
+ExpertLoRAPair = tuple[torch.Tensor, torch.Tensor]  # (A [E, r, in_features], B [E, out_features, r])
+
+
+class MoEBlock(nn.Module):
+    def __init__(
+        self, info: ModelInfo, *, slots: LoRASlotShape, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.info = info
+        experts, hidden, width = info.num_experts, info.hidden_size, info.moe_intermediate_size
+        rank, num_slots = slots.max_lora_rank, slots.max_loras
+        self.top_k = info.num_experts_per_tok
+        self.renormalize = info.norm_topk_prob
+        self.width = width
+        self.max_lora_rank = rank
+
+        def empty(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.router = empty(experts, hidden)
+        self.w13 = empty(experts, 2 * width, hidden)
+        self.w2 = empty(experts, hidden, width)
+        zeros = partial(torch.zeros, dtype=dtype, device=device)
+        self.lora_a13: torch.Tensor
+        self.lora_b13: torch.Tensor
+        self.lora_a2: torch.Tensor
+        self.lora_b2: torch.Tensor
+        self.register_buffer("lora_a13", zeros(num_slots, experts, 2 * rank, hidden), persistent=False)
+        self.register_buffer("lora_b13", zeros(num_slots, experts, 2 * width, 2 * rank), persistent=False)
+        self.register_buffer("lora_a2", zeros(num_slots, experts, rank, width), persistent=False)
+        self.register_buffer("lora_b2", zeros(num_slots, experts, hidden, rank), persistent=False)
+
+    def forward(self, hidden: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """[T, hidden_size] → [T, hidden_size]; `lora` None when no token uses an adapter."""
+        weights, ids = route(hidden @ self.router.T, self.top_k, self.renormalize)
+        if lora is None:
+            return moe_forward(hidden, weights, ids, self.w13, self.w2)
+        slots = ExpertLoRA(self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2)
+        return moe_forward(hidden, weights, ids, self.w13, self.w2, slots, lora.token_slots, lora.slot_scales)
+
+    def checkpoint_loaders(self, layer_prefix: str) -> dict[str, Callable[[torch.Tensor], None]]:
+        """Checkpoint name → loader for the router and every expert's three projections, named as
+        the family's checkpoints name them (`model.layers.3.mlp.experts.7.gate_proj.weight`)."""
+        block = f"{layer_prefix}.{MOE_BLOCK[self.info.architecture]}"
+        gate, up, down = EXPERT_PROJECTIONS[self.info.architecture]
+        width = self.width
+        loaders = {f"{block}.gate.weight": partial(copy_weight, self.router, name=f"{block}.gate.weight")}
+        for expert in range(self.info.num_experts):
+            prefix = f"{block}.experts.{expert}"
+            targets = {gate: self.w13[expert, :width], up: self.w13[expert, width:], down: self.w2[expert]}
+            for projection, target in targets.items():
+                key = f"{prefix}.{projection}.weight"
+                loaders[key] = partial(copy_weight, target, name=key)
+        return loaders
+
+    def set_lora(self, slot: int, layer: int, experts: dict[tuple[int, str], ExpertLoRAPair]) -> None:
+        """Overwrite `slot` with this layer's entries of an adapter's `experts` (stack_expert_loras);
+        projections the adapter leaves alone stay zero."""
+        self.clear_lora(slot)
+        rank = self.max_lora_rank
+        gate, up, down_name = EXPERT_PROJECTIONS[self.info.architecture]
+        if (layer, gate) in experts:
+            (a_gate, b_gate), (a_up, b_up) = experts[(layer, gate)], experts[(layer, up)]
+            r = self._check(a_gate, b_gate, self.info.hidden_size, self.width)
+            self._check(a_up, b_up, self.info.hidden_size, self.width)
+            self.lora_a13[slot, :, :r].copy_(a_gate)
+            self.lora_a13[slot, :, rank : rank + r].copy_(a_up)
+            self.lora_b13[slot, :, : self.width, :r].copy_(b_gate)
+            self.lora_b13[slot, :, self.width :, rank : rank + r].copy_(b_up)
+        if (layer, down_name) in experts:
+            a_down, b_down = experts[(layer, down_name)]
+            r = self._check(a_down, b_down, self.width, self.info.hidden_size)
+            self.lora_a2[slot, :, :r].copy_(a_down)
+            self.lora_b2[slot, :, :, :r].copy_(b_down)
+
+    def clear_lora(self, slot: int) -> None:
+        """Zero `slot`, so nothing of its last adapter survives."""
+        for buffer in (self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2):
+            buffer[slot].zero_()
+
+    def _check(self, a: torch.Tensor, b: torch.Tensor, in_features: int, out_features: int) -> int:
+        experts, rank = self.info.num_experts, a.shape[1]
+        if rank > self.max_lora_rank:
+            raise ValueError(f"expert LoRA rank {rank} exceeds the slot rank {self.max_lora_rank}")
+        if tuple(a.shape) != (experts, rank, in_features) or tuple(b.shape) != (experts, out_features, rank):
+            raise ValueError(
+                f"expert LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
+                f"A [{experts}, r, {in_features}] / B [{experts}, {out_features}, r]"
+            )
+        return rank
+
+
+def stack_expert_loras(tensors: dict[str, torch.Tensor], info: ModelInfo) -> dict[tuple[int, str], ExpertLoRAPair]:
+    """(layer, expert projection) → (A [E, r, in], B [E, out, r]) from an adapter's validated
+    per-expert tensors (shared/expert_adapter_keys.py checked names, shapes and completeness)."""
+    stacked: dict[tuple[int, str], ExpertLoRAPair] = {}
+    if not info.is_moe:
+        return stacked
+    for layer in info.moe_layers:
+        for projection in EXPERT_PROJECTIONS[info.architecture]:
+            keys = [expert_key(info, layer, e, projection, "A") for e in range(info.num_experts)]
+            if keys[0] not in tensors:
+                continue
+            b_keys = [expert_key(info, layer, e, projection, "B") for e in range(info.num_experts)]
+            stacked[(layer, projection)] = (
+                torch.stack([tensors[k] for k in keys]),
+                torch.stack([tensors[k] for k in b_keys]),
+            )
+    return stacked
