@@ -76,9 +76,11 @@ class DecodeGraphs:
         slots: list[int],
         adapter_slots: list[int],
         block_tables: list[list[int]],
+        last_sampled: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits float32 [n, vocab] of one decode step of n <= max_batch sequences: token_ids,
         positions, cache slots and adapter slots (-1: base model) per sequence, and their block tables.
+        A token id -(r + 1) is row r of `last_sampled` (int64, on the device: the previous step's tokens).
 
         The logits are a view of a buffer the next replay overwrites: read them before the next step."""
         n = len(token_ids)
@@ -102,6 +104,9 @@ class DecodeGraphs:
             self._block_tables[:size, :width].copy_(
                 torch.tensor(tables, dtype=torch.int32, pin_memory=True), non_blocking=True
             )
+            if min(token_ids) < 0:
+                tokens = self._staging[_TOKEN, :n]
+                tokens.copy_(torch.where(tokens < 0, last_sampled[(-tokens - 1).clamp(min=0)], tokens))
             self._graphs[size, any(s >= 0 for s in adapter_slots)].replay()
         return self._logits[:n]
 

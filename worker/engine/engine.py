@@ -23,6 +23,7 @@ from worker.adapter_pool.pool import AdapterPool, LoadFailure
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner
+from worker.engine.sampled_tokens import SampledTokens
 from worker.engine.scheduler import ScheduledSequence, Scheduler
 from worker.engine.sequence import Sequence
 from worker.metrics import EngineMetrics
@@ -74,6 +75,16 @@ class _Tracked:
 _IDLE_WAIT_S = 0.005
 
 
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    """A launched step whose tokens the host has not read yet. output_index: per scheduled item, the
+    index in its sequence's output_token_ids that the sampled token fills (None: a prefill chunk)."""
+
+    scheduled: list[ScheduledSequence]
+    sampled: SampledTokens
+    output_index: list[int | None]
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -105,6 +116,7 @@ class LLMEngine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._deltas: list[TokenDelta] = []
+        self._in_flight: _InFlight | None = None
         self.last_step = StepStats()
 
     @classmethod
@@ -180,7 +192,22 @@ class LLMEngine:
         return True
 
     def step(self) -> list[EngineResult]:
-        """Run one batch step. Returns the requests that finished in it."""
+        """Launch one batch step, then finish the step launched before it. Returns the requests that
+        finished (or failed) meanwhile.
+
+        The device runs step N while the host reads step N-1's tokens (detokenizing, stop checks,
+        deltas, results): step N is scheduled as if every running sequence goes on, and its inputs
+        take step N-1's tokens on the device (`_mark_launched`). A sequence that step N-1 ends with a
+        stop token or string wastes its row of step N, which is discarded."""
+        in_flight, self._in_flight = self._in_flight, None
+        results = self._launch_step()
+        if in_flight is not None:
+            results += self._finish_step(in_flight)
+        return results
+
+    def _launch_step(self) -> list[EngineResult]:
+        """Schedule a step and launch it without waiting for it (into self._in_flight). Returns the
+        requests that failed on the way."""
         self.last_step = StepStats()
         results = self._expire_overdue()
         results += self._fail_adapter_loads(self.adapter_pool.poll())
@@ -191,7 +218,7 @@ class LLMEngine:
                 self.adapter_pool.wait(_IDLE_WAIT_S)  # only adapter loads can unblock the queue
             return results
         try:
-            scheduled, tokens, finite = self._run_within_memory(scheduled)
+            scheduled, sampled = self._run_within_memory(scheduled)
         except torch.OutOfMemoryError:
             # halving keeps the front of the batch, so the one sequence that did not fit alone is the first
             log.warning("request_out_of_memory", job=scheduled[0].seq.seq_id)
@@ -204,27 +231,19 @@ class LLMEngine:
         self.last_step = StepStats(
             len(scheduled), sum(s.num_new_tokens for s in scheduled), sum(s.completes_prompt for s in scheduled)
         )
-        for item, token, ok in zip(scheduled, tokens, finite, strict=True):
-            if not ok:
-                error = JobError(ErrorCode.NUMERICAL_ERROR, "the model produced non-finite logits")
-                results.append(self._fail(item.seq.seq_id, error))
-                continue
-            result = self._advance(item, token)
-            if result is not None:
-                results.append(result)
+        self._in_flight = self._mark_launched(scheduled, sampled)
         return results
 
     def _run_within_memory(
         self, scheduled: list[ScheduledSequence]
-    ) -> tuple[list[ScheduledSequence], list[int], list[bool]]:
+    ) -> tuple[list[ScheduledSequence], SampledTokens]:
         """Run the step's forward pass and sampling. When the device runs out of memory, hand the newer
         half of the batch back to the scheduler (preempted, recomputed in a later step) and retry with
         the rest; raises OutOfMemoryError only when a single sequence does not fit."""
         while True:
             try:
                 logits = self.runner.execute(scheduled, self.adapter_slots.slot_of, self.blocks.block_size)
-                tokens, finite = self.runner.sample(logits, scheduled)
-                return scheduled, tokens, finite
+                return scheduled, self.runner.sample(logits, scheduled)
             except torch.OutOfMemoryError:
                 if len(scheduled) == 1:
                     raise
@@ -235,20 +254,63 @@ class LLMEngine:
                 scheduled = scheduled[:keep]
                 torch.cuda.empty_cache()  # a no-op unless CUDA is in use
 
-    def _advance(self, item: ScheduledSequence, token: int) -> EngineResult | None:
-        completes = item.completes_prompt
-        seq = item.seq
-        seq.num_computed_tokens += item.num_new_tokens
-        if not completes:
-            return None  # a prefill chunk: the next token comes from a later step
-        tracked = self._tracked[seq.seq_id]
-        seq.output_token_ids.append(token)
+    def _mark_launched(self, scheduled: list[ScheduledSequence], sampled: SampledTokens) -> _InFlight:
+        """Advance each sequence past a launched step as if its token were known: the cache holds its
+        scheduled tokens, and a sequence that goes on gets the stand-in token -(row + 1), which the
+        next step's inputs read from the device (ModelRunner.execute). A sequence whose length limit
+        this token reaches gets none: with nothing left to compute the scheduler leaves it out until
+        the token lands and finishes it."""
+        output_index: list[int | None] = []
+        for row, item in enumerate(scheduled):
+            seq = item.seq
+            completes = item.completes_prompt
+            seq.num_computed_tokens += item.num_new_tokens
+            if not completes:
+                output_index.append(None)  # a prefill chunk: the next token comes from a later step
+                continue
+            index = len(seq.output_token_ids)
+            if not self._reaches_length_limit(self._tracked[seq.seq_id], index + 1):
+                seq.output_token_ids.append(-(row + 1))
+            output_index.append(index)
+        return _InFlight(scheduled, sampled, output_index)
+
+    def _finish_step(self, step: _InFlight) -> list[EngineResult]:
+        """Read a launched step's tokens (waiting for its device work, not for later steps') and act on them."""
+        tokens, finite = step.sampled.wait()
+        results: list[EngineResult] = []
+        for item, index, token, ok in zip(step.scheduled, step.output_index, tokens, finite, strict=True):
+            tracked = self._tracked.get(item.seq.seq_id)
+            if tracked is None or tracked.seq is not item.seq:
+                continue  # ended (stopped, aborted, failed, expired) since the launch: its row is discarded
+            if not ok:
+                error = JobError(ErrorCode.NUMERICAL_ERROR, "the model produced non-finite logits")
+                results.append(self._fail(item.seq.seq_id, error))
+                continue
+            result = None if index is None else self._advance(tracked, index, token)
+            if result is not None:
+                results.append(result)
+        return results
+
+    def _reaches_length_limit(self, tracked: _Tracked, num_output_tokens: int) -> bool:
+        seq = tracked.seq
+        return (
+            num_output_tokens >= tracked.max_tokens
+            or len(seq.prompt_token_ids) + num_output_tokens >= self.info.max_context
+        )
+
+    def _advance(self, tracked: _Tracked, index: int, token: int) -> EngineResult | None:
+        """Put a step's sampled `token` at output position `index` (over its stand-in, if it has one)."""
+        seq = tracked.seq
+        if index < len(seq.output_token_ids):
+            seq.output_token_ids[index] = token
+        else:
+            seq.output_token_ids.append(token)  # the last token, which no later step needed
         if not tracked.first_token_ms:
             tracked.first_token_ms = _now_ms()
         hit_stop_string = tracked.detokenizer.append(token)
         if hit_stop_string or (token in self.info.eos_token_ids and not seq.sampling.ignore_eos):
             return self._succeed(tracked, FinishReason.STOP)
-        if len(seq.output_token_ids) >= tracked.max_tokens or seq.num_tokens >= self.info.max_context:
+        if self._reaches_length_limit(tracked, index + 1):
             return self._succeed(tracked, FinishReason.LENGTH)
         if tracked.request.stream:
             self._record_delta(tracked, token)
@@ -264,6 +326,8 @@ class LLMEngine:
 
     def _succeed(self, tracked: _Tracked, reason: FinishReason) -> EngineResult:
         seq = tracked.seq
+        while seq.output_token_ids[-1] < 0:
+            seq.output_token_ids.pop()  # the stand-in of a step launched after the one that finished it
         del self._tracked[seq.seq_id]
         self._release(seq)
         output = JobOutput(text=tracked.detokenizer.text, token_ids=tuple(seq.output_token_ids), finish_reason=reason)
@@ -282,7 +346,7 @@ class LLMEngine:
             job_id,
             status,
             error=error,
-            completion_tokens=len(tracked.seq.output_token_ids),
+            completion_tokens=sum(token >= 0 for token in tracked.seq.output_token_ids),  # stand-ins are < 0
             first_token_ms=tracked.first_token_ms,
         )
 

@@ -21,6 +21,7 @@ from worker.engine.forward_batch import ForwardBatch
 from worker.engine.kv_cache import KVCache
 from worker.engine.model import CausalLM, resolve_dtype
 from worker.engine.peft_adapter import load_adapter_weights
+from worker.engine.sampled_tokens import SampledTokens
 from worker.engine.sampler import sample
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence as SequenceState
@@ -100,6 +101,9 @@ class ModelRunner:
         )
         # None: every step runs eagerly (CPU; tests compare graphs against eager by clearing it)
         self.graphs: DecodeGraphs | None = None
+        # int64 [B] tokens the last step sampled, still on the device: the next step's inputs take a
+        # token id -(r + 1) (a sequence whose newest token the host has not read yet) from row r
+        self._last_sampled: torch.Tensor | None = None
         if on_cuda:
             self.graphs = DecodeGraphs(
                 model,
@@ -142,22 +146,25 @@ class ModelRunner:
     def execute(
         self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int
     ) -> torch.Tensor:
-        """Run one step; returns float32 logits [B, V], one row per scheduled sequence."""
+        """Run one step; returns float32 logits [B, V], one row per scheduled sequence. A token id
+        -(r + 1) in a sequence's tokens stands for row r of what the previous step sampled."""
         graphs = self.graphs
         if graphs is not None and len(scheduled) <= graphs.max_batch and all(s.num_new_tokens == 1 for s in scheduled):
-            return self._replay_decode(graphs, scheduled, slot_of, block_size)
+            return self._replay_decode(graphs, scheduled, slot_of, block_size, self._last_sampled)
         batch = self._build_batch(scheduled, slot_of, block_size)
         with torch.inference_mode():
             return self.model.forward(batch, self.kv_cache)
 
-    def sample(self, logits: torch.Tensor, scheduled: Sequence[ScheduledSequence]) -> tuple[list[int], list[bool]]:
-        """(token, logits row all finite) per scheduled sequence: the step's one read from the device."""
+    def sample(self, logits: torch.Tensor, scheduled: Sequence[ScheduledSequence]) -> SampledTokens:
+        """A token per scheduled sequence (and whether its logits row was finite), copied to the host
+        behind the step without waiting for it; the next step may take them as inputs on the device."""
         seqs = [s.seq for s in scheduled]
         tokens = sample(
             logits, [s.sampling for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]
         )
-        tokens_and_finite = torch.stack((tokens, logits.isfinite().all(dim=-1).long())).tolist()
-        return tokens_and_finite[0], [bool(f) for f in tokens_and_finite[1]]
+        sampled = SampledTokens(tokens, logits.isfinite().all(dim=-1))
+        self._last_sampled = tokens  # only once nothing here can fail: an out-of-memory retry still reads the old
+        return sampled
 
     @staticmethod
     def _replay_decode(
@@ -165,6 +172,7 @@ class ModelRunner:
         scheduled: Sequence[ScheduledSequence],
         slot_of: Callable[[str], int | None],
         block_size: int,
+        last_sampled: torch.Tensor | None,
     ) -> torch.Tensor:
         """A step where each sequence brings one token (at position num_computed_tokens), by graph."""
         seqs = [item.seq for item in scheduled]
@@ -178,6 +186,7 @@ class ModelRunner:
             ],
             adapter_slots=[-1 if seq.adapter_uid is None else slot_of(seq.adapter_uid) for seq in seqs],
             block_tables=[seq.block_table for seq in seqs],
+            last_sampled=last_sampled,
         )
 
     def _build_batch(
@@ -212,8 +221,11 @@ class ModelRunner:
         lora = None
         if any(s >= 0 for s in token_slots):
             lora = LoRABatch.build(tensor(token_slots, torch.int32), self.model.slot_ranks, self.model.slot_scales)
+        token_ids = tensor(input_ids, torch.int64)
+        if min(input_ids) < 0:  # tokens the previous step sampled: read where they are, on the device
+            token_ids = torch.where(token_ids < 0, self._last_sampled[(-token_ids - 1).clamp(min=0)], token_ids)
         return ForwardBatch(
-            input_ids=tensor(input_ids, torch.int64),
+            input_ids=token_ids,
             positions=tensor(positions, torch.int64),
             slot_mapping=tensor(slots, torch.int64),
             query_start_loc=tensor(query_start, torch.int32),

@@ -80,6 +80,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:  # its last token is still on its way from the device (engine.py): nothing to run
+                index += 1
+                continue
             if not self._make_room(seq, seq.num_computed_tokens + num_new, out):
                 break  # seq itself was preempted: nothing newer is left to run
             self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
