@@ -159,10 +159,10 @@ class EngineBench:
 
     def engine(self) -> LLMEngine:
         engine = LLMEngine(self.runner, self.tokenizer, self.config, adapter_root=None)
-        for ref in self.refs:  # the slots already hold these weights: mark them resident, unpinned
-            grant = engine.adapter_slots.acquire(ref.uid)
-            engine.adapter_slots.release(ref.uid)
-            assert not grant.needs_load or grant.slot == self.refs.index(ref)
+        for slot, ref in enumerate(self.refs):  # the slots already hold these weights: mark them resident
+            reservation = engine.adapter_slots.reserve(ref.uid, evictable=lambda _: False)
+            assert reservation is not None and reservation.slot == slot
+            engine.adapter_slots.mark_ready(ref.uid)
         return engine
 
     def run(self, batch: int, prompt: int, new_tokens: int, adapters: int) -> tuple[float, float, float]:

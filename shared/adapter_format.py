@@ -8,9 +8,11 @@ the base model's layers exactly. Each refusal carries an error code naming the p
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,18 +74,23 @@ def resolve_adapter_dir(adapter_root: Path, path: str | Path) -> Path:
 def read_safetensors_header(path: Path) -> dict[str, dict]:
     """The tensor table of a safetensors file: name → {dtype, shape, data_offsets}."""
     with path.open("rb") as f:
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise _invalid(ErrorCode.INVALID_ADAPTER, f"{path.name} is not a safetensors file")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > _MAX_HEADER_BYTES:
-            raise _invalid(ErrorCode.INVALID_ADAPTER, f"{path.name}: safetensors header too large")
-        try:
-            header = json.loads(f.read(header_len))
-        except ValueError as exc:
-            raise _invalid(ErrorCode.INVALID_ADAPTER, f"{path.name}: unreadable safetensors header") from exc
+        return _parse_header(f.read, path.name)
+
+
+def _parse_header(read: Callable[[int], bytes], file_name: str) -> dict[str, dict]:
+    """The tensor table from `read` positioned at the start of a safetensors file."""
+    prefix = read(8)
+    if len(prefix) != 8:
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"{file_name} is not a safetensors file")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > _MAX_HEADER_BYTES:
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"{file_name}: safetensors header too large")
+    try:
+        header = json.loads(read(header_len))
+    except ValueError as exc:
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"{file_name}: unreadable safetensors header") from exc
     if not isinstance(header, dict):
-        raise _invalid(ErrorCode.INVALID_ADAPTER, f"{path.name}: unreadable safetensors header")
+        raise _invalid(ErrorCode.INVALID_ADAPTER, f"{file_name}: unreadable safetensors header")
     header.pop("__metadata__", None)
     return header
 
@@ -127,9 +134,33 @@ def _read_config(adapter_dir: Path) -> dict:
 def inspect_adapter(adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_bytes: int) -> AdapterManifest:
     """Validate an adapter directory against `model`; raise LorafleetError naming the first problem."""
     config = _read_config(adapter_dir)
-    rank = config["r"]
-    if rank > max_rank:
-        raise _invalid(ErrorCode.ADAPTER_RANK_TOO_LARGE, f"rank {rank} exceeds the maximum rank {max_rank}")
+    _check_rank(config, max_rank)
+    weights = _weights_file(adapter_dir, max_bytes)
+    header = read_safetensors_header(weights)
+    return _manifest(config, header, model, size=weights.stat().st_size, sha256=file_sha256(weights))
+
+
+def read_adapter_files(
+    adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_bytes: int
+) -> tuple[AdapterManifest, bytes]:
+    """Validate an adapter directory and return its manifest with the weights file's bytes, read once:
+    the manifest's sha256 is of exactly these bytes, so a file replaced meanwhile cannot slip in."""
+    config = _read_config(adapter_dir)
+    _check_rank(config, max_rank)
+    data = _weights_file(adapter_dir, max_bytes).read_bytes()
+    if len(data) > max_bytes:  # grown since the size check
+        raise _invalid(ErrorCode.ADAPTER_TOO_LARGE, f"{WEIGHTS_FILE} is over the limit of {max_bytes} bytes")
+    header = _parse_header(io.BytesIO(data).read, WEIGHTS_FILE)
+    return _manifest(config, header, model, size=len(data), sha256=hashlib.sha256(data).hexdigest()), data
+
+
+def _check_rank(config: dict, max_rank: int) -> None:
+    if config["r"] > max_rank:
+        raise _invalid(ErrorCode.ADAPTER_RANK_TOO_LARGE, f"rank {config['r']} exceeds the maximum rank {max_rank}")
+
+
+def _weights_file(adapter_dir: Path, max_bytes: int) -> Path:
+    """The safetensors weights file, refusing pickles and files over `max_bytes` before any read."""
     weights = adapter_dir / WEIGHTS_FILE
     if not weights.is_file():
         pickled = [p.name for p in adapter_dir.glob("*.bin")] + [p.name for p in adapter_dir.glob("*.pt")]
@@ -142,10 +173,15 @@ def inspect_adapter(adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_b
     size = weights.stat().st_size
     if size > max_bytes:
         raise _invalid(ErrorCode.ADAPTER_TOO_LARGE, f"{WEIGHTS_FILE} is {size} bytes, over the limit of {max_bytes}")
+    return weights
 
+
+def _manifest(config: dict, header: dict[str, dict], model: ModelInfo, *, size: int, sha256: str) -> AdapterManifest:
+    """Check every tensor of the weights' header against `model` and the config's rank."""
+    rank = config["r"]
     seen: dict[tuple[int, str], set[str]] = {}
     experts_seen: dict[tuple[int, str], set[int]] = {}
-    for name, entry in read_safetensors_header(weights).items():
+    for name, entry in header.items():
         expert = parse_expert_key(name, model)
         if expert is not None:
             if entry.get("dtype") not in _ACCEPTED_DTYPES:
@@ -187,5 +223,5 @@ def inspect_adapter(adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_b
         use_rslora=bool(config.get("use_rslora", False)),
         target_modules=tuple(p for p in PROJECTIONS if p in targets) + expert_targets,
         size_bytes=size,
-        sha256=file_sha256(weights),
+        sha256=sha256,
     )

@@ -31,11 +31,11 @@ def word_tokenizer() -> Tokenizer:
     return Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB_SIZE)}, unk_token="w0"))
 
 
-def make_engine(checkpoint: TinyCheckpoint, **engine_overrides: object) -> LLMEngine:
+def make_engine(checkpoint: TinyCheckpoint, adapter_root: Path | None = None, **engine_overrides: object) -> LLMEngine:
     settings = {"device": "cpu", "max_lora_rank": 8, "num_kv_blocks": 64, "block_size": 4, **engine_overrides}
     config = EngineConfig(**settings)
     runner = ModelRunner(ModelSpec(checkpoint.family, checkpoint.model_dir), config)
-    adapter_root = next(iter(checkpoint.adapters.values())).parent
+    adapter_root = adapter_root or next(iter(checkpoint.adapters.values())).parent
     return LLMEngine(runner, word_tokenizer(), config, adapter_root)
 
 
@@ -121,8 +121,7 @@ def test_same_seed_gives_the_same_sample_whatever_the_batch(llama: TinyCheckpoin
 def test_adapter_whose_files_changed_fails_only_its_own_jobs(llama: TinyCheckpoint, tmp_path: Path):
     for name, directory in llama.adapters.items():
         shutil.copytree(directory, tmp_path / name)
-    engine = make_engine(llama)
-    engine.adapter_root = tmp_path
+    engine = make_engine(llama, tmp_path)
     stale = greedy_request(llama, "stale", "all_r8")
     (tmp_path / "all_r8" / WEIGHTS_FILE).write_bytes(b"tampered")
     results = run_to_completion(engine, [stale, greedy_request(llama, "fine", "mlp_k_r4")])
@@ -149,7 +148,8 @@ def test_requests_that_can_never_run_fail_at_once(llama: TinyCheckpoint, prompt:
 def test_abort_frees_the_sequence(llama: TinyCheckpoint):
     engine = make_engine(llama)
     engine.add(greedy_request(llama, "x", "all_r8"))
-    engine.step()
+    while not engine.scheduler.running:  # the first steps wait for the adapter to load
+        engine.step()
     free_before = engine.blocks.num_free_blocks
     assert engine.abort("x")
     assert engine.blocks.num_free_blocks > free_before

@@ -1,11 +1,12 @@
-"""The continuous-batching scheduler, block manager and adapter slots: torch-free behaviour."""
+"""The continuous-batching scheduler and block manager: torch-free behaviour."""
 
 from __future__ import annotations
 
 import pytest
 
 from shared.schema import SamplingParams
-from worker.engine.adapter_slots import AdapterSlots
+from worker.adapter_pool.eviction import LRUPolicy
+from worker.adapter_pool.gpu_slots import GpuSlots
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceStatus
@@ -40,8 +41,14 @@ def make_scheduler(
         max_seqs_per_tenant=per_tenant,
         max_num_batched_tokens=budget,
         block_manager=BlockManager(num_blocks, block_size),
-        adapter_slots=AdapterSlots(slots),
+        adapter_slots=GpuSlots(slots, LRUPolicy()),
     )
+
+
+def make_resident(scheduler: Scheduler, uid: str) -> None:
+    """What the adapter pool does once an adapter's weights have landed in a slot."""
+    assert scheduler.adapters.reserve(uid, evictable=lambda _: True) is not None
+    scheduler.adapters.mark_ready(uid)
 
 
 def run_step(scheduler: Scheduler) -> dict[str, int]:
@@ -142,22 +149,38 @@ def test_preempted_sequence_is_recomputed_with_its_output_so_far():
     assert run_step(scheduler) == {"new": 8}  # 7 prompt tokens + its 1 output token
 
 
-def test_sequence_whose_adapter_has_no_free_slot_does_not_block_others():
-    scheduler = make_scheduler(slots=1)
-    scheduler.add(make_seq(2, adapter="a", name="a"))
-    run_step(scheduler)
-    scheduler.add(make_seq(2, adapter="b", name="b"))  # slot pinned by a
-    scheduler.add(make_seq(2, name="base"))
-    assert run_step(scheduler) == {"a": 1, "base": 2}
-    assert [s.seq_id for s in scheduler.waiting] == ["b"]
-
-
-def test_adapter_load_is_requested_once_per_newly_resident_adapter():
+def test_sequence_whose_adapter_is_not_resident_waits_without_blocking_others():
     scheduler = make_scheduler(slots=2)
-    scheduler.add(make_seq(2, adapter="a"))
-    scheduler.add(make_seq(2, adapter="a"))
-    plan = scheduler.schedule()
-    assert [uid for uid, _ in plan.adapter_loads] == ["a"]
+    make_resident(scheduler, "a")
+    scheduler.add(make_seq(2, adapter="b", name="b"))  # still loading
+    scheduler.add(make_seq(2, adapter="a", name="a"))
+    scheduler.add(make_seq(2, name="base"))
+    assert run_step(scheduler) == {"a": 2, "base": 2}
+    assert [s.seq_id for s in scheduler.waiting] == ["b"]
+    make_resident(scheduler, "b")
+    assert run_step(scheduler) == {"a": 1, "base": 1, "b": 2}
+
+
+def test_running_sequences_pin_their_adapter_until_they_finish():
+    scheduler = make_scheduler(slots=1)
+    make_resident(scheduler, "a")
+    first, second = make_seq(2, adapter="a"), make_seq(2, adapter="a")
+    scheduler.add(first)
+    scheduler.add(second)
+    run_step(scheduler)
+    scheduler.finish(first)
+    assert scheduler.adapters.reserve("b", evictable=lambda _: True) is None  # second still pins it
+    scheduler.finish(second)
+    assert scheduler.adapters.reserve("b", evictable=lambda _: True).evicted_uid == "a"
+
+
+def test_a_sequence_refused_for_kv_room_gives_its_adapter_pin_back():
+    scheduler = make_scheduler(num_blocks=2, block_size=4, slots=1)
+    make_resident(scheduler, "a")
+    scheduler.add(make_seq(8, name="big"))
+    scheduler.add(make_seq(4, adapter="a", name="late"))
+    assert run_step(scheduler) == {"big": 8}
+    assert scheduler.adapters.reserve("b", evictable=lambda _: True).evicted_uid == "a"
 
 
 def test_block_manager_slots_follow_the_block_table():
@@ -168,26 +191,6 @@ def test_block_manager_slots_follow_the_block_table():
     assert manager.slot(seq, 5) == seq.block_table[1] * 4 + 1
     with pytest.raises(RuntimeError):
         manager.allocate(make_seq(40), 40)
-
-
-def test_adapter_slots_evict_least_recently_used_unpinned():
-    slots = AdapterSlots(2)
-    assert slots.acquire("a").needs_load
-    assert slots.acquire("b").needs_load
-    assert slots.acquire("c") is None  # both pinned
-    slots.release("a")
-    slots.release("b")
-    assert not slots.acquire("b").needs_load  # resident: reused without a load
-    grant = slots.acquire("c")
-    assert grant.needs_load and grant.evicted_uid == "a"
-    assert slots.slot_of("a") is None
-
-
-def test_adapter_slots_discard_frees_the_slot():
-    slots = AdapterSlots(1)
-    slots.acquire("bad")
-    slots.discard("bad")
-    assert slots.acquire("good").slot == 0
 
 
 def test_one_tenants_burst_cannot_take_the_whole_batch_while_others_wait():

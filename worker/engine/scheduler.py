@@ -5,9 +5,9 @@ Every step, in this order:
    the prompt for a prefill still in progress) within the step's token budget. When the KV cache is
    full, the newest running sequences are preempted: their blocks are freed and they wait to be
    recomputed, so memory pressure never becomes an out-of-memory error.
-2. Waiting sequences are admitted first-come first-served while the budget, the running-batch size,
-   KV blocks and adapter slots allow. A sequence whose adapter cannot get a slot (every slot pinned
-   by running sequences) is passed over, so it does not block base-model or resident-adapter work.
+2. Waiting sequences are admitted first-come first-served while the budget, the running-batch size
+   and KV blocks allow. A sequence whose adapter is not resident on the device yet (the adapter pool
+   is still loading it) is passed over, so it does not block base-model or resident-adapter work.
    A tenant already running `max_seqs_per_tenant` sequences is passed over too, but only while
    others wait: the cap keeps one tenant's burst from starving the rest without leaving the batch
    idle when that tenant is alone.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from worker.engine.adapter_slots import AdapterSlots, SlotGrant
+from worker.adapter_pool.gpu_slots import GpuSlots
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import Sequence, SequenceStatus
 
@@ -38,7 +38,6 @@ class ScheduledSequence:
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    adapter_loads: list[tuple[str, SlotGrant]] = field(default_factory=list)  # (uid, grant) to load now
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -53,7 +52,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         block_manager: BlockManager,
-        adapter_slots: AdapterSlots,
+        adapter_slots: GpuSlots,
         max_seqs_per_tenant: int | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
@@ -123,19 +122,14 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Try to start `seq` within `budget` tokens. Returns the tokens scheduled; 0 when the KV
-        cache is full (stop admitting); None when its adapter has no free slot (pass it over)."""
-        grant = None
-        if seq.adapter_uid is not None:
-            grant = self.adapters.acquire(seq.adapter_uid)
-            if grant is None:
-                return None
+        cache is full (stop admitting); None when its adapter is not resident yet (pass it over)."""
+        if seq.adapter_uid is not None and self.adapters.acquire(seq.adapter_uid) is None:
+            return None
         num_new = min(seq.num_uncomputed_tokens, budget)
         if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, seq.num_computed_tokens + num_new)):
-            if grant is not None:
-                self._undo_grant(seq.adapter_uid, grant)
+            if seq.adapter_uid is not None:
+                self.adapters.release(seq.adapter_uid)
             return 0
-        if grant is not None and grant.needs_load:
-            out.adapter_loads.append((seq.adapter_uid, grant))
         self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -162,12 +156,6 @@ class Scheduler:
             self.adapters.release(seq.adapter_uid)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-
-    def _undo_grant(self, uid: str, grant: SlotGrant) -> None:
-        if grant.needs_load:
-            self.adapters.discard(uid)  # the slot never received these weights
-        else:
-            self.adapters.release(uid)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence, returning its blocks and adapter pin."""

@@ -1,0 +1,1 @@
+"""Adapter residency for one engine: disk → pinned host → GPU slots, prefetched (pool.py says how)."""

@@ -1,0 +1,236 @@
+"""The adapter pool: every adapter a request names is brought to the device before the request is
+admitted, through three tiers, without the engine step ever waiting on a disk.
+
+    disk (PEFT dirs) ──loader threads──► pinned host cache ──side CUDA stream──► GPU slots
+                     read, hash, validate,   (host_cache.py,       (slot_writer.py)     (gpu_slots.py)
+                     pack (host_adapter.py)   byte budget)
+
+`request(ref)` is called for every request the engine accepts (the worker hands over every job it
+has read at once), so the pool sees the whole backlog. Each `poll()` (once per engine step) moves
+adapters one tier up: it collects finished disk reads into the host cache, starts copies into GPU
+slots for adapters already on the host, and marks slots READY once their copy has landed. Only the
+first `gpu slots` adapters waiting, in arrival order, are prefetched (the prefetch window), so a
+backlog of a thousand adapters never thrashes the tiers. The scheduler admits a request only when
+its adapter's slot is READY; others run meanwhile. A load that fails is reported by `poll()` and
+fails only the requests naming that adapter.
+
+Eviction (the policy in eviction.py ranks; the tiers below say what is evictable): a GPU slot is
+given up only by an adapter no running or waiting request names; a host entry only by one outside
+the prefetch window. The host budget holds at least one largest adapter per GPU slot (checked at
+start-up), so the window always fits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import structlog
+
+from shared.config import EngineConfig
+from shared.errors import ErrorCode, LorafleetError
+from shared.schema import AdapterRef
+from worker.adapter_pool.eviction import make_policy
+from worker.adapter_pool.gpu_slots import GpuSlots
+from worker.adapter_pool.host_adapter import HostAdapter, max_adapter_bytes, read_host_adapter
+from worker.adapter_pool.host_cache import HostCache
+from worker.adapter_pool.slot_writer import SlotWriter, Upload
+from worker.engine.model import CausalLM
+from worker.metrics import AdapterMetrics, AdapterTier
+
+log = structlog.get_logger(__name__)
+
+# Disk reads in parallel: reading and hashing release the GIL, so a few threads overlap well.
+_LOADER_THREADS = 4
+# Default host budget, in largest adapters per GPU slot, when the config leaves it open.
+_DEFAULT_HOST_ADAPTERS_PER_SLOT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFailure:
+    uid: str
+    message: str
+
+
+@dataclass(slots=True)
+class _Read:
+    future: Future[tuple[HostAdapter, float]]  # (adapter, seconds the read took)
+
+
+@dataclass(slots=True)
+class _Copy:
+    upload: Upload
+    started: float  # perf_counter
+
+
+class AdapterPool:
+    def __init__(
+        self, model: CausalLM, config: EngineConfig, adapter_root: Path | None, metrics: AdapterMetrics
+    ) -> None:
+        self._info = model.info
+        self._dtype = model.dtype
+        self._config = config
+        self._adapter_root = adapter_root
+        self._metrics = metrics
+        largest = max_adapter_bytes(model.info, max_rank=config.max_lora_rank, dtype=model.dtype)
+        needed = config.max_loras * largest
+        if config.adapter_host_cache_gb is None:
+            budget = _DEFAULT_HOST_ADAPTERS_PER_SLOT * needed
+        else:
+            budget = int(config.adapter_host_cache_gb * (1 << 30))
+            if budget < needed:
+                raise ValueError(
+                    f"adapter_host_cache_gb={config.adapter_host_cache_gb} holds fewer adapters than max_loras="
+                    f"{config.max_loras}: at max_lora_rank={config.max_lora_rank} it needs >= {needed / (1 << 30):.2f}"
+                )
+        self.gpu = GpuSlots(config.max_loras, make_policy(config.adapter_eviction))
+        self.host: HostCache[HostAdapter] = HostCache(budget, make_policy(config.adapter_eviction))
+        self._writer = SlotWriter(model)
+        self._pin = self._writer.device.type == "cuda"
+        self._executor = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="adapter-load")
+        self._demand: Counter[str] = Counter()  # uid → unfinished requests naming it
+        self._refs: dict[str, AdapterRef] = {}  # for every uid with demand
+        self._pending: dict[str, None] = {}  # uids with demand whose slot is not READY, in arrival order
+        self._reads: dict[str, _Read] = {}
+        self._copies: dict[str, _Copy] = {}
+        # (gpu uids, host uids) as of the last poll: read by the worker's heartbeat from another thread
+        self.resident: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+
+    # -- requests (engine thread) -----------------------------------------------------------------
+
+    def request(self, ref: AdapterRef) -> None:
+        """A request naming `ref` was accepted: bring its adapter up unless it is on the device."""
+        uid = ref.uid
+        self._demand[uid] += 1
+        self._refs.setdefault(uid, ref)
+        if self.gpu.holds(uid):
+            self._metrics.hit(AdapterTier.GPU)
+            return
+        self._metrics.miss(AdapterTier.GPU)
+        if uid in self._pending:
+            return
+        if uid in self.host:
+            self._metrics.hit(AdapterTier.CPU)
+        else:
+            self._metrics.miss(AdapterTier.CPU)
+        self._pending[uid] = None
+
+    def drop(self, uid: str) -> None:
+        """A request naming `uid` finished or left; the adapter stays cached but becomes evictable
+        once no request names it."""
+        self._demand[uid] -= 1
+        if self._demand[uid] <= 0:
+            del self._demand[uid]
+            del self._refs[uid]
+            self._pending.pop(uid, None)
+
+    # -- moving adapters up the tiers (engine thread, once per step) --------------------------------
+
+    def poll(self) -> list[LoadFailure]:
+        """Advance every load without blocking. Returns the adapters whose load failed (their
+        requests must fail); a later request for one of them tries again."""
+        self._land_copies()
+        window = list(islice(self._pending, self.gpu.num_slots))
+        failures = self._collect_reads(set(window))
+        for uid in window:
+            if uid in self._copies or uid in self._reads or self.gpu.holds(uid):
+                continue
+            adapter = self.host.get(uid)
+            if adapter is None:
+                self._reads[uid] = _Read(self._executor.submit(self._read, self._refs[uid]))
+                continue
+            reservation = self.gpu.reserve(uid, evictable=lambda other: self._demand[other] == 0)
+            if reservation is None:
+                break  # every slot is in use: nothing later in the window can get one either
+            if reservation.evicted_uid is not None:
+                self._metrics.evicted(AdapterTier.GPU)
+            try:
+                upload = self._writer.write(reservation.slot, adapter)
+            except Exception as exc:  # a slot write failing fails this adapter, not the engine
+                log.exception("adapter_upload_failed", adapter=uid)
+                self.gpu.discard(uid)
+                self._pending.pop(uid)
+                failures.append(LoadFailure(uid, f"{type(exc).__name__}: {exc}"))
+                continue
+            self._copies[uid] = _Copy(upload, time.perf_counter())
+        self.resident = (tuple(self.gpu.resident), tuple(self.host.resident))
+        self._metrics.set_resident(AdapterTier.GPU, len(self.resident[0]))
+        self._metrics.set_resident(AdapterTier.CPU, len(self.resident[1]))
+        return failures
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until some load in flight finishes, at most `timeout_s`: for an engine with nothing
+        it can run until an adapter arrives (instead of spinning on `poll`)."""
+        if self._copies:
+            next(iter(self._copies.values())).upload.wait()
+        elif self._reads:
+            wait_futures([r.future for r in self._reads.values()], timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    @property
+    def loads_in_flight(self) -> int:
+        return len(self._reads) + len(self._copies)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def bookkeeping_size(self) -> int:
+        """Entries across every map the pool keeps (a no-leak check: bounded by the tiers' sizes)."""
+        return (
+            self.gpu.bookkeeping_size()
+            + self.host.bookkeeping_size()
+            + len(self._demand)
+            + len(self._refs)
+            + len(self._pending)
+            + len(self._reads)
+            + len(self._copies)
+        )
+
+    def _land_copies(self) -> None:
+        for uid, copy in list(self._copies.items()):
+            if copy.upload.done():
+                del self._copies[uid]
+                self.gpu.mark_ready(uid)
+                self._pending.pop(uid, None)
+                self._metrics.loaded(AdapterTier.CPU, time.perf_counter() - copy.started)
+
+    def _collect_reads(self, window: set[str]) -> list[LoadFailure]:
+        failures = []
+        for uid, read in list(self._reads.items()):
+            if not read.future.done():
+                continue
+            del self._reads[uid]
+            try:
+                adapter, seconds = read.future.result()
+            except Exception as exc:
+                message = exc.message if isinstance(exc, LorafleetError) else f"{type(exc).__name__}: {exc}"
+                log.warning("adapter_load_failed", adapter=uid, error=message)
+                if self._pending.pop(uid, "absent") is None:
+                    failures.append(LoadFailure(uid, message))
+                continue
+            self._metrics.loaded(AdapterTier.DISK, seconds)
+            if uid not in window:
+                continue  # nobody waits for it any more, and only the window is sure to fit
+            for _ in self.host.put(uid, adapter, evictable=lambda other: other not in window):
+                self._metrics.evicted(AdapterTier.CPU)
+        return failures
+
+    def _read(self, ref: AdapterRef) -> tuple[HostAdapter, float]:
+        """Disk → host, on a loader thread."""
+        started = time.perf_counter()
+        if self._adapter_root is None:
+            raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "this engine has no adapter root")
+        adapter = read_host_adapter(
+            ref,
+            adapter_root=self._adapter_root,
+            info=self._info,
+            dtype=self._dtype,
+            max_rank=self._config.max_lora_rank,
+            max_bytes=self._config.max_adapter_bytes,
+            pin=self._pin,
+        )
+        return adapter, time.perf_counter() - started

@@ -1,0 +1,97 @@
+"""Host → device: copies a packed host adapter into one of the model's LoRA slots. The one module
+of the adapter pool that touches CUDA streams.
+
+On CUDA the copy runs on a side stream, so it overlaps the steps the engine keeps running: one
+host-to-device transfer of the packed buffer, then device-side scatters into the slot's rows, then
+an event the pool polls before it lets any request use the slot. Before writing, the side stream
+waits for the work already queued on the main stream, which may still read the evicted adapter.
+On CPU the same code runs synchronously.
+
+No leak from an evicted adapter: kernels and the reference apply only the first `slot_ranks[s]`
+ranks of a slot, and on top of that every entry the previous occupant may have written past the
+new adapter's rank, or in projections the new adapter leaves alone, is zeroed here. So a slot's
+contents past its current adapter are always zero, whatever path reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.adapter_pool.host_adapter import HostAdapter
+from worker.engine.model import CausalLM
+
+SlotTensors = tuple[torch.Tensor, torch.Tensor]  # (A [slots, max_rank, in], B [slots, out, max_rank])
+
+
+@dataclass(slots=True)
+class Upload:
+    """A copy in flight; holds the host buffer and device staging copy until it has landed."""
+
+    slot: int
+    adapter: HostAdapter
+    event: torch.cuda.Event | None  # None: already complete (CPU)
+    staging: torch.Tensor | None
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class SlotWriter:
+    def __init__(self, model: CausalLM) -> None:
+        self._model = model
+        self._targets: dict[tuple[int, str], SlotTensors] = {}
+        for layer_index, layer in enumerate(model.model.layers):
+            for linear in layer.lora_linears():
+                for name, a, b in zip(linear.projections, linear.lora_a, linear.lora_b, strict=True):
+                    self._targets[(layer_index, name)] = (a, b)
+        self.device = model.slot_ranks.device
+        # per slot: ranks [0, written_rank) may hold nonzero entries (of any projection); the model
+        # may have been given weights by other means before, so every slot starts fully suspect
+        self._written_rank = [model.max_lora_rank] * model.max_loras
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def write(self, slot: int, adapter: HostAdapter) -> Upload:
+        """Queue the copy of `adapter` into `slot` (which no request may read until the upload is done)."""
+        if adapter.rank > self._model.max_lora_rank:
+            raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self._model.max_lora_rank}")
+        if self._stream is None:
+            self._copy(slot, adapter, adapter.buffer)
+            return Upload(slot, adapter, None, None)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            staging = adapter.buffer.to(self.device, non_blocking=True)  # the one host-to-device transfer
+            self._copy(slot, adapter, staging)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return Upload(slot, adapter, event, staging)
+
+    @torch.no_grad()
+    def _copy(self, slot: int, adapter: HostAdapter, source: torch.Tensor) -> None:
+        rank, stale = adapter.rank, self._written_rank[slot]
+        parts = {(part.layer, part.projection): part for part in adapter.parts}
+        unknown = sorted(set(parts) - set(self._targets))
+        if unknown:
+            raise ValueError(f"adapter targets modules this model does not have: {unknown[:3]}")
+        destinations, sources, zeroed = [], [], []
+        for key, (a_slots, b_slots) in self._targets.items():
+            part = parts.get(key)
+            if part is None:
+                if stale:
+                    zeroed += [a_slots[slot, :stale], b_slots[slot, :, :stale]]
+                continue
+            destinations += [a_slots[slot, :rank], b_slots[slot, :, :rank]]
+            sources += [adapter.a(part, source), adapter.b(part, source)]
+            if stale > rank:
+                zeroed += [a_slots[slot, rank:stale], b_slots[slot, :, rank:stale]]
+        if zeroed:
+            torch._foreach_zero_(zeroed)
+        torch._foreach_copy_(destinations, sources)
+        self._model.slot_ranks[slot] = rank
+        self._model.slot_scales[slot] = adapter.scaling
+        self._written_rank[slot] = rank
