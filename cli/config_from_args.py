@@ -76,6 +76,16 @@ def seconds(text: str) -> float:
     return value
 
 
+def gigabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return value
+
+
 def device_name(text: str) -> str:
     if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
         return text
@@ -202,6 +212,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_fraction=args.gpu_memory_fraction,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
     )
@@ -218,6 +229,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             drain_grace_s=args.drain_grace,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
+            max_resident_models=args.max_resident_models,
+            cpu_model_cache_bytes=int(args.cpu_model_cache_gb * (1 << 30)),
+            switch_grace_s=args.switch_grace,
         )
     except ValueError as exc:
         raise ConfigError("--heartbeat-interval / --claim-idle-ms", str(exc)) from None

@@ -166,6 +166,30 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
         default=_ENGINE.gpu_memory_utilization,
         help="share of GPU memory the worker may use (default: %(default)s)",
     )
+    engine.add_argument(
+        "--gpu-memory-fraction",
+        type=cfa.fraction,
+        help="hard cap on this process's share of the GPU, for workers sharing one under MPS "
+        "(torch's per-process memory fraction; the KV cache is sized within it)",
+    )
+    models = worker.add_argument_group("several base models (switching)")
+    models.add_argument(
+        "--max-resident-models",
+        type=cfa.positive_int,
+        help="base models on the device at once; the others wait warm or cold (default: as many as fit)",
+    )
+    models.add_argument(
+        "--cpu-model-cache-gb",
+        type=cfa.gigabytes,
+        default=_WORKER.cpu_model_cache_bytes / (1 << 30),
+        help="pinned host memory for warm checkpoints, least recently used evicted first (default: %(default)s)",
+    )
+    models.add_argument(
+        "--switch-grace",
+        type=cfa.seconds,
+        default=_WORKER.switch_grace_s,
+        help="seconds an outgoing model's running jobs get before they are handed back (default: %(default)s)",
+    )
     worker.set_defaults(run=_run_worker)
 
 

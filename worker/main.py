@@ -11,7 +11,10 @@ from shared.config import WorkerConfig
 def run_worker(config: WorkerConfig) -> int:
     """Serve jobs until SIGINT/SIGTERM; returns the process exit code. The caller sets up logging
     (`lorafleet worker` does, with its --log-level), as it does for the gateway."""
+    from worker.device_share import apply_device_share
     from worker.service import Worker  # torch is imported only once we are sure to need it
+
+    apply_device_share(config.engine)
 
     async def serve() -> int:
         worker = Worker(config)

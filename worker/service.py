@@ -22,7 +22,7 @@ import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import structlog
@@ -66,6 +66,7 @@ class _InFlight:
     entry_id: bytes
     request_id: str
     fields: dict[bytes, bytes]  # the entry as read, to queue it again if this worker lets it go
+    started: float = field(default_factory=time.monotonic)  # when this worker started it
 
 
 async def autoclaim_page(
@@ -430,7 +431,7 @@ class Worker:
                 keys.worker(self.id),
                 mapping={
                     "models": json.dumps([spec.name for spec in self.config.models]),
-                    **{field: json.dumps(value) for field, value in self._switcher.report().items()},
+                    **{name: json.dumps(value) for name, value in self._switcher.report().items()},
                     "device": self.config.engine.device,
                     "in_flight": len(self._in_flight),
                     "capacity": self.capacity,
@@ -447,8 +448,11 @@ class Worker:
         while True:
             await self._retrying("model switching", self._switcher.run)
 
-    def _in_flight_of(self, model: str) -> int:
-        return sum(1 for flight in self._in_flight.values() if flight.model == model)
+    def _in_flight_of(self, model: str) -> tuple[int, float]:
+        """`model`'s running jobs here, and their summed seconds since they started."""
+        now = time.monotonic()
+        started = [flight.started for flight in self._in_flight.values() if flight.model == model]
+        return len(started), sum(now - t for t in started)
 
     async def _hand_back_model(self, model: str) -> int:
         """Abort `model`'s running jobs in the engine and queue them again (a switch past its grace)."""

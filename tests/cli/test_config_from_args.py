@@ -86,6 +86,19 @@ def test_worker_config_carries_every_flag(demo_files: DemoFiles, cpu_only: None)
     )
 
 
+def test_worker_model_switching_and_gpu_share_flags(demo_files: DemoFiles, cpu_only: None) -> None:
+    base = ("worker", "--redis-url", REDIS, "--model", f"demo={demo_files.model.path}", "--device", "cpu")
+    base += ("--adapter-root", str(demo_files.adapter_root))
+    config = cfa.worker_config(
+        parse(*base, "--max-resident-models", "1", "--cpu-model-cache-gb", "1.5", "--switch-grace", "4")
+    )
+    assert (config.max_resident_models, config.cpu_model_cache_bytes, config.switch_grace_s) == (1, 3 << 29, 4.0)
+    assert config.engine.gpu_memory_fraction is None
+    assert cfa.worker_config(parse(*base, "--gpu-memory-fraction", "0.4")).engine.gpu_memory_fraction == 0.4
+    defaults = cfa.worker_config(parse(*base))
+    assert (defaults.max_resident_models, defaults.cpu_model_cache_bytes) == (None, 0)
+
+
 def test_worker_joins_a_running_up_through_its_state_dir(running_up: Path, demo_files: DemoFiles, cpu_only) -> None:
     config = cfa.worker_config(parse("worker", "--state-dir", str(running_up)))
     assert config.redis_url == REDIS

@@ -13,8 +13,10 @@ from worker.models.switch_policy import (
 IDLE = QueueState(0, 0.0)
 
 
-def resident(model: str = "a", *, in_flight: int = 0, queue: QueueState = IDLE, since_s: float = 100) -> ResidentModel:
-    return ResidentModel(model, queue, in_flight, since_s)
+def resident(
+    model: str = "a", *, in_flight: int = 0, running_s: float = 0.0, queue: QueueState = IDLE, since_s: float = 100
+) -> ResidentModel:
+    return ResidentModel(model, queue, in_flight, running_s, since_s)
 
 
 def candidate(model: str = "b", waiting: int = 1, oldest_s: float = 0.1, cost_s: float = 1.0) -> CandidateModel:
@@ -58,3 +60,9 @@ def test_the_candidate_with_most_pressure_comes_in_and_the_least_loaded_resident
     candidates = [candidate("b", waiting=1, oldest_s=5.0), candidate("d", waiting=4, oldest_s=2.0)]
     decision = choose_switch(residents, candidates, free_slots=0)
     assert decision is not None and (decision.incoming, decision.outgoing) == ("d", "c")
+
+
+def test_work_already_done_by_running_jobs_counts_against_preempting_them() -> None:
+    long_jobs = resident(in_flight=4, running_s=8.0)  # cost = 1 s × 4 + 8 job-s run so far
+    assert choose_switch([long_jobs], [candidate(waiting=1, oldest_s=11.0)], free_slots=0) is None
+    assert choose_switch([long_jobs], [candidate(waiting=1, oldest_s=12.5)], free_slots=0) is not None

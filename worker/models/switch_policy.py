@@ -8,10 +8,12 @@ Cost model (times in seconds, loads in jobs):
 - The *pressure* of a queue is the job-seconds its waiting jobs have already waited,
   P = waiting × oldest_wait. It grows with time as long as jobs wait, so no queue starves.
 - Switching in m and out v is worth it when m's pressure outweighs what the switch costs v:
-  P_m > C_m × load_v + P_v, where load_v is v's running plus waiting jobs (each is delayed by about
-  one pause, now or when v comes back) and P_v is the pressure v's own queue keeps building while
-  it is away. An idle resident model (load 0, nothing waiting) is switched out for the first job
-  waiting elsewhere.
+  P_m > C_m × load_v + P_v + R_v, where load_v is v's running plus waiting jobs (each is delayed by
+  about one pause, now or when v comes back), P_v is the pressure v's own queue keeps building
+  while it is away, and R_v the job-seconds v's running jobs have run: the work thrown away if they
+  outlast the switch grace and are handed back. R_v grows as they run, so long jobs are not
+  preempted by a trickle, while a queue that keeps growing still gets its turn once they turn over.
+  An idle resident model (nothing running or waiting) is switched out for the first waiting job.
 - Hysteresis: a model stays resident at least MIN_RESIDENCY_FACTOR × C_m after it came in, so two
   busy models alternate in turns of at least twice the switch time, never thrash.
 - With a free resident slot, the model with the most pressure is loaded without evicting anyone.
@@ -43,6 +45,7 @@ class ResidentModel:
     model: str
     queue: QueueState
     in_flight: int  # jobs this worker runs for it
+    running_s: float  # their summed time since they started here
     resident_for_s: float
 
     @property
@@ -77,8 +80,8 @@ def choose_switch(
     settled = [r for r in residents if r.resident_for_s >= MIN_RESIDENCY_FACTOR * best.switch_cost_s]
     if not settled:
         return None
-    victim = min(settled, key=lambda r: (r.load, r.queue.pressure))
-    cost = best.switch_cost_s * victim.load + victim.queue.pressure
+    victim = min(settled, key=lambda r: (r.load, r.queue.pressure + r.running_s))
+    cost = best.switch_cost_s * victim.load + victim.queue.pressure + victim.running_s
     if best.queue.pressure <= cost and victim.load > 0:
         return None
     return SwitchDecision(

@@ -55,11 +55,11 @@ class ModelSwitcher:
         *,
         claim_idle_ms: int,
         switch_grace_s: float,
-        in_flight: Callable[[str], int],
+        in_flight: Callable[[str], tuple[int, float]],
         hand_back: Callable[[str], Awaitable[int]],
     ) -> None:
-        """`in_flight(model)`: the worker's running jobs of `model`; `hand_back(model)`: abort them in the
-        engine and queue them again, returning how many."""
+        """`in_flight(model)`: the worker's running jobs of `model` and their summed seconds since they
+        started; `hand_back(model)`: abort them in the engine and queue them again, returning how many."""
         self.residency = residency
         self._engine_thread = engine_thread
         self._redis = redis
@@ -111,7 +111,7 @@ class ModelSwitcher:
         resident = self.residency.resident
         since = self.residency.resident_since
         residents = [
-            ResidentModel(name, queues[name], self._in_flight(name), time.monotonic() - since.get(name, 0.0))
+            ResidentModel(name, queues[name], *self._in_flight(name), time.monotonic() - since.get(name, 0.0))
             for name in resident
         ]
         candidates = [
@@ -156,7 +156,7 @@ class ModelSwitcher:
         """Stop admitting `outgoing`; wait for its running jobs up to the grace, then hand back the rest."""
         self._draining.add(outgoing)
         started = time.perf_counter()
-        while self._in_flight(outgoing) and time.perf_counter() - started < self._grace_s:
+        while self._in_flight(outgoing)[0] and time.perf_counter() - started < self._grace_s:
             await asyncio.sleep(_DRAIN_POLL_S)
-        handed_back = await self._hand_back(outgoing) if self._in_flight(outgoing) else 0
+        handed_back = await self._hand_back(outgoing) if self._in_flight(outgoing)[0] else 0
         return time.perf_counter() - started, handed_back
