@@ -1,0 +1,287 @@
+"""The whole stack under load: Zipf adapter traffic and base-only traffic at three offered loads.
+
+    python -m bench.e2e [--preset llama3-8b] [--out DIR] [--workdir DIR] [--budget-s 420] [--run-s 25]
+
+1. Assets: the preset's model (random weights, HF format) and adapters written under --workdir.
+2. The stack: Redis, the worker, the gateways (bench/e2e/stack.py); tenants and adapters registered.
+3. Warm-up: a burst of Zipf requests (Triton compiles, adapter slots filled).
+4. Calibration: per mode, a closed loop keeping max_num_seqs requests in flight; the output tok/s of
+   its second two thirds, over the output length, is the mode's saturation in requests/s.
+5. Load runs: open-loop Poisson arrivals at three offered loads, from 60% of the slower mode's
+   saturation up to 95% of the faster one's; at each load base-only, then Zipf over all adapters
+   (the same arrival times).
+6. Engine alone: the stack is stopped and the lowest load's base-only requests are replayed into an
+   in-process LLMEngine; the p50 differences are what the gateway, Redis and the worker's I/O add.
+
+Every phase checks the time left in --budget-s first and is skipped if it cannot finish, so the
+table always prints. Written to --out: e2e.jsonl (one line per run, then the targets), e2e_requests.csv
+(one line per request), e2e_load.png and e2e_timeline.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import dataclasses
+import json
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bench.e2e.assets import adapter_specs, write_adapters, write_model
+from bench.e2e.client import LoadClient, RunRecord, Sample
+from bench.e2e.engine_alone import replay, run_to_completion
+from bench.e2e.plots import plot_load, plot_timeline
+from bench.e2e.presets import PRESETS, Preset
+from bench.e2e.stack import Stack, start_stack
+from bench.e2e.summary import (
+    RunSummary,
+    Verdict,
+    summarize,
+    table,
+    verdict_table,
+    verdicts,
+    window_tok_s,
+    worker_table,
+)
+from bench.e2e.traffic import Mode, PlannedRequest, RequestSource, TrafficShape, poisson_plan
+from bench.e2e.worker_metrics import difference
+from shared.config import ModelSpec
+from worker.engine.engine import LLMEngine
+
+LOW_FRACTION = 0.6  # the lowest offered load, of the slower mode's saturation
+HIGH_FRACTION = 0.95  # the highest, of the faster mode's: near saturation
+_STOP_RESERVE_S = 30.0  # stopping the stack and writing the results
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def allows(self, seconds: float, what: str) -> bool:
+        if self.left() - _STOP_RESERVE_S >= seconds:
+            return True
+        print(f"skipped {what}: needs ~{seconds:.0f} s, {self.left():.0f} s left", flush=True)
+        return False
+
+
+@dataclass(slots=True)
+class LoadRun:
+    row: RunSummary
+    record: RunRecord
+    plan: list[PlannedRequest]
+
+
+def offered_loads(capacity_rps: dict[str, float]) -> list[float]:
+    low, high = LOW_FRACTION * min(capacity_rps.values()), HIGH_FRACTION * max(capacity_rps.values())
+    return [low, (low + high) / 2, high]
+
+
+class Bench:
+    def __init__(self, preset: Preset, workdir: Path, out: Path, budget: Budget) -> None:
+        self.preset = preset
+        self.workdir = workdir
+        self.out = out
+        self.budget = budget
+        self.model = ModelSpec(preset.name, workdir / "model")
+        self.adapter_root = workdir / "adapters"
+        self.adapters = adapter_specs(preset)
+        self.rows: list[RunSummary] = []
+        self.loads: list[LoadRun] = []
+        self.samples: list[tuple[RunSummary, list[Sample]]] = []
+        self.capacity_rps: dict[str, float] = {}
+        self.notes: dict[str, float | str] = {"device": _device_name(preset), "preset": preset.name}
+
+    def shape(self, mode: Mode) -> TrafficShape:
+        p = self.preset
+        return TrafficShape(mode, self.adapters, p.num_tenants, p.zipf_alpha, p.vocab_size, p.prompt_tokens,
+                            p.output_tokens)  # fmt: skip
+
+    def timed(self, what: str, since: float) -> None:
+        self.notes[f"{what}_s"] = round(time.monotonic() - since, 1)
+        print(f"{what}: {self.notes[f'{what}_s']} s", flush=True)
+
+    def write_assets(self) -> None:
+        started = time.monotonic()
+        device = torch.device(self.preset.engine.device)
+        info = write_model(self.model.path, self.preset, device)
+        write_adapters(self.adapter_root, self.adapters, info, self.preset, self.model.path, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the worker needs the memory the draws used
+        self.timed("assets", started)
+
+    def serve(self) -> None:
+        """Phases 2-5 on the running stack."""
+        started = time.monotonic()
+        log_dir = self.workdir / "logs"
+        log_dir.mkdir(exist_ok=True)
+        p = self.preset
+        stack = start_stack(self.workdir, log_dir, self.model, self.adapter_root, self.adapters, p.num_tenants,
+                            p.engine, p.gateways)  # fmt: skip
+        self.timed("stack_start", started)
+        try:
+            client = LoadClient(stack.gateway_urls, stack.api_keys, self.model.name)
+            started = time.monotonic()
+            warmup = RequestSource(self.shape(Mode.ZIPF), seed=1)
+            burst = [warmup.draw(i, 0.0) for i in range(p.warmup_requests)]
+            asyncio.run(client.open_loop(burst, p.drain_s, stack.probe))
+            self.timed("warmup", started)
+            self.calibrate(client, stack)
+            for index, load in enumerate(offered_loads(self.capacity_rps)):
+                for mode in (Mode.BASE, Mode.ZIPF):
+                    if not self.budget.allows(p.run_s + p.drain_s + 5, f"{mode} at {load:.1f} req/s"):
+                        return
+                    self.load_run(client, stack, mode, load, seed=100 + index)
+        finally:
+            started = time.monotonic()
+            stack.stop()
+            self.timed("stack_stop", started)
+
+    def calibrate(self, client: LoadClient, stack: Stack) -> None:
+        p = self.preset
+        for seed, mode in enumerate((Mode.ZIPF, Mode.BASE), start=10):
+            source = RequestSource(self.shape(mode), seed)
+            before = stack.worker_metrics()
+            record = asyncio.run(
+                client.closed_loop(source.endless(), p.engine.max_num_seqs, p.calibration_s, stack.probe)
+            )
+            tok_s = window_tok_s(record.token_times_s, p.calibration_s / 3, p.calibration_s)
+            self.capacity_rps[mode] = tok_s / p.output_tokens
+            worker = difference(before, stack.worker_metrics())
+            row = summarize("calibration", mode, 0.0, record.samples, probes=record.probes, worker=worker)
+            self.rows.append(dataclasses.replace(row, output_tok_s=tok_s))
+            self.samples.append((self.rows[-1], record.samples))
+            print(f"calibration {mode}: {tok_s:.0f} tok/s = {self.capacity_rps[mode]:.2f} req/s", flush=True)
+
+    def load_run(self, client: LoadClient, stack: Stack, mode: Mode, load: float, seed: int) -> None:
+        p = self.preset
+        plan = poisson_plan(self.shape(mode), load, p.run_s, seed)
+        before = stack.worker_metrics()
+        record = asyncio.run(client.open_loop(plan, p.drain_s, stack.probe))
+        worker = difference(before, stack.worker_metrics())
+        job_times = stack.job_times([s.job_id for s in record.samples if s.ok])
+        row = summarize("load", mode, load, record.samples, start_unix_s=record.start_unix_s, job_times=job_times,
+                        probes=record.probes, worker=worker)  # fmt: skip
+        self.rows.append(row)
+        self.loads.append(LoadRun(row, record, plan))
+        self.samples.append((row, record.samples))
+        print(_row_line(row), flush=True)
+
+    def engine_alone(self) -> tuple[RunSummary, RunSummary] | None:
+        """Replay the lowest load's base-only requests into an in-process engine; (stack row, engine row)."""
+        base = sorted((run for run in self.loads if run.row.mode == Mode.BASE), key=lambda run: run.row.offered_rps)
+        if not base:
+            return None
+        stack_run = base[0]
+        load_s = float(self.notes.get("stack_start_s", 60.0))
+        if not self.budget.allows(load_s + self.preset.run_s + 10, "the engine-alone replay"):
+            return None
+        started = time.monotonic()
+        engine = LLMEngine.from_spec(self.model, self.preset.engine, self.adapter_root)
+        source = RequestSource(self.shape(Mode.BASE), seed=2)
+        # compiled kernels come from Triton's disk cache; this fills the process's own caches
+        run_to_completion(engine, [source.draw(i, 0.0) for i in range(self.preset.engine.max_num_seqs // 4)])
+        self.timed("engine_load", started)
+        samples = replay(engine, stack_run.plan)
+        row = summarize("engine-alone", Mode.BASE, stack_run.row.offered_rps, samples)
+        self.rows.append(row)
+        self.samples.append((row, samples))
+        print(_row_line(row), flush=True)
+        return stack_run.row, row
+
+    def write_results(self, found: list[Verdict]) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with (self.out / "e2e.jsonl").open("w") as f:
+            meta = {
+                "kind": "meta",
+                **self.notes,
+                "capacity_rps": self.capacity_rps,
+                "preset_config": _preset_dict(self.preset),
+            }
+            f.write(json.dumps(meta) + "\n")
+            for row in self.rows:
+                f.write(json.dumps({"kind": "run", **asdict(row)}) + "\n")
+            for verdict in found:
+                f.write(json.dumps({"kind": "target", **asdict(verdict)}) + "\n")
+        with (self.out / "e2e_requests.csv").open("w", newline="") as f:
+            writer = csv.writer(f)
+            fields = [field.name for field in dataclasses.fields(Sample)]
+            writer.writerow(["phase", "mode", "offered_rps", *fields])
+            for row, samples in self.samples:
+                for sample in samples:
+                    writer.writerow([row.phase, row.mode, f"{row.offered_rps:.3f}", *astuple_sample(sample)])
+        if self.rows:
+            plot_load(self.rows, self.preset.output_tokens, self.out / "e2e_load.png")
+        if self.loads:
+            plot_timeline([(run.row, run.record) for run in self.loads], self.out / "e2e_timeline.png")
+
+
+def astuple_sample(sample: Sample) -> list:
+    return [getattr(sample, field.name) for field in dataclasses.fields(Sample)]
+
+
+def _device_name(preset: Preset) -> str:
+    device = torch.device(preset.engine.device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _preset_dict(preset: Preset) -> dict:
+    return json.loads(json.dumps(asdict(preset), default=str))
+
+
+def _row_line(row: RunSummary) -> str:
+    return (
+        f"{row.phase} {row.mode} offered {row.offered_rps:.2f} req/s: {row.requests} requests, {row.failed} failed, "
+        f"{row.output_tok_s:.0f} tok/s, TTFT p50/p99 {row.ttft_p50_ms:.0f}/{row.ttft_p99_ms:.0f} ms, latency "
+        f"p50/p99 {row.latency_p50_ms:.0f}/{row.latency_p99_ms:.0f} ms, GPU {row.gpu_util_pct:.0f}%"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    parser.add_argument("--out", type=Path, default=Path("e2e-out"), help="results and plots (default: %(default)s)")
+    parser.add_argument("--workdir", type=Path, help="model, adapters, Redis data, logs (default: a new temp dir)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget (default: %(default)s)")
+    parser.add_argument("--run-s", type=float, help="seconds of arrivals per load run (default: the preset's)")
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    if args.run_s is not None:
+        preset = dataclasses.replace(preset, run_s=args.run_s)
+    budget = Budget(args.budget_s)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lorafleet-e2e-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"workdir {workdir}", flush=True)
+    overhead = None
+    bench = Bench(preset, workdir, args.out, budget)
+    try:
+        bench.write_assets()
+        bench.serve()
+        overhead = bench.engine_alone()
+    except Exception:  # report what was measured before the failure, then fail
+        traceback.print_exc()
+    found = verdicts(bench.rows, bench.capacity_rps, overhead)
+    bench.write_results(found)
+    print(
+        f"\n{preset.name} on {bench.notes['device']}: prompt {preset.prompt_tokens} tokens, output "
+        f"{preset.output_tokens} tokens, {preset.num_adapters} adapters r{preset.lora_rank} Zipf "
+        f"α={preset.zipf_alpha}, max_num_seqs {preset.engine.max_num_seqs}, max_loras {preset.engine.max_loras}"
+    )
+    print(table(bench.rows, preset.output_tokens))
+    print()
+    print(worker_table(bench.rows))
+    print()
+    print(verdict_table(found))
+    return 0 if len(bench.loads) == 6 and overhead is not None else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

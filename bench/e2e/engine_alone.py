@@ -1,0 +1,71 @@
+"""The same requests into an in-process LLMEngine, with no gateway, Redis or worker process around it.
+
+Built from the model directory exactly as the worker builds it (`LLMEngine.from_spec` with the
+same EngineConfig) and driven the way the worker's engine thread drives it: requests are added at
+their planned arrival times and the engine steps while it has work. A request's first token is
+the end of the step that produced it, its end the end of its last step. The difference from the
+stack's latencies on the same plan is what the gateway, Redis, the worker's I/O loop and the
+client's HTTP/SSE add.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from bench.e2e.client import Sample
+from bench.e2e.traffic import PlannedRequest
+from shared.schema import SamplingParams
+from worker.engine.engine import EngineRequest, LLMEngine
+
+
+def _engine_request(request: PlannedRequest, job_id: str) -> EngineRequest:
+    if request.adapter is not None:
+        raise ValueError("the engine-alone replay serves base-only plans (it has no adapter registry)")
+    return EngineRequest(
+        job_id=job_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling=SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
+        tenant=request.tenant,
+    )
+
+
+def run_to_completion(engine: LLMEngine, requests: list[PlannedRequest]) -> None:
+    """Add every request at once and step until all finish (a warm-up)."""
+    for request in requests:
+        engine.add(_engine_request(request, f"warmup-{request.index}"))
+    while engine.num_unfinished:
+        engine.step()
+        engine.take_deltas()
+
+
+def replay(engine: LLMEngine, plan: list[PlannedRequest]) -> list[Sample]:
+    """Serve `plan` in real time; returns one Sample per request (times since the replay's start)."""
+    samples = {str(r.index): Sample(r.index, r.adapter, r.at_s) for r in plan}
+    arrivals = deque(plan)
+    start = time.perf_counter()
+    while arrivals or engine.num_unfinished:
+        now = time.perf_counter() - start
+        while arrivals and arrivals[0].at_s <= now:
+            request = arrivals.popleft()
+            sample = samples[str(request.index)]
+            sample.sent_s = sample.accepted_s = now
+            failed = engine.add(_engine_request(request, str(request.index)))
+            if failed is not None:
+                sample.status, sample.end_s = failed.status.value, now
+        if not engine.num_unfinished:
+            if arrivals:
+                time.sleep(max(0.0, arrivals[0].at_s - (time.perf_counter() - start)))
+            continue
+        results = engine.step()
+        done = time.perf_counter() - start
+        for delta in engine.take_deltas():
+            sample = samples[delta.job_id]
+            if sample.first_token_s is None:
+                sample.first_token_s = done
+        for result in results:
+            sample = samples[result.job_id]
+            sample.end_s, sample.status, sample.completion_tokens = done, result.status.value, result.completion_tokens
+            if sample.first_token_s is None and result.completion_tokens:
+                sample.first_token_s = done
+    return list(samples.values())

@@ -1,0 +1,87 @@
+"""The sizes one benchmark run uses: the model's shape, the adapters, the traffic, the worker's engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cli.demo_model import DemoModelShape
+from shared.config import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    name: str
+    shape: DemoModelShape  # hidden size, layers, heads, context (vocab is separate: no BPE training here)
+    vocab_size: int
+    dtype: str  # of the checkpoint and the adapters
+    rope_theta: float
+    num_adapters: int
+    lora_rank: int
+    num_tenants: int  # adapter k belongs to tenant k % num_tenants
+    zipf_alpha: float
+    prompt_tokens: int  # every request's prompt, BOS included
+    output_tokens: int  # every request's completion (ignore_eos)
+    engine: EngineConfig  # the worker's engine, and the engine-alone replay's
+    gateways: int  # gateway processes; the client spreads requests over them round-robin
+    warmup_requests: int
+    calibration_s: float  # each calibration run (closed loop, one per mode)
+    run_s: float  # arrivals of each load run
+    drain_s: float  # longest wait for a run's last requests after its arrivals end
+
+
+PRESETS = {
+    "llama3-8b": Preset(
+        name="llama3-8b",
+        shape=DemoModelShape(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            max_position_embeddings=8192,
+        ),
+        vocab_size=128256,
+        dtype="bfloat16",
+        rope_theta=500000.0,
+        num_adapters=100,
+        lora_rank=16,
+        num_tenants=4,
+        zipf_alpha=1.0,
+        prompt_tokens=256,
+        output_tokens=128,
+        # 32 slots of rank 16 (84 MB each) hold the Zipf head; the tail is loaded on demand
+        engine=EngineConfig(device="cuda", max_num_seqs=128, max_loras=32, max_lora_rank=16),
+        gateways=4,
+        warmup_requests=128,
+        calibration_s=10.0,
+        run_s=20.0,
+        drain_s=20.0,
+    ),
+    # a few seconds on a CPU: keeps the code path exercised by the test suite
+    "tiny": Preset(
+        name="tiny",
+        shape=DemoModelShape(
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            max_position_embeddings=256,
+        ),
+        vocab_size=512,
+        dtype="float32",
+        rope_theta=10000.0,
+        num_adapters=6,
+        lora_rank=4,
+        num_tenants=2,
+        zipf_alpha=1.0,
+        prompt_tokens=12,
+        output_tokens=6,
+        engine=EngineConfig(device="cpu", max_num_seqs=8, max_loras=3, max_lora_rank=8, num_kv_blocks=256),
+        gateways=1,
+        warmup_requests=4,
+        calibration_s=1.5,
+        run_s=1.5,
+        drain_s=15.0,
+    ),
+}

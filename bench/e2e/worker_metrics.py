@@ -1,0 +1,84 @@
+"""The worker's Prometheus endpoint (worker/metrics.py), read around and during each run.
+
+Counters and histograms are read before and after a run and differenced, which says where the
+worker's time went in that run alone: how many engine steps, how long each took, how full the
+batch was, how often an adapter was already on the GPU and how long loads took. Gauges (GPU
+utilisation, running and waiting sequences) are sampled once a second during the run.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Snapshot = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, sorted labels) → value
+
+_local_http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def scrape(url: str) -> Snapshot:
+    with _local_http.open(url, timeout=5.0) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def total(snapshot: Snapshot, name: str, **labels: str) -> float:
+    """The sum of the `name` samples whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(value for (sample, have), value in snapshot.items() if sample == name and wanted <= set(have))
+
+
+def gauge(snapshot: Snapshot, name: str) -> float:
+    """One gauge's value (summed over its label sets); nan when the worker exports no such series."""
+    values = [value for (sample, _), value in snapshot.items() if sample == name]
+    return sum(values) if values else math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """What the worker did between two scrapes."""
+
+    steps: int
+    step_ms: float  # mean wall time of an engine step
+    batch_seqs: float  # mean sequences per step
+    batch_tokens: float  # mean tokens per step (prefill chunks + decodes)
+    generated_tokens: int
+    adapter_gpu_hit_pct: float  # adapter lookups that found it in a GPU slot
+    adapter_loads: int  # lookups the GPU tier missed (each a load from pinned memory or disk)
+    adapter_load_ms: float  # mean time of a load
+    preemptions: int
+
+
+def difference(before: Snapshot, after: Snapshot) -> WorkerStats:
+    def delta(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    def ratio(numerator: float, denominator: float) -> float:
+        return numerator / denominator if denominator else math.nan
+
+    steps = delta("lorafleet_worker_step_seconds_count")
+    hits, misses = (
+        delta("lorafleet_worker_adapter_hits_total", tier="gpu"),
+        delta("lorafleet_worker_adapter_misses_total", tier="gpu"),
+    )
+    return WorkerStats(
+        steps=int(steps),
+        step_ms=1000 * ratio(delta("lorafleet_worker_step_seconds_sum"), steps),
+        batch_seqs=ratio(delta("lorafleet_worker_batch_size_sum"), delta("lorafleet_worker_batch_size_count")),
+        batch_tokens=ratio(delta("lorafleet_worker_batch_tokens_sum"), delta("lorafleet_worker_batch_tokens_count")),
+        generated_tokens=int(delta("lorafleet_worker_generated_tokens_total")),
+        adapter_gpu_hit_pct=100 * ratio(hits, hits + misses),
+        adapter_loads=int(misses),
+        adapter_load_ms=1000
+        * ratio(
+            delta("lorafleet_worker_adapter_load_seconds_sum"), delta("lorafleet_worker_adapter_load_seconds_count")
+        ),
+        preemptions=int(delta("lorafleet_worker_preemptions_total")),
+    )

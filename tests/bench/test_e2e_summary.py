@@ -1,0 +1,71 @@
+"""bench/e2e's arithmetic: a run's row from its samples, the worker's counters differenced from real
+Prometheus text, and the targets' verdicts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.e2e.client import Sample
+from bench.e2e.summary import JobTimes, summarize, verdicts
+from bench.e2e.worker_metrics import Snapshot, difference
+
+
+def sample(index: int, at: float, ttft: float, latency: float, tokens: int = 8, status: str = "succeeded") -> Sample:
+    return Sample(index, None, at, sent_s=at, accepted_s=at + 0.001, first_token_s=at + ttft, end_s=at + latency,
+                  status=status, completion_tokens=tokens, job_id=f"job{index}")  # fmt: skip
+
+
+def test_a_rows_throughput_latencies_and_failures_come_from_its_samples():
+    samples = [sample(i, i * 0.1, ttft=0.05 + 0.01 * i, latency=0.5) for i in range(10)]
+    samples.append(Sample(10, None, 1.0, sent_s=1.0, status="http_429", end_s=1.0))
+    times = {
+        f"job{i}": JobTimes(created_ms=1000, started_ms=1003, first_token_ms=1040, finished_ms=1400) for i in range(10)
+    }
+    row = summarize("load", "base", 10.0, samples, start_unix_s=0.0, job_times=times)
+    assert (row.requests, row.failed, row.failures) == (11, 1, {"http_429": 1})
+    # 80 tokens from the first arrival (0.0 s) to the last end (0.9 + 0.5 s)
+    assert math.isclose(row.output_tok_s, 80 / 1.4)
+    assert math.isclose(row.ttft_p50_ms, 95.0) and row.ttft_p99_ms > 135.0
+    assert math.isclose(row.latency_p50_ms, 500.0)
+    assert row.queue_p50_ms == 3.0 and row.server_ttft_p50_ms == 40.0
+
+
+def test_worker_counters_are_differenced_between_two_scrapes():
+    registry = CollectorRegistry()
+    steps = Histogram("lorafleet_worker_step_seconds", "", ["model"], registry=registry)
+    hits = Counter("lorafleet_worker_adapter_hits", "", ["model", "tier"], registry=registry)
+    misses = Counter("lorafleet_worker_adapter_misses", "", ["model", "tier"], registry=registry)
+
+    def snapshot() -> Snapshot:
+        families = text_string_to_metric_families(generate_latest(registry).decode())
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+    steps.labels("m").observe(1.0)
+    hits.labels("m", "gpu").inc(5)
+    before = snapshot()
+    for _ in range(4):
+        steps.labels("m").observe(0.02)
+    hits.labels("m", "gpu").inc(3)
+    hits.labels("m", "cpu").inc(7)  # another tier: not a GPU hit
+    misses.labels("m", "gpu").inc(1)
+    stats = difference(before, snapshot())
+    assert stats.steps == 4 and math.isclose(stats.step_ms, 20.0)
+    assert stats.adapter_loads == 1 and math.isclose(stats.adapter_gpu_hit_pct, 75.0)
+
+
+def test_the_adapter_target_compares_the_highest_loads_within_the_ttft_objective():
+    template = summarize("load", "base", 1.0, [sample(0, 0.0, 0.1, 1.0)])
+    rows = [
+        replace(template, mode="base", offered_rps=10.0, output_tok_s=1000.0, ttft_p99_ms=200.0),
+        replace(template, mode="base", offered_rps=20.0, output_tok_s=2000.0, ttft_p99_ms=900.0),
+        replace(template, mode="zipf", offered_rps=10.0, output_tok_s=1000.0, ttft_p99_ms=300.0),
+        replace(template, mode="zipf", offered_rps=20.0, output_tok_s=1500.0, ttft_p99_ms=4000.0),
+    ]
+    adapter, failures, overhead = verdicts(rows, {"base": 25.0, "zipf": 15.0}, None)
+    assert adapter.met is False and "= 0.50×" in adapter.measured  # zipf held 10 req/s, base 20
+    assert failures.met is True and "in 3 runs" in failures.measured  # zipf at 20 req/s is past its saturation
+    assert overhead.met is None
