@@ -17,7 +17,15 @@ from cli.admin import AdapterRegistration
 from cli.devices import visible_gpus
 from cli.errors import CommandError
 from cli.state import DEFAULT_STATE_DIR, DEMO_FILE, FleetState, read_json
-from shared.config import EngineConfig, GatewayConfig, ModelSpec, TenantLimits, WorkerConfig, default_worker_id
+from shared.config import (
+    EngineConfig,
+    GatewayConfig,
+    ModelSpec,
+    TenantLimits,
+    WebhookConfig,
+    WorkerConfig,
+    default_worker_id,
+)
 from shared.tenants import hash_admin_key
 
 
@@ -168,9 +176,28 @@ def _gateway_adapter_root(args: argparse.Namespace) -> Path | None:
     return None if state is None else state.adapter_root
 
 
+WEBHOOK_SECRET_ENV = "LORAFLEET_WEBHOOK_SECRET"
+
+
+def _webhooks(args: argparse.Namespace) -> WebhookConfig:
+    """Webhooks are on once a host is allowed; they then need a secret (--webhook-secret-file, else the env)."""
+    secret = os.environ.get(WEBHOOK_SECRET_ENV) or None
+    if args.webhook_secret_file is not None:
+        try:
+            secret = args.webhook_secret_file.read_text().strip() or None
+        except OSError as exc:
+            message = f"cannot read {args.webhook_secret_file}: {exc.strerror}"
+            raise ConfigError("--webhook-secret-file", message) from exc
+    hosts = tuple(args.webhook_allow_host or ())
+    if hosts and secret is None:
+        raise ConfigError("--webhook-secret-file", f"webhooks need a signing secret (or ${WEBHOOK_SECRET_ENV})")
+    return WebhookConfig(allow_hosts=hosts, secret=secret, allow_http=args.webhook_allow_http)
+
+
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     admin_key = _admin_key(args)
     return GatewayConfig(
+        webhooks=_webhooks(args),
         redis_url=redis_url(args),
         host=args.host,
         port=args.port,

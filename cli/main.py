@@ -82,6 +82,21 @@ def _add_gateway(commands: argparse._SubParsersAction) -> None:
         ("--max-queue-per-model", _GATEWAY.tenant_limits.max_queue_per_model),
     ):
         limits.add_argument(flag, type=cfa.positive_int, default=default, help="(default: %(default)s)")
+    webhooks = gateway.add_argument_group("job webhooks (off unless a host is allowed)")
+    webhooks.add_argument(
+        "--webhook-allow-host",
+        action="append",
+        metavar="HOST",
+        help="a host job webhooks may call; *.example.com allows its subdomains (repeatable)",
+    )
+    webhooks.add_argument(
+        "--webhook-secret-file",
+        type=Path,
+        help=f"file holding the secret webhook signatures derive from (default: ${cfa.WEBHOOK_SECRET_ENV})",
+    )
+    webhooks.add_argument(
+        "--webhook-allow-http", action="store_true", help="allow plain-http webhook URLs (default: https only)"
+    )
     gateway.set_defaults(run=_run_gateway)
 
 

@@ -16,6 +16,9 @@ Modules, one job each:
   chat.py         chat messages → prompt with the model's Jinja chat template (sandboxed)
   sse.py          server-sent event streams
   admin.py        admin-key check; adapter registration for the admin and load_lora_adapter routes
+  webhook_policy.py     which webhook URLs a job may name (allow-list, https)
+  webhook_signature.py  HMAC signatures of webhook calls; each tenant's signing key
+  webhooks.py     WebhookDispatcher: consumes lf:webhooks (one group across gateways), calls, retries
   tokenization.py per-model tokenizers from the model registry, encoding off the event loop
   job_service.py  submit (with admission limits) / get / wait / events / cancel, model-name resolution
   views/          handlers: parse, call the service, render
@@ -27,7 +30,8 @@ HTTP contract decisions:
        already finished keeps its terminal status, so cancelling is safe to retry.
   400  invalid_json (not UTF-8 JSON, NaN/Infinity literals, duplicate keys, nesting too deep),
        invalid_request (wrong type or value, unknown field; `param` names it), empty_prompt,
-       invalid_token_id, context_length_exceeded, adapter_model_mismatch.
+       invalid_token_id, context_length_exceeded, adapter_model_mismatch, webhook_not_allowed (a
+       `webhook` URL off the allow-list or not https, or webhooks off on this gateway).
   401  missing_api_key, invalid_api_key (with WWW-Authenticate: Bearer); 403 tenant_disabled.
   404  job_not_found, model_not_found, adapter_not_found: another tenant's job or adapter gets exactly
        the answer a missing one gets; not_found for unknown routes. 405 method_not_allowed (+ Allow).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from gateway.middleware import error_middleware, metrics_middleware, request_id_
 from gateway.routes import setup_routes
 from gateway.state import CONFIG, JOBS, METRICS, REDIS
 from gateway.tokenization import TokenizerCache
+from gateway.webhooks import WebhookDispatcher
 from shared.config import GatewayConfig
 from shared.jobstore import JobStore
 from shared.rate_limits import Admission
@@ -46,13 +48,20 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     redis = resilient_redis(config.redis_url, socket_timeout_s=config.limits.max_wait_s + _REDIS_READ_MARGIN_S)
     executor = ThreadPoolExecutor(max_workers=_TOKENIZER_THREADS, thread_name_prefix="tokenize")
     app[REDIS] = redis
+    store = JobStore(redis, config.job_ttl_s)
     app[JOBS] = JobService(
         redis,
-        JobStore(redis, config.job_ttl_s),
+        store,
         TokenizerCache(redis, executor),
         Admission(redis, config.tenant_limits),
         events_idle_s=min(_KEEPALIVE_S, config.limits.max_wait_s),
     )
+    webhooks = None
+    if config.webhooks.enabled:
+        webhooks = asyncio.create_task(WebhookDispatcher(redis, store, config.webhooks, app[METRICS]).run())
     yield
+    if webhooks is not None:
+        webhooks.cancel()
+        await asyncio.gather(webhooks, return_exceptions=True)
     executor.shutdown(cancel_futures=True)
     await redis.aclose()

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import RequestError
-from shared.config import RequestLimits
+from gateway.webhook_policy import check_webhook_url
+from shared.config import RequestLimits, WebhookConfig
 from shared.errors import ErrorCode
 from shared.schema import SamplingParams
 
@@ -30,6 +31,7 @@ FIELDS = frozenset(
         "ignore_eos",
         "deadline_s",
         "stream",
+        "webhook",
     }
 )
 _DEFAULTS = SamplingParams()
@@ -56,6 +58,7 @@ class JobRequest:
     fit_context: bool = False
     deadline_s: float | None = None  # seconds after submission; a job not finished by then expires
     stream: bool = False
+    webhook: str | None = None  # an allowed URL, called once with the finished job
 
 
 def invalid(param: str, message: str) -> RequestError:
@@ -174,8 +177,11 @@ def parse_sampling(
     )
 
 
-def parse_job_request(body: dict[str, Any], limits: RequestLimits) -> JobRequest:
-    """Check a decoded `POST /v1/jobs` body against the API and `limits`; raise RequestError naming the field."""
+def parse_job_request(
+    body: dict[str, Any], limits: RequestLimits, webhooks: WebhookConfig
+) -> JobRequest:
+    """Check a decoded `POST /v1/jobs` body against the API, `limits` and the webhook policy; raise
+    RequestError naming the field."""
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise invalid(unknown[0], f"unknown field(s): {', '.join(unknown)}")
@@ -186,6 +192,7 @@ def parse_job_request(body: dict[str, Any], limits: RequestLimits) -> JobRequest
         sampling=parse_sampling(body, limits),
         deadline_s=_deadline(body, limits),
         stream=boolean(body, "stream", False),
+        webhook=None if body.get("webhook") is None else check_webhook_url(body["webhook"], webhooks),
     )
 
 

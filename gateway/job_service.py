@@ -111,6 +111,7 @@ class JobService:
             adapter=request.adapter,
             created_ms=int(created_at * 1000),
             prompt_tokens=len(prompt_token_ids),
+            webhook=request.webhook,
         )
         message = JobMessage(
             job_id=record.job_id,

@@ -25,6 +25,12 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
+        self.webhook_calls = Counter(
+            "lorafleet_gateway_webhooks",
+            "webhook deliveries by outcome: delivered, failed (retried later), abandoned, expired (job gone)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "lorafleet_queue_depth",
             "entries in a model's queue stream (queued + running)",

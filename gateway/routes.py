@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.views import admin, health, jobs, lora, metrics, openai
+from gateway.views import admin, health, jobs, lora, metrics, openai, webhooks
 
 
 def setup_routes(app: web.Application) -> None:
@@ -16,6 +16,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/v1/jobs/{job_id}", jobs.get_job, name=jobs.JOB_ROUTE)
     app.router.add_post("/v1/jobs/{job_id}/cancel", jobs.cancel_job, name=jobs.CANCEL_ROUTE)
     app.router.add_get("/v1/jobs/{job_id}/events", jobs.job_events)
+    app.router.add_get("/v1/webhooks/key", webhooks.webhook_key)
     # OpenAI-compatible
     app.router.add_post("/v1/completions", openai.completions)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)

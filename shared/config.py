@@ -54,6 +54,35 @@ class TenantLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class WebhookConfig:
+    """Where job webhooks may go and how they are delivered. Off unless hosts are allowed and a secret is set.
+
+    `allow_hosts`: exact host names, or `*.example.com` for any subdomain. The secret signs every call
+    (each tenant's signing key is derived from it: gateway/webhook_signature.py). A failed call is
+    retried `retry_base_s` × 2ⁿ later, up to `max_attempts` calls; `retry_base_s` must outlast
+    `timeout_s`, since a call still in flight past it counts as abandoned and may be retried.
+    """
+
+    allow_hosts: tuple[str, ...] = ()
+    secret: str | None = None
+    allow_http: bool = False  # plain-HTTP endpoints (a private network, tests); https otherwise
+    timeout_s: float = 10.0
+    retry_base_s: float = 15.0
+    max_attempts: int = 8
+    max_concurrent: int = 32  # calls in flight per gateway
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.retry_base_s <= self.timeout_s:
+            raise ValueError("webhook retry_base_s must be longer than timeout_s, which must be > 0")
+        if self.max_attempts < 1 or self.max_concurrent < 1:
+            raise ValueError("webhook max_attempts and max_concurrent must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.allow_hosts) and bool(self.secret)
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     redis_url: str
     host: str = "127.0.0.1"
@@ -66,6 +95,7 @@ class GatewayConfig:
     adapter_root: Path | None = None
     max_lora_rank: int = 64
     max_adapter_bytes: int = 2 << 30
+    webhooks: WebhookConfig = field(default_factory=WebhookConfig)
 
 
 @dataclass(frozen=True, slots=True)

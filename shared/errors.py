@@ -29,6 +29,7 @@ class ErrorCode(StrEnum):
     INVALID_CHAT_TEMPLATE = "invalid_chat_template"  # the model's template failed to render these messages
     COMPLETION_TIMEOUT = "completion_timeout"  # a blocking completion outlived limits.max_completion_s
     ADMIN_DISABLED = "admin_disabled"  # the gateway has no admin key configured
+    WEBHOOK_NOT_ALLOWED = "webhook_not_allowed"  # a webhook URL off the allow-list (or webhooks are off)
     # adapter validation
     INVALID_ADAPTER = "invalid_adapter"
     ADAPTER_PATH_OUTSIDE_ROOT = "adapter_path_outside_root"

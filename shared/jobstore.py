@@ -2,7 +2,8 @@
 
 Every status change is one Lua script, so a cancel racing a finish, or a job redelivered after a
 worker crash, can never overwrite a terminal state: the first terminal write wins and the job has
-exactly one stored result.
+exactly one stored result. The same script that writes the terminal state queues the job's webhook
+(if it has one) on `lf:webhooks`, so a webhook is queued exactly once, whoever ends the job.
 """
 
 from __future__ import annotations
@@ -40,16 +41,26 @@ end
 return {status, redis.call('HGET', KEYS[1], 'attempts')}
 """
 
-_FINISH = """
--- KEYS: job hash, job events   ARGV: ttl_s, new status, events cap, field/value...
+# Lua shared by the terminal transitions: queue the job's webhook, if it asked for one (KEYS[3]: lf:webhooks)
+_QUEUE_WEBHOOK = """
+if redis.call('HEXISTS', KEYS[1], 'webhook') == 1 then
+  redis.call('XADD', KEYS[3], '*', 'job', redis.call('HGET', KEYS[1], 'job_id'))
+end
+"""
+
+_FINISH = (
+    """
+-- KEYS: job hash, job events, webhooks   ARGV: ttl_s, new status, events cap, field/value...
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'queued' and status ~= 'running' then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 4))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
-return 1
 """
+    + _QUEUE_WEBHOOK
+    + "return 1"
+)
 
 _RELEASE = """
 -- KEYS: job hash   ARGV: worker id
@@ -61,19 +72,20 @@ redis.call('HINCRBY', KEYS[1], 'attempts', -1)
 return 1
 """
 
-_CANCEL = """
--- KEYS: job hash, job events   ARGV: ttl_s, now_ms, events cap
+_CANCEL = (
+    """
+-- KEYS: job hash, job events, webhooks   ARGV: ttl_s, now_ms, events cap
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
-if status == 'queued' or status == 'running' then
-  redis.call('HSET', KEYS[1], 'status', 'canceled', 'finished_ms', ARGV[2])
-  redis.call('EXPIRE', KEYS[1], ARGV[1])
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', 'canceled')
-  redis.call('EXPIRE', KEYS[2], ARGV[1])
-  return 'canceled'
-end
-return status
+if status ~= 'queued' and status ~= 'running' then return status end
+redis.call('HSET', KEYS[1], 'status', 'canceled', 'finished_ms', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', 'canceled')
+redis.call('EXPIRE', KEYS[2], ARGV[1])
 """
+    + _QUEUE_WEBHOOK
+    + "return 'canceled'"
+)
 
 
 # Events kept per job stream (approximately): a streaming reader further behind than this misses
@@ -147,7 +159,8 @@ class JobStore:
         if error is not None:
             fields += ["error_code", error.code, "error_message", error.message]
         stored = await self._finish(
-            keys=[keys.job(job_id), keys.job_events(job_id)], args=[self._ttl_s, status.value, EVENTS_CAP, *fields]
+            keys=[keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS],
+            args=[self._ttl_s, status.value, EVENTS_CAP, *fields],
         )
         return bool(stored)
 
@@ -177,7 +190,7 @@ class JobStore:
     async def cancel(self, job_id: str) -> JobStatus | None:
         """Cancel a queued or running job. Returns the status after the call (None: no such job)."""
         result = await self._cancel(
-            keys=[keys.job(job_id), keys.job_events(job_id)], args=[self._ttl_s, now_ms(), EVENTS_CAP]
+            keys=[keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS], args=[self._ttl_s, now_ms(), EVENTS_CAP]
         )
         return None if result is None else JobStatus(result.decode())
 

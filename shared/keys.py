@@ -14,10 +14,13 @@
 | lf:idem:{tenant}:{key}        | string | Idempotency-Key → job id; TTL                             |
 | lf:rate:{tenant}              | hash   | the tenant's request and token buckets; TTL               |
 | lf:active:{tenant}            | zset   | the tenant's admitted job ids (queued or running)         |
+| lf:webhooks                   | stream | finished jobs' webhooks to call (group `webhooks`: gateways) |
 """
 
 PREFIX = "lf"
 WORKER_GROUP = "workers"
+WEBHOOKS = f"{PREFIX}:webhooks"
+WEBHOOK_GROUP = "webhooks"
 DEAD_LETTER = f"{PREFIX}:dlq"
 MODELS = f"{PREFIX}:models"
 ADAPTERS = f"{PREFIX}:adapters"

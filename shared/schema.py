@@ -206,11 +206,13 @@ class JobRecord:
     worker: str = ""
     output: JobOutput | None = None
     error: JobError | None = None
+    webhook: str | None = None  # URL called once with the finished job
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_hash(self) -> dict[str, str | int | bytes]:
-        """Fields for a fresh job's HSET (output and error are written by the worker's finish)."""
-        return {
+        """Fields for a fresh job's HSET (output and error are written by the worker's finish). `webhook`
+        is present only when set: the job store's terminal scripts look for it."""
+        return ({"webhook": self.webhook} if self.webhook else {}) | {
             "job_id": self.job_id,
             "status": self.status.value,
             "tenant": self.tenant,
@@ -252,6 +254,7 @@ class JobRecord:
             worker=text("worker"),
             output=output,
             error=error,
+            webhook=text("webhook") or None,
         )
 
 

@@ -29,7 +29,8 @@ _IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")  # printable ASCII, no sp
 async def submit_job(request: web.Request) -> web.Response:
     """`POST /v1/jobs`: 202 with the new job's id and URLs; 200 with the first job's for a repeated Idempotency-Key."""
     tenant = await request_tenant(request)
-    job_request = parse_job_request(parse_json_object(await request.read()), request.app[CONFIG].limits)
+    config = request.app[CONFIG]
+    job_request = parse_job_request(parse_json_object(await request.read()), config.limits, config.webhooks)
     record, created = await request.app[JOBS].submit(
         tenant, job_request, request_id=request[REQUEST_ID], idempotency_key=_idempotency_key(request)
     )

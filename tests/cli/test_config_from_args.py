@@ -223,3 +223,23 @@ def test_unreadable_admin_key_file_names_the_flag(tmp_path):
     with pytest.raises(cfa.ConfigError) as info:
         cfa.gateway_config(args)
     assert info.value.flag == "--admin-key-file"
+
+
+def test_gateway_webhooks_are_off_by_default_and_need_a_secret_once_a_host_is_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(cfa.WEBHOOK_SECRET_ENV, raising=False)
+    assert not cfa.gateway_config(parse("gateway", "--redis-url", REDIS)).webhooks.enabled
+    with pytest.raises(cfa.ConfigError) as refused:
+        cfa.gateway_config(parse("gateway", "--redis-url", REDIS, "--webhook-allow-host", "hooks.example"))
+    assert refused.value.flag == "--webhook-secret-file"
+    secret = tmp_path / "webhook_secret"
+    secret.write_text("s3cret\n")
+    flags = ["--webhook-allow-host", "a.example", "--webhook-allow-host", "*.b.example", "--webhook-secret-file"]
+    webhooks = cfa.gateway_config(parse("gateway", "--redis-url", REDIS, *flags, str(secret))).webhooks
+    assert (webhooks.allow_hosts, webhooks.secret, webhooks.allow_http) == (
+        ("a.example", "*.b.example"),
+        "s3cret",
+        False,
+    )
+    assert webhooks.enabled

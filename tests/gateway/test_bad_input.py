@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient
 from gateway.errors import RequestError
 from gateway.job_request import parse_job_request
 from shared import keys
+from shared.config import WebhookConfig
 from tests.gateway.fleet import LIMITS, MAX_CONTEXT, WORDS, Fleet, submit
 
 
@@ -142,7 +143,7 @@ async def test_bad_job_is_rejected_with_its_code(client: TestClient, fleet: Flee
 
 def test_unknown_field_message_names_every_unknown_field() -> None:
     with pytest.raises(RequestError) as caught:
-        parse_job_request(job(temprature=0.5, top_q=0.9), LIMITS)
+        parse_job_request(job(temprature=0.5, top_q=0.9), LIMITS, WebhookConfig())
 
     assert "temprature" in caught.value.message
     assert "top_q" in caught.value.message
