@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -105,9 +106,9 @@ def roofline(info: ModelInfo, batch: int, context: float, bandwidth: float) -> f
     return batch / ((weight_bytes(info) + kv) / bandwidth)
 
 
-def random_model(info: ModelInfo, max_loras: int) -> CausalLM:
+def random_model(info: ModelInfo, max_loras: int, rank: int = RANK) -> CausalLM:
     torch.manual_seed(0)
-    model = CausalLM(info, max_loras=max_loras, max_lora_rank=RANK, dtype=torch.bfloat16, device="cuda")
+    model = CausalLM(info, max_loras=max_loras, max_lora_rank=rank, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -135,8 +136,18 @@ def prompts(batch: int, length: int, vocab: int) -> list[tuple[int, ...]]:
 
 
 class EngineBench:
-    def __init__(self, info: ModelInfo, max_adapters: int, max_seqs: int, max_context: int) -> None:
-        """KV cache sized for max_seqs sequences of max_context tokens (block size 16)."""
+    def __init__(
+        self,
+        info: ModelInfo,
+        max_adapters: int,
+        max_seqs: int,
+        max_context: int,
+        *,
+        rank: int = RANK,
+        make_adapter: Callable[[ModelInfo, int], AdapterWeights] = random_adapter,
+    ) -> None:
+        """KV cache sized for max_seqs sequences of max_context tokens (block size 16); slot i holds
+        make_adapter(info, i) of rank `rank`."""
         self.info = info
         self.config = EngineConfig(
             device="cuda",
@@ -146,16 +157,16 @@ class EngineBench:
             num_kv_blocks=max_seqs * -(-max_context // 16),
             block_size=16,
             max_loras=max(max_adapters, 1),
-            max_lora_rank=RANK,
+            max_lora_rank=rank,
         )
-        model = random_model(info, self.config.max_loras)
+        model = random_model(info, self.config.max_loras, rank)
         start = time.perf_counter()
         self.runner = ModelRunner.from_model(model, self.config)
         self.setup_s = time.perf_counter() - start  # KV cache allocation + decode graph capture
         self.tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(info.vocab_size)}, unk_token="w0"))
         self.refs = [AdapterRef(f"bench{i}", 1, f"bench{i}", f"{i:064x}") for i in range(max_adapters)]
         for slot in range(max_adapters):
-            self.runner.model.set_adapter_slot(slot, random_adapter(info, slot))
+            self.runner.model.set_adapter_slot(slot, make_adapter(info, slot))
 
     def engine(self) -> LLMEngine:
         engine = LLMEngine(self.runner, self.tokenizer, self.config, adapter_root=None)
