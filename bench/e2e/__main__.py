@@ -5,8 +5,9 @@
 1. Assets: the preset's model (random weights, HF format) and adapters written under --workdir.
 2. The stack: Redis, the worker, the gateways (bench/e2e/stack.py); tenants and adapters registered.
 3. Warm-up: a burst of Zipf requests (Triton compiles, adapter slots filled).
-4. Calibration: per mode, a closed loop keeping max_num_seqs requests in flight; the output tok/s of
-   its second two thirds, over the output length, is the mode's saturation in requests/s.
+4. Calibration: per mode, a closed loop keeping max_num_seqs requests in flight (its lanes start
+   over the first third); the output tok/s of its second half, over the output length, is the
+   mode's saturation in requests/s.
 5. Load runs: open-loop Poisson arrivals at three offered loads, from 60% of the slower mode's
    saturation up to 95% of the faster one's; at each load base-only, then Zipf over all adapters
    (the same arrival times).
@@ -153,7 +154,7 @@ class Bench:
             record = asyncio.run(
                 client.closed_loop(source.endless(), p.engine.max_num_seqs, p.calibration_s, stack.probe)
             )
-            tok_s = window_tok_s(record.token_times_s, p.calibration_s / 3, p.calibration_s)
+            tok_s = window_tok_s(record.token_times_s, p.calibration_s / 2, p.calibration_s)
             self.capacity_rps[mode] = tok_s / p.output_tokens
             worker = difference(before, stack.worker_metrics())
             row = summarize("calibration", mode, 0.0, record.samples, probes=record.probes, worker=worker)

@@ -157,7 +157,8 @@ class LoadClient:
         self, requests: Iterator[PlannedRequest], concurrency: int, duration_s: float,
         probe: Callable[[], dict[str, float]],
     ) -> RunRecord:  # fmt: skip
-        """Keep `concurrency` requests in flight for `duration_s`, then let the last ones finish."""
+        """Keep `concurrency` requests in flight for `duration_s` (ramping up over its first third),
+        then let the last ones finish."""
         start = time.perf_counter()
         record = RunRecord([], [], time.time())
 
@@ -167,7 +168,9 @@ class LoadClient:
         timeout = aiohttp.ClientTimeout(total=_CLOSED_LOOP_REQUEST_S)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
-            async def lane() -> None:
+            async def lane(number: int) -> None:
+                # lanes start spread over the first third, so requests do not start and end in lockstep
+                await asyncio.sleep(number / concurrency * duration_s / 3)
                 while clock() < duration_s:
                     request = next(requests)
                     sample = Sample(len(record.samples), request.adapter, clock())
@@ -175,7 +178,7 @@ class LoadClient:
                     await self._guarded(session, request, sample, clock, record.token_times_s)
 
             sampler = asyncio.create_task(self._sample(probe, clock, record.probes))
-            await asyncio.gather(*(lane() for _ in range(concurrency)))
+            await asyncio.gather(*(lane(number) for number in range(concurrency)))
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
         return record
