@@ -1,0 +1,167 @@
+"""The adapter pool inside the engine: prefetch that never blocks a step on disk, the host tier,
+versions that never share weights, start-up checks, and slots that never leak an evicted adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.adapter_format import WEIGHTS_FILE, file_sha256
+from shared.config import EngineConfig, ModelSpec
+from shared.schema import AdapterRef, JobStatus
+from tests.engine.test_engine_generation import (
+    assert_matches_oracle,
+    expected_tokens,
+    greedy_request,
+    make_engine,
+    run_to_completion,
+    word_tokenizer,
+)
+from tests.engine.tiny_hf import TinyCheckpoint
+from worker.adapter_pool import pool as pool_module
+from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
+from worker.adapter_pool.slot_writer import SlotWriter
+from worker.engine.block_manager import BlockManager
+from worker.engine.engine import LLMEngine
+from worker.engine.model_runner import ModelRunner
+from worker.engine.scheduler import ScheduledSequence
+from worker.engine.sequence import Sequence
+from worker.metrics import WorkerMetrics
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+    ),
+]
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def host_adapter(checkpoint: TinyCheckpoint, name: str, device: str) -> HostAdapter:
+    directory = checkpoint.adapters[name]
+    ref = AdapterRef(name, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
+    return read_host_adapter(ref, adapter_root=directory.parent, info=checkpoint.info, dtype=torch.float32,
+                             max_rank=16, max_bytes=1 << 30, pin=device == "cuda")  # fmt: skip
+
+
+def make_runner(checkpoint: TinyCheckpoint, device: str) -> ModelRunner:
+    config = EngineConfig(device=device, dtype="float32", max_loras=2, max_lora_rank=16, num_kv_blocks=16, block_size=4)
+    return ModelRunner(ModelSpec(checkpoint.family, checkpoint.model_dir), config)
+
+
+def slot_logits(runner: ModelRunner, slot: int) -> torch.Tensor:
+    """Prefill logits of PROMPT with every token routed to `slot`."""
+    seq = Sequence(seq_id="probe", prompt_token_ids=PROMPT, sampling=None, seed=0, adapter_uid="probe")
+    BlockManager(runner.num_blocks, 4).allocate(seq, len(PROMPT))
+    return runner.execute([ScheduledSequence(seq, len(PROMPT))], lambda uid: slot, 4).cpu()
+
+
+def slot_contents(runner: ModelRunner, slot: int) -> list[torch.Tensor]:
+    """Every LoRA matrix of `slot`, padding past the rank included."""
+    return [
+        stacked[slot].cpu()
+        for layer in runner.model.model.layers
+        for linear in layer.lora_linears()
+        for stacked in (*linear.lora_a, *linear.lora_b)
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_evicted_slot_leaks_nothing_into_a_lower_rank_adapter(llama: TinyCheckpoint, device: str):
+    # all_r8: rank 8 on every projection; mlp_k_r4: rank 4 on four of them
+    reused, fresh = make_runner(llama, device), make_runner(llama, device)
+    writer = SlotWriter(reused.model)
+    writer.write(1, host_adapter(llama, "all_r8", device)).wait()
+    old = slot_logits(reused, 1)
+
+    writer.write(1, host_adapter(llama, "mlp_k_r4", device)).wait()
+    SlotWriter(fresh.model).write(1, host_adapter(llama, "mlp_k_r4", device)).wait()
+
+    assert torch.equal(slot_logits(reused, 1), slot_logits(fresh, 1))
+    assert not torch.allclose(slot_logits(reused, 1), old)
+    assert all(torch.equal(a, b) for a, b in zip(slot_contents(reused, 1), slot_contents(fresh, 1), strict=True))
+    assert reused.model.slot_ranks.tolist() == fresh.model.slot_ranks.tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_slot_written_by_the_pool_equals_one_set_from_the_peft_files(llama: TinyCheckpoint, device: str):
+    pooled, direct = make_runner(llama, device), make_runner(llama, device)
+    SlotWriter(pooled.model).write(0, host_adapter(llama, "attn_r4_rslora", device)).wait()
+    direct.load_adapter(0, llama.adapters["attn_r4_rslora"])
+
+    assert torch.equal(slot_logits(pooled, 0), slot_logits(direct, 0))
+    assert pooled.model.slot_scales.tolist() == direct.model.slot_scales.tolist()
+
+
+def test_steps_run_other_requests_while_an_adapter_is_still_on_disk(llama: TinyCheckpoint, monkeypatch):
+    disk = threading.Event()  # the disk read may finish only once this is set
+
+    def slow_disk(*args: object, **kwargs: object) -> HostAdapter:
+        disk.wait(30)
+        return read_host_adapter(*args, **kwargs)
+
+    monkeypatch.setattr(pool_module, "read_host_adapter", slow_disk)
+    engine = make_engine(llama)
+    base, adapted = greedy_request(llama, "base", None), greedy_request(llama, "adapted", "all_r8")
+    for request in (adapted, base):
+        engine.add(request)
+
+    results = {}
+    while "base" not in results:
+        results.update((r.job_id, r) for r in engine.step())
+    assert engine.num_unfinished == 1 and engine.adapter_pool.loads_in_flight == 1
+    assert not engine.scheduler.running  # the adapted request waits, admitted nowhere
+
+    disk.set()
+    results |= run_to_completion(engine, [])
+    assert_matches_oracle(llama, results, {"base": None, "adapted": "all_r8"})
+
+
+def test_an_adapter_evicted_from_the_gpu_comes_back_from_the_host_tier(llama: TinyCheckpoint):
+    metrics = WorkerMetrics(device="cpu")
+    config = EngineConfig(device="cpu", max_loras=1, max_lora_rank=8, num_kv_blocks=64, block_size=4)
+    runner = ModelRunner(ModelSpec(llama.family, llama.model_dir), config)
+    root = llama.adapters["all_r8"].parent
+    engine = LLMEngine(runner, word_tokenizer(), config, root, metrics.engine(llama.info.name))
+    for job, adapter in [("first", "all_r8"), ("other", "mlp_k_r4"), ("again", "all_r8")]:
+        result = run_to_completion(engine, [greedy_request(llama, job, adapter)])[job]
+        assert list(result.output.token_ids) == expected_tokens(llama, adapter)
+
+    def sample(name: str, tier: str) -> float:
+        return metrics.registry.get_sample_value(name, {"model": llama.info.name, "tier": tier})
+
+    assert sample("lorafleet_worker_adapter_misses_total", "gpu") == 3
+    assert sample("lorafleet_worker_adapter_hits_total", "cpu") == 1  # "again": no second disk read
+    assert sample("lorafleet_worker_adapter_load_seconds_count", "disk") == 2
+    assert sample("lorafleet_worker_adapter_evictions_total", "gpu") == 2
+
+
+def test_two_versions_of_one_name_run_side_by_side_on_their_own_weights(llama: TinyCheckpoint):
+    engine = make_engine(llama)
+    v1 = greedy_request(llama, "v1", "all_r8")
+    v2 = greedy_request(llama, "v2", "mlp_k_r4")
+    v2 = dataclasses.replace(v2, adapter=dataclasses.replace(v2.adapter, name="all_r8", version=2))
+    results = run_to_completion(engine, [v1, v2])
+    assert v1.adapter.uid != v2.adapter.uid
+    assert list(results["v1"].output.token_ids) == expected_tokens(llama, "all_r8")
+    assert list(results["v2"].output.token_ids) == expected_tokens(llama, "mlp_k_r4")
+
+
+def test_a_load_failure_fails_every_request_of_that_adapter_and_no_other(llama: TinyCheckpoint, tmp_path: Path):
+    engine = make_engine(llama, tmp_path)  # an empty adapter root: every adapter is missing
+    requests = [greedy_request(llama, f"a{i}", "all_r8") for i in range(3)] + [greedy_request(llama, "base", None)]
+    results = run_to_completion(engine, requests)
+    assert [results[f"a{i}"].error.code for i in range(3)] == ["adapter_load_failed"] * 3
+    assert results["base"].status is JobStatus.SUCCEEDED
+    # the free slot list alone: nothing is kept of the failed adapter
+    assert engine.adapter_pool.bookkeeping_size() == engine.config.max_loras
+
+
+def test_a_host_tier_smaller_than_one_adapter_per_gpu_slot_is_refused_at_start(llama: TinyCheckpoint):
+    with pytest.raises(ValueError, match="adapter_host_cache_gb=1e-06 holds fewer adapters than max_loras=4"):
+        make_engine(llama, max_loras=4, adapter_host_cache_gb=1e-6)
