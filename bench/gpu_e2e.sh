@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 work=/dev/shm/lorafleet-e2e
 [ "$(df --output=avail -k /dev/shm | tail -1)" -gt 40000000 ] || work=/tmp/lorafleet-e2e
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-timeout "${E2E_TIMEOUT:-470}" python3 -m bench.e2e --out "$OUT" --workdir "$work" "$@" 2>&1 | tee "$OUT/run.log"
+timeout "${E2E_TIMEOUT:-440}" python3 -m bench.e2e --out "$OUT" --workdir "$work" "$@" 2>&1 | tee "$OUT/run.log"
 status=$?
 for log in worker gateway0; do tail -c 8000000 "$work/logs/$log.log" >"$OUT/$log.log" 2>/dev/null; done
 exit $status

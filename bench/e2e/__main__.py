@@ -1,6 +1,6 @@
 """The whole stack under load: Zipf adapter traffic and base-only traffic at three offered loads.
 
-    python -m bench.e2e [--preset llama3-8b] [--out DIR] [--workdir DIR] [--budget-s 420] [--run-s 25]
+    python -m bench.e2e [--preset llama3-8b] [--out DIR] [--workdir DIR] [--budget-s 400] [--run-s 15]
 
 1. Assets: the preset's model (random weights, HF format) and adapters written under --workdir.
 2. The stack: Redis, the worker, the gateways (bench/e2e/stack.py); tenants and adapters registered.
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
     parser.add_argument("--out", type=Path, default=Path("e2e-out"), help="results and plots (default: %(default)s)")
     parser.add_argument("--workdir", type=Path, help="model, adapters, Redis data, logs (default: a new temp dir)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget (default: %(default)s)")
+    parser.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget (default: %(default)s)")
     parser.add_argument("--run-s", type=float, help="seconds of arrivals per load run (default: the preset's)")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]

@@ -53,9 +53,9 @@ PRESETS = {
         engine=EngineConfig(device="cuda", max_num_seqs=128, max_loras=32, max_lora_rank=16),
         gateways=4,
         warmup_requests=128,
-        calibration_s=10.0,
-        run_s=20.0,
-        drain_s=20.0,
+        calibration_s=8.0,
+        run_s=15.0,
+        drain_s=15.0,
     ),
     # a few seconds on a CPU: keeps the code path exercised by the test suite
     "tiny": Preset(
