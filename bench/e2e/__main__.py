@@ -58,6 +58,7 @@ from worker.engine.engine import LLMEngine
 LOW_FRACTION = 0.6  # the lowest offered load, of the slower mode's saturation
 HIGH_FRACTION = 0.95  # the highest, of the faster mode's: near saturation
 _STOP_RESERVE_S = 30.0  # stopping the stack and writing the results
+_WARMUP_WAIT_S = 180.0  # the first requests on a fresh machine wait for Triton to compile every kernel
 
 
 class Budget:
@@ -133,8 +134,9 @@ class Bench:
             started = time.monotonic()
             warmup = RequestSource(self.shape(Mode.ZIPF), seed=1)
             burst = [warmup.draw(i, 0.0) for i in range(p.warmup_requests)]
-            asyncio.run(client.open_loop(burst, p.drain_s, stack.probe))
+            record = asyncio.run(client.open_loop(burst, _WARMUP_WAIT_S, stack.probe))
             self.timed("warmup", started)
+            print(_row_line(summarize("warmup", Mode.ZIPF, 0.0, record.samples)), flush=True)
             self.calibrate(client, stack)
             for index, load in enumerate(offered_loads(self.capacity_rps)):
                 for mode in (Mode.BASE, Mode.ZIPF):
