@@ -26,6 +26,7 @@ import asyncio
 import csv
 import dataclasses
 import json
+import resource
 import tempfile
 import time
 import traceback
@@ -259,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[args.preset]
     if args.run_s is not None:
         preset = dataclasses.replace(preset, run_s=args.run_s)
+    # an overloaded run holds two sockets per request in flight, here and in the gateways and Redis
+    # (children inherit the limit): lift the soft limit on open files to the hard one
+    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     budget = Budget(args.budget_s)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lorafleet-e2e-"))
     workdir.mkdir(parents=True, exist_ok=True)
