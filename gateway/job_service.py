@@ -26,7 +26,7 @@ from gateway.chat import render_chat
 from gateway.errors import RequestError
 from gateway.job_request import JobRequest
 from gateway.tokenization import TokenizerCache
-from shared.adapter_registry import get_adapter
+from shared.adapter_registry import get_adapter, track_adapter_job
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore
 from shared.model_info import ModelInfo
@@ -125,6 +125,8 @@ class JobService:
             request_id=request_id,
             stream=request.stream,
         )
+        if adapter is not None and not await track_adapter_job(self._redis, adapter.name, job_id):
+            raise RequestError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {adapter.name!r} not found", param="adapter")
         job_id, created = await self._store.create(record, message, idempotency_key)
         if created:
             log.info(

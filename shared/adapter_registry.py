@@ -2,7 +2,14 @@
 
 An adapter name is global and owned by one tenant (or "shared", usable by all). Registering an
 existing name again creates a new version with new weights identity (`AdapterRef.uid`): jobs
-already queued keep the version they were submitted with.
+already queued keep the version they were submitted with, and workers key every cached copy by
+that identity, so a reload never serves the old weights under the new version or the reverse.
+
+In flight: every job naming an adapter enters `lf:adapter-jobs:{name}` before it is queued
+(`track_adapter_job`, atomically with a check that the adapter still exists). Unregistering sweeps
+the jobs that have ended and refuses (CONFLICT, 409) while any is still queued or running, so an
+adapter never disappears under a job that needs its files. Entries need no release step: ended
+jobs are swept by their status, a few sampled at every submit and all at unregister.
 """
 
 from __future__ import annotations
@@ -20,6 +27,52 @@ from shared.adapter_format import inspect_adapter, resolve_adapter_dir
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import ModelInfo
 from shared.schema import AdapterRef
+
+# A tracked job whose record does not exist yet is being queued, not gone: the gateway tracks it
+# just before it creates the record.
+_QUEUEING_GRACE_MS = 60_000
+
+_IN_FLIGHT = """
+local function in_flight(job_key_prefix, id, tracked_ms, now_ms, grace_ms)
+  local status = redis.call('HGET', job_key_prefix .. id, 'status')
+  if status then return status == 'queued' or status == 'running' end
+  return tonumber(tracked_ms) > tonumber(now_ms) - tonumber(grace_ms)
+end
+"""
+
+_TRACK = (
+    _IN_FLIGHT
+    + """
+-- KEYS: adapter record, its in-flight jobs   ARGV: job id, now_ms, job key prefix, grace_ms
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+local sample = redis.call('ZRANDMEMBER', KEYS[2], 4, 'WITHSCORES')
+for i = 1, #sample, 2 do
+  if not in_flight(ARGV[3], sample[i], sample[i + 1], ARGV[2], ARGV[4]) then
+    redis.call('ZREM', KEYS[2], sample[i])
+  end
+end
+return 1
+"""
+)
+
+_UNREGISTER = (
+    _IN_FLIGHT
+    + """
+-- KEYS: adapter record, adapter names, its in-flight jobs   ARGV: name, now_ms, job key prefix, grace_ms
+local tracked = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
+for i = 1, #tracked, 2 do
+  if not in_flight(ARGV[3], tracked[i], tracked[i + 1], ARGV[2], ARGV[4]) then
+    redis.call('ZREM', KEYS[3], tracked[i])
+  end
+end
+local busy = redis.call('ZCARD', KEYS[3])
+if busy > 0 then return busy end
+redis.call('DEL', KEYS[1], KEYS[3])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 0
+"""
+)
 
 SHARED_OWNER = "shared"
 # no ':' — `BASE:ADAPTER` is how OpenAI-style clients name a base model plus an adapter
@@ -111,14 +164,30 @@ async def list_adapters(redis: Redis, *, visible_to: str | None = None) -> list[
     return [r for r in records if r is not None and (visible_to is None or r.visible_to(visible_to))]
 
 
+async def track_adapter_job(redis: Redis, name: str, job_id: str) -> bool:
+    """Record job `job_id` as in flight on adapter `name`, just before the job is queued. False
+    when the adapter has been unregistered meanwhile (the job must not be queued)."""
+    script = redis.register_script(_TRACK)
+    now_ms = int(time.time() * 1000)
+    tracked = await script(
+        keys=[keys.adapter(name), keys.adapter_jobs(name)], args=[job_id, now_ms, keys.job(""), _QUEUEING_GRACE_MS]
+    )
+    return bool(tracked)
+
+
 async def unregister_adapter(redis: Redis, name: str, *, owner: str | None = None) -> AdapterRecord:
-    """Remove adapter `name` (only if `owner` owns it, when given). Jobs already queued keep the
-    version they were submitted with; new jobs naming it get ADAPTER_NOT_FOUND."""
+    """Remove adapter `name` (only if `owner` owns it, when given); new jobs naming it get
+    ADAPTER_NOT_FOUND. Refused with CONFLICT while jobs naming it are queued or running."""
     record = await get_adapter(redis, name)
     if record is None or (owner is not None and record.tenant != owner):
         raise LorafleetError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r} not found")
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.delete(keys.adapter(name))
-        pipe.srem(keys.ADAPTERS, name)
-        await pipe.execute()
+    script = redis.register_script(_UNREGISTER)
+    busy = await script(
+        keys=[keys.adapter(name), keys.ADAPTERS, keys.adapter_jobs(name)],
+        args=[name, int(time.time() * 1000), keys.job(""), _QUEUEING_GRACE_MS],
+    )
+    if busy:
+        raise LorafleetError(
+            ErrorCode.CONFLICT, f"adapter {name!r} has {busy} job(s) queued or running: retry once they finish"
+        )
     return record

@@ -8,6 +8,7 @@
 | lf:dlq                        | stream | jobs that failed delivery too many times (capped)         |
 | lf:models / lf:model:{name}   | set / hash | base models served: ModelInfo + tokenizer.json        |
 | lf:adapters / lf:adapter:{n}  | set / hash | adapter registry records                              |
+| lf:adapter-jobs:{n}           | zset   | job ids queued or running on adapter n (unregister: 409)  |
 | lf:workers / lf:worker:{id}   | set / hash | worker heartbeats; the hash has a TTL                 |
 | lf:tenants / lf:tenant:{id}   | set / hash | tenants (name, salted key hash, disabled)             |
 | lf:apikey:{lookup}            | string | API-key lookup id → tenant id                             |
@@ -46,6 +47,10 @@ def model(name: str) -> str:
 
 def adapter(name: str) -> str:
     return f"{PREFIX}:adapter:{name}"
+
+
+def adapter_jobs(name: str) -> str:
+    return f"{PREFIX}:adapter-jobs:{name}"
 
 
 def worker(worker_id: str) -> str:

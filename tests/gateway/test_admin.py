@@ -8,9 +8,11 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from gateway.app import create_app
+from shared import keys
+from shared.adapter_registry import track_adapter_job, unregister_adapter
 from shared.config import GatewayConfig
 from shared.tenants import hash_admin_key
-from tests.gateway.fleet import LIMITS, write_adapter
+from tests.gateway.fleet import LIMITS, submit, write_adapter
 
 ADMIN_KEY = "admin-secret-for-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -99,6 +101,37 @@ async def test_admin_registers_lists_and_unregisters_adapters(admin_client, flee
     assert (await admin_client.delete("/v1/admin/adapters/globex-new", headers=ADMIN)).status == 200
     response = await admin_client.delete("/v1/admin/adapters/globex-new", headers=ADMIN)
     assert response.status == 404 and (await response.json())["error"]["code"] == "adapter_not_found"
+
+
+async def test_unregister_refuses_while_a_job_on_the_adapter_is_in_flight(admin_client, fleet):
+    job = await submit(admin_client, fleet, "acme", adapter="acme-support")
+
+    response = await admin_client.delete("/v1/admin/adapters/acme-support", headers=ADMIN)
+    assert response.status == 409 and (await response.json())["error"]["code"] == "conflict"
+    response = await admin_client.post(
+        "/v1/unload_lora_adapter", json={"lora_name": "acme-support"}, headers=fleet.auth("acme")
+    )
+    assert response.status == 409
+
+    await admin_client.post(f"/v1/jobs/{job['id']}/cancel", headers=fleet.auth("acme"))
+    assert (await admin_client.delete("/v1/admin/adapters/acme-support", headers=ADMIN)).status == 200
+    response = await admin_client.post(
+        "/v1/jobs", json={"model": "tiny", "prompt": "hi", "adapter": "acme-support"}, headers=fleet.auth("acme")
+    )
+    assert response.status == 404 and (await response.json())["error"]["code"] == "adapter_not_found"
+
+
+async def test_a_job_tracked_after_its_adapter_was_unregistered_is_not_queued(aredis, fleet):
+    await unregister_adapter(aredis, "globex-legal")
+    assert not await track_adapter_job(aredis, "globex-legal", "job_late")
+    assert await aredis.zcard(keys.adapter_jobs("globex-legal")) == 0
+
+
+async def test_ended_jobs_are_swept_from_an_adapters_in_flight_set(admin_client, fleet, aredis):
+    for _ in range(10):  # each submit samples the set and drops the jobs that have ended
+        job = await submit(admin_client, fleet, "acme", adapter="acme-support")
+        await admin_client.post(f"/v1/jobs/{job['id']}/cancel", headers=fleet.auth("acme"))
+    assert await aredis.zcard(keys.adapter_jobs("acme-support")) <= 2
 
 
 async def test_admin_adapter_bad_input(admin_client, fleet):
