@@ -19,6 +19,8 @@ and the LoRA plan is chosen from shapes (the token count b, the projection shape
 
 from __future__ import annotations
 
+import gc
+
 import structlog
 import torch
 
@@ -113,18 +115,29 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         """Warm each graph's kernels up eagerly (Triton compiles, cuBLAS handles), then capture it;
         largest first, so smaller graphs fit in the memory the larger ones' activations freed in
-        the shared pool."""
+        the shared pool.
+
+        A CUDA graph destroyed while another is being captured invalidates that capture (the next
+        cuBLAS call fails): an earlier runner's graphs (a test's, a switched-out model's) may wait in
+        unreachable reference cycles, so they are collected first and no collection runs mid-capture."""
         pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            self._stage_padding()
-            for size in reversed(self.sizes):
-                for with_lora in (False, True):
-                    self._forward(size, with_lora)
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.inference_mode():
+                self._stage_padding()
+                for size in reversed(self.sizes):
+                    for with_lora in (False, True):
                         self._forward(size, with_lora)
-                    self._graphs[size, with_lora] = graph
+                        torch.cuda.synchronize()
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool):
+                            self._forward(size, with_lora)
+                        self._graphs[size, with_lora] = graph
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
         log.info("decode_graphs_captured", sizes=self.sizes)
 
