@@ -1,5 +1,6 @@
 """MoE models (Qwen3-MoE, Mixtral) with per-expert adapters: the engine's logits against
-transformers + PEFT in float32, over a batch mixing adapters and the base model."""
+transformers + PEFT in float32, over a batch mixing adapters and the base model; the adapter pool's
+slot writes of expert LoRAs."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.adapter_format import WEIGHTS_FILE, file_sha256
+from shared.schema import AdapterRef
 from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, load_engine, make_kv_cache, prefill
 from tests.engine.tiny_hf import oracle_logits
 from tests.engine.tiny_moe import MOE_FAMILIES, VOCAB_SIZE, TinyMoE, build_tiny_moe
+from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
+from worker.adapter_pool.slot_writer import SlotWriter
+from worker.engine.model import CausalLM
+from worker.engine.peft_adapter import load_adapter_weights
 
 TOLERANCE = 1e-4
 SLOTS = {"experts_r8": 1, "experts_only_r4": 3, "attn_r4": 0}
@@ -62,3 +69,28 @@ def test_decode_steps_match_hf(tiny_moe: TinyMoE) -> None:
             expected = oracle_logits(tiny_moe.oracle, seq.token_ids, adapter)[-1]
             assert (logits[row] - expected).abs().max() <= TOLERANCE
         next_tokens = logits.argmax(-1).tolist()
+
+
+def test_adapter_pool_writes_expert_slots_as_set_adapter_slot_does_and_leaks_nothing(tiny_moe: TinyMoE) -> None:
+    """The serving path (host adapter → slot writer) against the direct copy, after the slot held a
+    higher-rank adapter on the same experts."""
+
+    def host(name: str) -> HostAdapter:
+        directory = tiny_moe.adapters[name]
+        ref = AdapterRef(name, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
+        return read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
+                                 max_rank=8, max_bytes=1 << 30, pin=False)  # fmt: skip
+
+    served = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
+    writer = SlotWriter(served)
+    writer.write(1, host("experts_r8")).wait()
+    writer.write(1, host("experts_only_r4")).wait()
+    direct = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
+    weights = load_adapter_weights(tiny_moe.adapters["experts_only_r4"], tiny_moe.info, max_rank=8, max_bytes=1 << 30)
+    direct.set_adapter_slot(1, weights)
+
+    expert_buffers = 0
+    for (name, got), (_, want) in zip(served.named_buffers(), direct.named_buffers(), strict=True):
+        assert torch.equal(got, want), name
+        expert_buffers += ".mlp.lora_" in name
+    assert expert_buffers == 4 * len(tiny_moe.info.moe_layers)

@@ -35,10 +35,11 @@ MOE_FAMILIES = {
 }  # fmt: skip
 
 
-def save_tiny_moe(family: str, directory: Path, *, seed: int) -> PreTrainedModel:
+def save_tiny_moe(family: str, directory: Path, *, seed: int, **overrides: object) -> PreTrainedModel:
+    """A random fp32 model of `family` saved in HF format; `overrides` change config fields."""
     config_cls, model_cls, fields = MOE_FAMILIES[family]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**_SHAPE, **fields})).eval()
+    model = model_cls(config_cls(**{**_SHAPE, **fields, **overrides})).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:  # HF inits norms to ones: randomise them too

@@ -11,7 +11,8 @@ from safetensors.torch import load as load_safetensors
 
 from shared.adapter_format import read_adapter_files, resolve_adapter_dir
 from shared.errors import ErrorCode, LorafleetError
-from shared.model_info import PROJECTIONS, ModelInfo
+from shared.expert_adapter_keys import expert_key
+from shared.model_info import EXPERT_PROJECTIONS, PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef
 from worker.engine.peft_adapter import peft_key
 
@@ -21,11 +22,17 @@ class AdapterPart:
     """Where one adapted projection's matrices sit in the flat buffer (offsets in elements)."""
 
     layer: int
-    projection: str  # as PEFT names it: q_proj … down_proj
-    a_offset: int  # A [rank, in_features], row-major
-    b_offset: int  # B [out_features, rank], row-major
+    projection: str  # as PEFT names it: q_proj … down_proj; `experts.{projection}` for an MoE layer's experts
+    a_offset: int  # A [rank, in_features], row-major ([rank, experts, in_features] for experts)
+    b_offset: int  # B [out_features, rank], row-major ([experts, out_features, rank] for experts)
     in_features: int
     out_features: int
+    experts: int = 0  # 0: one projection; else every expert's LoRA of this projection, stacked
+
+    @property
+    def numel(self) -> int:
+        """Elements of A and B per unit of rank."""
+        return max(self.experts, 1) * (self.in_features + self.out_features)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +52,14 @@ class HostAdapter:
     def a(self, part: AdapterPart, source: torch.Tensor | None = None) -> torch.Tensor:
         """A [rank, in_features] of `part`, a view of `source` (the buffer, or its device copy)."""
         flat = self.buffer if source is None else source
-        return flat[part.a_offset : part.a_offset + self.rank * part.in_features].view(self.rank, part.in_features)
+        shape = (self.rank, part.experts, part.in_features) if part.experts else (self.rank, part.in_features)
+        return flat[part.a_offset : part.a_offset + self.rank * part.in_features * max(part.experts, 1)].view(shape)
 
     def b(self, part: AdapterPart, source: torch.Tensor | None = None) -> torch.Tensor:
         """B [out_features, rank] of `part`, a view of `source` (the buffer, or its device copy)."""
         flat = self.buffer if source is None else source
-        return flat[part.b_offset : part.b_offset + part.out_features * self.rank].view(part.out_features, self.rank)
+        shape = (part.experts, part.out_features, self.rank) if part.experts else (part.out_features, self.rank)
+        return flat[part.b_offset : part.b_offset + part.out_features * self.rank * max(part.experts, 1)].view(shape)
 
 
 def read_host_adapter(
@@ -85,15 +94,48 @@ def read_host_adapter(
             in_features, out_features = info.projection_shape(projection)
             parts.append(AdapterPart(layer, projection, offset, offset + rank * in_features, in_features, out_features))
             offset += rank * (in_features + out_features)
+    expert_parts = []
+    for layer, projection in _expert_targets(tensors, info):
+        in_features, out_features = info.expert_projection_shape(projection)
+        b_offset = offset + rank * info.num_experts * in_features
+        name = f"experts.{projection}"
+        part = AdapterPart(layer, name, offset, b_offset, in_features, out_features, info.num_experts)
+        expert_parts.append((part, projection))
+        offset += rank * part.numel
     buffer = torch.empty(offset, dtype=dtype, pin_memory=pin)
-    adapter = HostAdapter(ref.uid, rank, manifest.scaling, buffer, tuple(parts))
+    adapter = HostAdapter(ref.uid, rank, manifest.scaling, buffer, tuple(parts) + tuple(p for p, _ in expert_parts))
     for part in parts:
         adapter.a(part).copy_(tensors[peft_key(part.layer, part.projection, "A")])
         adapter.b(part).copy_(tensors[peft_key(part.layer, part.projection, "B")])
+    for part, projection in expert_parts:
+        experts = range(info.num_experts)
+        a = [tensors[expert_key(info, part.layer, e, projection, "A")] for e in experts]
+        adapter.a(part).copy_(torch.stack(a, dim=1))
+        adapter.b(part).copy_(torch.stack([tensors[expert_key(info, part.layer, e, projection, "B")] for e in experts]))
     return adapter
+
+
+def _expert_targets(tensors: dict[str, torch.Tensor], info: ModelInfo) -> list[tuple[int, str]]:
+    """(layer, expert projection) the adapter gives per-expert LoRAs for (validation checked that a
+    projection it targets has every expert)."""
+    if not info.is_moe:
+        return []
+    return [
+        (layer, projection)
+        for layer in info.moe_layers
+        for projection in EXPERT_PROJECTIONS[info.architecture]
+        if expert_key(info, layer, 0, projection, "A") in tensors
+    ]
 
 
 def max_adapter_bytes(info: ModelInfo, *, max_rank: int, dtype: torch.dtype) -> int:
     """Bytes of the largest adapter the pool accepts: max rank on every projection of every layer."""
     per_layer = sum(sum(info.projection_shape(p)) for p in PROJECTIONS)
-    return info.num_layers * max_rank * per_layer * torch.empty(0, dtype=dtype).element_size()
+    per_moe_layer = 0
+    if info.is_moe:  # experts instead of the dense MLP
+        dense = sum(sum(info.projection_shape(p)) for p in ("gate_proj", "up_proj", "down_proj"))
+        projections = EXPERT_PROJECTIONS[info.architecture]
+        experts = info.num_experts * sum(sum(info.expert_projection_shape(p)) for p in projections)
+        per_moe_layer = experts - dense
+    total = info.num_layers * per_layer + len(info.moe_layers) * per_moe_layer
+    return max_rank * total * torch.empty(0, dtype=dtype).element_size()

@@ -21,8 +21,11 @@ import torch
 
 from worker.adapter_pool.host_adapter import HostAdapter
 from worker.engine.model import CausalLM
+from worker.engine.moe import MoEBlock
 
-SlotTensors = tuple[torch.Tensor, torch.Tensor]  # (A [slots, max_rank, in], B [slots, out, max_rank])
+# (A [slots, max_rank, in], B [slots, out, max_rank]); an MoE layer's expert projections add an expert
+# axis: A [slots, max_rank, E, in], B [slots, E, out, max_rank] (ranks stay on dim 1 of A, last in B)
+SlotTensors = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -50,6 +53,9 @@ class SlotWriter:
             for linear in layer.lora_linears():
                 for name, a, b in zip(linear.projections, linear.lora_a, linear.lora_b, strict=True):
                     self._targets[(layer_index, name)] = (a, b)
+            if isinstance(layer.mlp, MoEBlock):
+                for name, views in layer.mlp.lora_slot_views().items():
+                    self._targets[(layer_index, name)] = views
         self.device = model.slot_ranks.device
         # per slot: ranks [0, written_rank) may hold nonzero entries (of any projection); the model
         # may have been given weights by other means before, so every slot starts fully suspect
@@ -83,12 +89,12 @@ class SlotWriter:
             part = parts.get(key)
             if part is None:
                 if stale:
-                    zeroed += [a_slots[slot, :stale], b_slots[slot, :, :stale]]
+                    zeroed += [a_slots[slot, :stale], b_slots[slot, ..., :stale]]
                 continue
-            destinations += [a_slots[slot, :rank], b_slots[slot, :, :rank]]
+            destinations += [a_slots[slot, :rank], b_slots[slot, ..., :rank]]
             sources += [adapter.a(part, source), adapter.b(part, source)]
             if stale > rank:
-                zeroed += [a_slots[slot, rank:stale], b_slots[slot, :, rank:stale]]
+                zeroed += [a_slots[slot, rank:stale], b_slots[slot, ..., rank:stale]]
         if zeroed:
             torch._foreach_zero_(zeroed)
         torch._foreach_copy_(destinations, sources)

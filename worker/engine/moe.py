@@ -98,6 +98,18 @@ class MoEBlock(nn.Module):
             self.lora_a2[slot, :, :r].copy_(a_down)
             self.lora_b2[slot, :, :, :r].copy_(b_down)
 
+    def lora_slot_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """`experts.{projection}` → (A, B) views of the slot buffers an adapter's per-expert LoRA of
+        that projection lands in: A [S, max_rank, E, in] (ranks on dim 1), B [S, E, out, max_rank]
+        (ranks last); what the adapter pool's slot writer copies into and zeroes."""
+        rank, width = self.max_lora_rank, self.width
+        gate, up, down = EXPERT_PROJECTIONS[self.info.architecture]
+        return {
+            f"experts.{gate}": (self.lora_a13[:, :, :rank].transpose(1, 2), self.lora_b13[:, :, :width, :rank]),
+            f"experts.{up}": (self.lora_a13[:, :, rank:].transpose(1, 2), self.lora_b13[:, :, width:, rank:]),
+            f"experts.{down}": (self.lora_a2.transpose(1, 2), self.lora_b2),
+        }
+
     def clear_lora(self, slot: int) -> None:
         """Zero `slot`, so nothing of its last adapter survives."""
         for buffer in (self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2):
