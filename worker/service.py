@@ -435,12 +435,22 @@ class Worker:
                     "device": self.config.engine.device,
                     "in_flight": len(self._in_flight),
                     "capacity": self.capacity,
+                    "adapters": json.dumps(self._resident_adapters()),
                     "updated_ms": now_ms(),
                 },
             )
             pipe.expire(keys.worker(self.id), max(3, int(self.config.heartbeat_interval_s * 3)))
             pipe.sadd(keys.WORKERS, self.id)
             await pipe.execute()
+
+    def _resident_adapters(self) -> dict[str, dict[str, list[str]]]:
+        """Per resident model: adapter uids in device slots and in pinned host memory, as of its
+        engine's last step (the pool publishes them as one tuple, safe to read from this thread)."""
+        adapters = {}
+        for name, engine in dict(self._residency.engines).items():  # a copy: the engine thread may swap models
+            gpu, cpu = engine.adapter_pool.resident
+            adapters[name] = {"gpu": list(gpu), "cpu": list(cpu)}
+        return adapters
 
     # -- model switching ------------------------------------------------------------------------
 

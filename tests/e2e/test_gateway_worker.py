@@ -5,6 +5,7 @@ run in-process on the same model and adapters."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import aiohttp
@@ -13,9 +14,11 @@ import redis.asyncio as aioredis
 from tokenizers import Tokenizer
 
 from cli.demo_adapters import DEMO_ADAPTERS
+from shared import keys
 from shared.adapter_registry import get_adapter
 from shared.config import EngineConfig, ModelSpec
 from shared.schema import AdapterRef, SamplingParams
+from tests.e2e.processes import wait_until
 from tests.fleet import MODEL, Fleet
 from worker.engine.engine import EngineRequest, LLMEngine
 
@@ -72,7 +75,7 @@ async def submit_and_wait(session: aiohttp.ClientSession, url: str, api_key: str
     raise AssertionError(f"job {job_id} did not finish: {body}")
 
 
-def test_jobs_of_several_tenants_and_adapters_match_the_engine(stack, demo_assets, redis_url):
+def test_jobs_of_several_tenants_and_adapters_match_the_engine(stack, fleet, demo_assets, redis_url):
     url, api_keys, _ = stack
     jobs: list[tuple[str, dict]] = []
     for adapter, prompt in zip(DEMO_ADAPTERS, PROMPTS, strict=True):
@@ -96,6 +99,17 @@ def test_jobs_of_several_tenants_and_adapters_match_the_engine(stack, demo_asset
     # adapters change the output: the same prompt differs with and without the tenant's adapter
     for index in range(0, len(finished), 2):
         assert finished[index]["output"]["token_ids"] != finished[index + 1]["output"]["token_ids"]
+
+    # the heartbeat lists the adapter pool's tiers: two adapters in the two device slots, all three on the host
+    def resident() -> dict[str, list[str]]:
+        with fleet.redis() as client:
+            raw = client.hget(keys.worker("w1"), "adapters")
+        return json.loads(raw).get(MODEL, {}) if raw else {}
+
+    wait_until(lambda: len(resident().get("gpu", [])) == 2, timeout_s=10, what="adapters in the heartbeat")
+    tiers = resident()
+    assert len(tiers["cpu"]) == 3 and set(tiers["gpu"]) <= set(tiers["cpu"])
+    assert {uid.partition("@")[0] for uid in tiers["cpu"]} == {a.name for a in DEMO_ADAPTERS}
 
 
 def test_a_tenant_cannot_use_another_tenants_adapter(stack):
