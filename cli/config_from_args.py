@@ -242,6 +242,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         gpu_memory_fraction=args.gpu_memory_fraction,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        adapter_host_cache_gb=args.adapter_host_cache_gb,
+        adapter_eviction=args.adapter_eviction,
     )
     try:
         return WorkerConfig(

@@ -174,6 +174,18 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
     engine.add_argument(
         "--max-lora-rank", type=cfa.positive_int, default=_ENGINE.max_lora_rank, help="(default: %(default)s)"
     )
+    engine.add_argument(
+        "--adapter-host-cache-gb",
+        type=cfa.gigabytes,
+        help="pinned host memory for adapters read from disk, at least one max-rank adapter per slot "
+        "(default: two per slot)",
+    )
+    engine.add_argument(
+        "--adapter-eviction",
+        choices=("lru", "lfu"),
+        default=_ENGINE.adapter_eviction,
+        help="which idle adapter a full tier gives up: least recently or least frequently used (default: %(default)s)",
+    )
     engine.add_argument("--num-kv-blocks", type=cfa.positive_int, help="KV-cache blocks (default: sized from memory)")
     engine.add_argument(
         "--gpu-memory-utilization",

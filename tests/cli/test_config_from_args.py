@@ -67,6 +67,7 @@ def test_worker_config_carries_every_flag(demo_files: DemoFiles, cpu_only: None)
         *("--adapter-root", str(demo_files.adapter_root), "--device", "cpu", "--dtype", "bfloat16"),
         *("--max-num-seqs", "3", "--max-num-batched-tokens", "99", "--max-loras", "2", "--max-lora-rank", "16"),
         *("--num-kv-blocks", "40", "--gpu-memory-utilization", "0.5", "--worker-id", "w1"),
+        *("--adapter-host-cache-gb", "1.5", "--adapter-eviction", "lfu"),
     )
     config = cfa.worker_config(args)
     assert (config.redis_url, config.worker_id, config.adapter_root) == (REDIS, "w1", demo_files.adapter_root)
@@ -84,6 +85,7 @@ def test_worker_config_carries_every_flag(demo_files: DemoFiles, cpu_only: None)
         40,
         0.5,
     )
+    assert (engine.adapter_host_cache_gb, engine.adapter_eviction) == (1.5, "lfu")
 
 
 def test_worker_model_switching_and_gpu_share_flags(demo_files: DemoFiles, cpu_only: None) -> None:
