@@ -37,7 +37,7 @@ import torch
 
 from bench.e2e.assets import adapter_specs, write_adapters, write_model
 from bench.e2e.client import LoadClient, RunRecord, Sample
-from bench.e2e.engine_alone import replay, run_to_completion
+from bench.e2e.engine_alone import on_engine_thread, replay, run_to_completion
 from bench.e2e.plots import plot_load, plot_timeline
 from bench.e2e.presets import PRESETS, Preset
 from bench.e2e.stack import Stack, start_stack
@@ -192,9 +192,10 @@ class Bench:
         engine = LLMEngine.from_spec(self.model, self.preset.engine, self.adapter_root)
         source = RequestSource(self.shape(Mode.BASE), seed=2)
         # compiled kernels come from Triton's disk cache; this fills the process's own caches
-        run_to_completion(engine, [source.draw(i, 0.0) for i in range(self.preset.engine.max_num_seqs // 4)])
+        warmup = [source.draw(i, 0.0) for i in range(self.preset.engine.max_num_seqs // 4)]
+        on_engine_thread(lambda: run_to_completion(engine, warmup))
         self.timed("engine_load", started)
-        samples = replay(engine, stack_run.plan)
+        samples = on_engine_thread(lambda: replay(engine, stack_run.plan))
         row = summarize("engine-alone", Mode.BASE, stack_run.row.offered_rps, samples)
         self.rows.append(row)
         self.samples.append((row, samples))

@@ -1,8 +1,8 @@
 """The same requests into an in-process LLMEngine, with no gateway, Redis or worker process around it.
 
 Built from the model directory exactly as the worker builds it (`LLMEngine.from_spec` with the
-same EngineConfig) and driven the way the worker's engine thread drives it: requests are added at
-their planned arrival times and the engine steps while it has work. A request's first token is
+same EngineConfig) and driven the way the worker's engine thread drives it, on a thread of its own:
+requests are added at their planned arrival times and the engine steps while it has work. A request's first token is
 the end of the step that produced it, its end the end of its last step. The difference from the
 stack's latencies on the same plan is what the gateway, Redis, the worker's I/O loop and the
 client's HTTP/SSE add.
@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from bench.e2e.client import Sample
 from bench.e2e.traffic import PlannedRequest
 from shared.schema import SamplingParams
 from worker.engine.engine import EngineRequest, LLMEngine
+
+T = TypeVar("T")
 
 
 def _engine_request(request: PlannedRequest, job_id: str) -> EngineRequest:
@@ -28,6 +33,14 @@ def _engine_request(request: PlannedRequest, job_id: str) -> EngineRequest:
         sampling=SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
         tenant=request.tenant,
     )
+
+
+def on_engine_thread(work: Callable[[], T]) -> T:
+    """Run `work` on a thread of its own, as the worker runs its engine. (On a CPU this is not a detail:
+    torch's intra-op threads cost a step ~40x more from the main thread than from a worker thread
+    when the machine's cores are busy, measured on the 2-core CI machine.)"""
+    with ThreadPoolExecutor(1, thread_name_prefix="engine") as pool:
+        return pool.submit(work).result()
 
 
 def run_to_completion(engine: LLMEngine, requests: list[PlannedRequest]) -> None:
