@@ -94,7 +94,7 @@ class LoadClient:
             if response.status != 200:
                 sample.status = f"events_http_{response.status}"
                 return
-            event = ""
+            event, streamed = "", 0
             async for raw in response.content:
                 line = raw.rstrip(b"\r\n")
                 if line.startswith(b"event: "):
@@ -102,6 +102,7 @@ class LoadClient:
                 elif line.startswith(b"data: ") and event == "token":
                     now = clock()
                     token_times.append(now)
+                    streamed += 1
                     if sample.first_token_s is None:
                         sample.first_token_s = now
                 elif line.startswith(b"data: ") and event == "end":
@@ -109,8 +110,10 @@ class LoadClient:
                     body = json.loads(line[6:])
                     sample.status = body["status"] if body else "expired"
                     sample.completion_tokens = (body or {}).get("usage", {}).get("completion_tokens", 0)
+                    # the last token has no event of its own: it arrives with the end
+                    token_times.extend([sample.end_s] * max(0, sample.completion_tokens - streamed))
                     if sample.first_token_s is None and sample.completion_tokens:
-                        sample.first_token_s = sample.end_s  # a one-token job: its token came with the end
+                        sample.first_token_s = sample.end_s
                     return
 
     async def _guarded(
