@@ -215,7 +215,14 @@ class AdapterPool:
             self._metrics.loaded(AdapterTier.DISK, seconds)
             if uid not in window:
                 continue  # nobody waits for it any more, and only the window is sure to fit
-            for _ in self.host.put(uid, adapter, evictable=lambda other: other not in window):
+            try:
+                evicted = self.host.put(uid, adapter, evictable=lambda other: other not in window)
+            except RuntimeError as exc:  # larger than the budget's sizing assumed: fail it, not the engine
+                log.exception("adapter_host_cache_full", adapter=uid)
+                self._pending.pop(uid, None)
+                failures.append(LoadFailure(uid, str(exc)))
+                continue
+            for _ in evicted:
                 self._metrics.evicted(AdapterTier.CPU)
         return failures
 
