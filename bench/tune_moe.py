@@ -26,11 +26,10 @@ from functools import partial
 import torch
 import triton.testing
 
-import kernels.moe.fused as fused
 from bench.engine import copy_bandwidth
-from kernels.moe import route
+from kernels.moe import ExpertLoRA, route
 from kernels.moe.align import adapter_expert_blocks, expert_blocks
-from kernels.moe.configs import GemmConfig, ShrinkConfig, config_file, entry
+from kernels.moe.configs import GemmConfig, MoEPlan, ShrinkConfig, config_file, entry
 from kernels.moe.fused import moe_triton
 from kernels.moe.gemm import moe_gemm
 from kernels.moe.lora_expand import moe_lora_expand
@@ -101,15 +100,18 @@ def tune(num_tokens: int, args: argparse.Namespace) -> tuple[dict[tuple[str, int
     best.update(chosen)
     times.update(parts)
 
-    saved = fused.config_for
-    fused.config_for = lambda device, kernel, n, k, num_pairs: best[(kernel, n, k)]
-    try:
-        lora_args = (case.lora, case.token_slots, case.slot_scales)
-        routed = lambda: route(case.x @ case.router.T, args.top_k, True)  # noqa: E731 - routing is part of the layer
-        times["base MoE"] = ms(lambda: moe_triton(case.x, *routed(), case.w13, case.w2))
-        times["MoE+LoRA"] = ms(lambda: moe_triton(case.x, *routed(), case.w13, case.w2, *lora_args))
-    finally:
-        fused.config_for = saved
+    h, i, r13, r2 = args.hidden, args.width, case.lora.a13.shape[2], case.lora.a2.shape[2]
+    plan = MoEPlan(best[("gemm", 2 * i, h)], best[("gemm", h, i)], best[("shrink", r13, h)],
+                   best[("expand", 2 * i, r13)], best[("shrink", r2, i)], best[("expand", h, r2)])  # fmt: skip
+
+    def layer(lora: ExpertLoRA | None = None) -> torch.Tensor:
+        weights, ids = route(case.x @ case.router.T, args.top_k, True)  # routing is part of the layer
+        if lora is None:
+            return moe_triton(case.x, weights, ids, case.w13, case.w2, plan=plan)
+        return moe_triton(case.x, weights, ids, case.w13, case.w2, lora, case.token_slots, case.slot_scales, plan)
+
+    times["base MoE"] = ms(layer)
+    times["MoE+LoRA"] = ms(partial(layer, case.lora))
     active = torch.unique(ids).numel()
     times["active experts"] = active
     times["roofline"] = active * 3 * args.hidden * args.width * 2 / args.bandwidth * 1e3

@@ -57,6 +57,28 @@ def default_config(kernel: KernelName, num_pairs: int) -> GemmConfig | ShrinkCon
     return GemmConfig(block_m=64 if large else 16, block_n=128 if large else 64, num_warps=8 if large else 4)
 
 
+@dataclass(frozen=True, slots=True)
+class MoEPlan:
+    """Every launch configuration of one MoE layer call. The LoRA kernels share one block_m: they
+    tile the same (adapter, expert) pair blocks."""
+
+    gemm_up: GemmConfig
+    gemm_down: GemmConfig
+    shrink_up: ShrinkConfig
+    expand_up: GemmConfig
+    shrink_down: ShrinkConfig
+    expand_down: GemmConfig
+
+    def __post_init__(self) -> None:
+        lora = (self.shrink_up, self.expand_up, self.shrink_down, self.expand_down)
+        if len({config.block_m for config in lora}) != 1:
+            raise ValueError("the MoE-LoRA shrink and expand configurations must share block_m")
+
+    @property
+    def lora_block_m(self) -> int:
+        return self.shrink_up.block_m
+
+
 def config_file(device_name: str) -> Path:
     return CONFIG_DIR / f"moe_{device_name.replace(' ', '_')}.json"
 
@@ -83,6 +105,22 @@ def config_for(device_name: str, kernel: KernelName, n: int, k: int, num_pairs: 
     if not bucket:
         return default_config(kernel, num_pairs)
     return next((config for max_pairs, config in bucket if max_pairs >= num_pairs), bucket[-1][1])
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_for(device_name: str, hidden: int, width: int, rank_up: int, rank_down: int, num_pairs: int) -> MoEPlan:
+    """The layer's plan: gate_up [2·width, hidden] and down [hidden, width] GEMMs, LoRA ranks
+    rank_up (gate_up) and rank_down. A tuned file's LoRA entries share block_m per bucket; if a
+    shape is missing from it, the LoRA kernels all take their defaults."""
+
+    def get(kernel: KernelName, n: int, k: int) -> Any:
+        return config_for(device_name, kernel, n, k, num_pairs)
+
+    lora = (get("shrink", rank_up, hidden), get("expand", 2 * width, rank_up),
+            get("shrink", rank_down, width), get("expand", hidden, rank_down))  # fmt: skip
+    if len({config.block_m for config in lora}) != 1:
+        lora = (default_config("shrink", num_pairs), default_config("expand", num_pairs)) * 2
+    return MoEPlan(get("gemm", 2 * width, hidden), get("gemm", hidden, width), *lora)
 
 
 def entry(kernel: KernelName, n: int, k: int, max_pairs: int, config: GemmConfig | ShrinkConfig) -> dict[str, Any]:

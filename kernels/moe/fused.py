@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.moe.align import adapter_expert_blocks, expert_blocks
-from kernels.moe.configs import GemmConfig, ShrinkConfig, config_for
+from kernels.moe.configs import MoEPlan, plan_for
 from kernels.moe.gemm import moe_gemm
 from kernels.moe.lora_expand import moe_lora_expand
 from kernels.moe.lora_shrink import moe_lora_shrink
@@ -31,18 +31,6 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _gemm_config(device: torch.device, kernel: str, n: int, k: int, num_pairs: int) -> GemmConfig:
-    config = config_for(_device_name(device), kernel, n, k, num_pairs)
-    assert isinstance(config, GemmConfig)
-    return config
-
-
-def _shrink_config(device: torch.device, n: int, k: int, num_pairs: int) -> ShrinkConfig:
-    config = config_for(_device_name(device), "shrink", n, k, num_pairs)
-    assert isinstance(config, ShrinkConfig)
-    return config
-
-
 def moe_triton(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -52,38 +40,35 @@ def moe_triton(
     lora: ExpertLoRA | None = None,
     token_slots: torch.Tensor | None = None,
     slot_scales: torch.Tensor | None = None,
+    plan: MoEPlan | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.moe_reference: x [T, H], weights float32 / ids int [T, K],
-    w13 [E, 2I, H], w2 [E, H, I] → [T, H] in x's dtype."""
+    w13 [E, 2I, H], w2 [E, H, I] → [T, H] in x's dtype. plan: the launch configurations (tests,
+    the tuner); None looks them up for this GPU, shape and pair count (configs.plan_for)."""
     num_tokens, top_k = ids.shape
     num_experts, two_width, hidden = w13.shape
     width = two_width // 2
     num_pairs = num_tokens * top_k
     pair_weights = weights.reshape(-1).float()
-    device = x.device
 
-    up_config = _gemm_config(device, "gemm", two_width, hidden, num_pairs)
-    down_config = _gemm_config(device, "gemm", hidden, width, num_pairs)
-    up_blocks = expert_blocks(ids, num_experts, up_config.block_m)
+    if plan is None:  # without adapters the ranks only pick LoRA configurations nobody launches
+        rank_up, rank_down = (lora.a13.shape[2], lora.a2.shape[2]) if lora is not None else (16, 16)
+        plan = plan_for(_device_name(x.device), hidden, width, rank_up, rank_down, num_pairs)
+
+    up_blocks = expert_blocks(ids, num_experts, plan.gemm_up.block_m)
     down_blocks = (
-        up_blocks if down_config.block_m == up_config.block_m else expert_blocks(ids, num_experts, down_config.block_m)
+        up_blocks
+        if plan.gemm_down.block_m == plan.gemm_up.block_m
+        else expert_blocks(ids, num_experts, plan.gemm_down.block_m)
     )
-    gate_up = moe_gemm(x, w13, up_blocks, top_k, up_config)
+    gate_up = moe_gemm(x, w13, up_blocks, top_k, plan.gemm_up)
     if lora is not None:
-        rank13, rank2 = lora.a13.shape[2], lora.a2.shape[2]
-        shrink13 = _shrink_config(device, rank13, hidden, num_pairs)
-        expand13 = _gemm_config(device, "expand", two_width, rank13, num_pairs)
-        shrink2 = _shrink_config(device, rank2, width, num_pairs)
-        expand2 = _gemm_config(device, "expand", hidden, rank2, num_pairs)
-        block_m = shrink13.block_m
-        if {expand13.block_m, shrink2.block_m, expand2.block_m} != {block_m}:
-            raise ValueError("MoE-LoRA shrink and expand configurations must share block_m")
-        lora_blocks = adapter_expert_blocks(ids, token_slots, lora.a13.shape[0], num_experts, block_m)
-        z = moe_lora_shrink(x, lora.a13, lora_blocks, top_k, shrink13)
-        moe_lora_expand(gate_up, z, lora.b13, slot_scales, lora_blocks, expand13)
+        lora_blocks = adapter_expert_blocks(ids, token_slots, lora.a13.shape[0], num_experts, plan.lora_block_m)
+        z = moe_lora_shrink(x, lora.a13, lora_blocks, top_k, plan.shrink_up)
+        moe_lora_expand(gate_up, z, lora.b13, slot_scales, lora_blocks, plan.expand_up)
     hidden_act = F.silu(gate_up[:, :width]) * gate_up[:, width:]  # [P, I]
-    y = moe_gemm(hidden_act, w2, down_blocks, 1, down_config, weights=pair_weights)
+    y = moe_gemm(hidden_act, w2, down_blocks, 1, plan.gemm_down, weights=pair_weights)
     if lora is not None:
-        z = moe_lora_shrink(hidden_act, lora.a2, lora_blocks, 1, shrink2)
-        moe_lora_expand(y, z, lora.b2, slot_scales, lora_blocks, expand2, weights=pair_weights)
+        z = moe_lora_shrink(hidden_act, lora.a2, lora_blocks, 1, plan.shrink_down)
+        moe_lora_expand(y, z, lora.b2, slot_scales, lora_blocks, plan.expand_down, weights=pair_weights)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

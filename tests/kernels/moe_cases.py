@@ -34,11 +34,11 @@ def make_moe_case(
     """Slot s holds an adapter of rank slot_ranks[s] (0: empty) on gate_up (rank 2r capacity, as a
     per-expert gate/up pair fills it) and down; tokens pick slots at random, -1 included, except
     token 0, which always uses slot 0 (so every case has adapter work when slot 0 is not empty)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # drawn on the device: GPU-sized cases are large
     num_slots, max_rank = len(slot_ranks), max(slot_ranks)
 
     def rand(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * std).to(dtype=dtype, device=device)
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
 
     a13 = rand(num_slots, num_experts, 2 * max_rank, hidden, std=hidden**-0.5)
     b13 = rand(num_slots, num_experts, 2 * width, 2 * max_rank, std=0.2)
@@ -55,10 +55,10 @@ def make_moe_case(
         w13=rand(num_experts, 2 * width, hidden, std=hidden**-0.5),
         w2=rand(num_experts, hidden, width, std=width**-0.5),
         lora=ExpertLoRA(a13, b13, a2, b2),
-        token_slots=torch.randint(-1, num_slots, (num_tokens,), generator=gen)
-        .index_fill_(0, torch.tensor([0]), 0)
-        .to(device=device, dtype=torch.int32),
-        slot_scales=(torch.rand(num_slots, generator=gen) + 0.5).to(device),
+        token_slots=torch.randint(-1, num_slots, (num_tokens,), generator=gen, device=device)
+        .index_fill_(0, torch.tensor([0], device=device), 0)
+        .to(torch.int32),
+        slot_scales=torch.rand(num_slots, generator=gen, device=device) + 0.5,
     )
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.moe.align import adapter_expert_blocks, align_pairs, expert_blocks
-from kernels.moe.configs import GemmConfig, ShrinkConfig
+from kernels.moe.configs import GemmConfig, MoEPlan, ShrinkConfig
 from kernels.moe.fused import moe_triton
 from kernels.moe.gemm import moe_gemm
 from kernels.moe.reference import moe_reference, route_reference
@@ -69,13 +69,9 @@ def test_moe_with_lora_matches_reference(dtype: torch.dtype, num_tokens: int, sp
     case = make_moe_case(num_tokens, **SHAPE, slot_ranks=[8, 0, 4, 16], dtype=dtype, device=DEVICE, seed=7)
     weights, ids = route_reference(case.x.float() @ case.router.float().T, 3, False)
     args = (case.x, weights, ids, case.w13, case.w2, case.lora, case.token_slots, case.slot_scales)
-    configs = {
-        "gemm": GemmConfig(block_m=16, block_n=32, block_k=32),
-        "expand": GemmConfig(block_m=16, block_n=32),
-        "shrink": ShrinkConfig(block_m=16, block_k=16, split_k=split_k),
-    }
-    with _configs(configs):
-        out = moe_triton(*args)
+    gemm, expand = GemmConfig(block_m=16, block_n=32, block_k=32), GemmConfig(block_m=16, block_n=32)
+    shrink = ShrinkConfig(block_m=16, block_k=16, split_k=split_k)
+    out = moe_triton(*args, plan=MoEPlan(gemm, gemm, shrink, expand, shrink, expand))
     expected = moe_reference(*args)
     base = moe_reference(*args[:5])
     assert rel_err(out, expected) < (1e-5 if dtype == torch.float32 else 3e-3)
@@ -88,20 +84,3 @@ def test_moe_without_adapters_matches_reference() -> None:
     out = moe_triton(case.x, weights, ids, case.w13, case.w2)
     assert rel_err(out, moe_reference(case.x, weights, ids, case.w13, case.w2)) < 1e-5
 
-
-class _configs:
-    """Force the launch configurations moe_triton looks up, for the duration of a `with`."""
-
-    def __init__(self, configs: dict[str, GemmConfig | ShrinkConfig]) -> None:
-        self.configs = configs
-
-    def __enter__(self) -> None:
-        import kernels.moe.fused as fused
-
-        self.saved = fused.config_for
-        fused.config_for = lambda device, kernel, n, k, num_pairs: self.configs[kernel]
-
-    def __exit__(self, *exc: object) -> None:
-        import kernels.moe.fused as fused
-
-        fused.config_for = self.saved
