@@ -122,6 +122,8 @@ def _read_config(adapter_dir: Path) -> dict:
         "alpha_pattern": bool(config.get("alpha_pattern")),
         "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
         "bias": config.get("bias", "none") != "none",
+        # LoRA on fused 3-D expert parameters, as PEFT saves it for transformers-5 MoE models
+        "target_parameters": bool(config.get("target_parameters")),
     }
     refused = [name for name, present in unsupported.items() if present]
     if refused:
