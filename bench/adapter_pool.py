@@ -49,7 +49,7 @@ from worker.metrics import EngineMetrics, WorkerMetrics
 
 SLOTS = 32
 MAX_RANK = 64
-SMALL = dataclasses.replace(LLAMA3_8B, name="small", hidden_size=1024, intermediate_size=2816, num_layers=4,
+SMALL = dataclasses.replace(LLAMA3_8B, name="small", hidden_size=1024, intermediate_size=2816, num_layers=2,
                             num_heads=8, num_kv_heads=2, vocab_size=32000)  # fmt: skip
 
 
@@ -158,17 +158,19 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
             start = time.perf_counter()
             fresh = read(ref, model, root)
             reads.append(time.perf_counter() - start)
-            writer.write(i, fresh).wait()
+            writer.write(i % SLOTS, fresh).wait()
             disk.append(time.perf_counter() - start)
         rows.append(LatencyRow(rank, adapter.nbytes / 1e6, adapter.nbytes / bandwidth * 1e3,
                                statistics.median(pinned[2:]) * 1e3, statistics.median(host[2:]) * 1e3,
                                statistics.median(disk) * 1e3, statistics.median(reads) * 1e3, how))  # fmt: skip
+        print(rows[-1], flush=True)
     return rows
 
 
 @dataclass
 class ZipfRow:
     mode: str
+    concurrency: int
     requests: int
     tok_s: float
     gpu_hit_rate: float
@@ -187,15 +189,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def zipf_run(model: CausalLM, root: Path, refs: list[AdapterRef], order: list[int], args: argparse.Namespace,
+def zipf_run(runner: ModelRunner, root: Path, refs: list[AdapterRef], order: list[int], args: argparse.Namespace,
              *, all_resident: bool) -> ZipfRow:  # fmt: skip
-    info = model.info
-    context = args.prompt + args.new_tokens
-    config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=args.concurrency, max_num_batched_tokens=8192,
-                          num_kv_blocks=args.concurrency * -(-context // 16) + 64, block_size=16, max_loras=SLOTS,
-                          max_lora_rank=MAX_RANK)  # fmt: skip
+    """One closed-loop run of `order` through a fresh engine on `runner` (its KV cache and graphs reused)."""
+    model, config, info = runner.model, runner.config, runner.model.info
+    concurrency = config.max_num_seqs
     metrics = WorkerMetrics(device="cuda")
-    runner = ModelRunner.from_model(model, config)
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(info.vocab_size)}, unk_token="w0"))
     engine = LLMEngine(runner, tokenizer, config, root, metrics.engine(info.name))
     if all_resident:  # write refs[i]'s weights into slot i and mark it READY: no load ever happens
@@ -225,7 +224,7 @@ def zipf_run(model: CausalLM, root: Path, refs: list[AdapterRef], order: list[in
 
     torch.cuda.synchronize()
     start = time.perf_counter()
-    while next_request < min(args.concurrency, len(order)):
+    while next_request < min(concurrency, len(order)):
         add_one()
     while done < len(order):
         results = engine.step()
@@ -249,7 +248,8 @@ def zipf_run(model: CausalLM, root: Path, refs: list[AdapterRef], order: list[in
     hits = sample("lorafleet_worker_adapter_hits_total", "gpu")
     misses = sample("lorafleet_worker_adapter_misses_total", "gpu")
     engine.adapter_pool.close()
-    return ZipfRow("all-resident" if all_resident else "pool", len(order), tokens / wall, hits / max(hits + misses, 1),
+    mode = "all-resident" if all_resident else "pool"
+    return ZipfRow(mode, concurrency, len(order), tokens / wall, hits / max(hits + misses, 1),
                    percentile(every, 0.5), percentile(every, 0.99), percentile(cold, 0.5), percentile(cold, 0.99),
                    int(sample("lorafleet_worker_adapter_load_seconds_count", "disk")),
                    int(sample("lorafleet_worker_adapter_evictions_total", "gpu")))  # fmt: skip
@@ -262,9 +262,19 @@ def zipf_bench(model: CausalLM, root: Path, args: argparse.Namespace) -> list[Zi
     rng = random.Random(0)
     order = rng.choices(range(args.adapters), weights=[1 / (k + 1) for k in range(args.adapters)], k=args.requests)
     rows = []
-    for all_resident in (True, False):
-        rows.append(zipf_run(model, root, refs, order, args, all_resident=all_resident))
-        print(rows[-1], flush=True)
+    context = args.prompt + args.new_tokens
+    for concurrency in args.concurrency:
+        config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=concurrency, max_num_batched_tokens=8192,
+                              num_kv_blocks=concurrency * -(-context // 16) + 64, block_size=16, max_loras=SLOTS,
+                              max_lora_rank=MAX_RANK)  # fmt: skip
+        runner = ModelRunner.from_model(model, config)  # decode graphs captured once per batch size
+        zipf_run(runner, root, refs, order[: 2 * concurrency], args, all_resident=True)  # warm-up: Triton JIT
+        for all_resident in (True, False):
+            rows.append(zipf_run(runner, root, refs, order, args, all_resident=all_resident))
+            print(rows[-1], flush=True)
+        del runner
+        gc.collect()  # the runner's KV cache and decode graphs
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -280,7 +290,8 @@ def churn(root: Path, cycles: int) -> dict[str, float]:
     model = random_model(info, 2)
     config = EngineConfig(device="cuda", max_loras=2, max_lora_rank=MAX_RANK)
     pool = AdapterPool(model, config, root, EngineMetrics.unregistered("churn").adapters)
-    sources = [(f"churn-{i}", write_adapter(root / f"churn-{i}", info, 16 * (i + 1), seed=i)) for i in range(3)]
+    # ranks 8, 16, 24 in turn: slots are reused by lower and higher ranks
+    sources = [(f"churn-{i}", write_adapter(root / f"churn-{i}", info, 8 * (i + 1), seed=i)) for i in range(3)]
 
     def cycle(index: int) -> None:
         ref = AdapterRef(f"churn-{index}", 1, *sources[index % 3])
@@ -313,8 +324,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapters", type=int, default=1000)
     parser.add_argument("--files", type=int, default=8, help="distinct adapter files behind the identities")
-    parser.add_argument("--requests", type=int, default=768)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 64], help="requests kept in flight")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--cycles", type=int, default=10_000)
@@ -339,6 +350,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if "churn" not in args.skip:
         memory = churn(root, args.cycles)
+        print(memory, flush=True)
     for row in [*latency, *zipf]:
         if out:
             out.write(json.dumps({"kind": type(row).__name__, **row.__dict__}) + "\n")
@@ -351,13 +363,13 @@ def main() -> None:
         ratio = r.pinned_ms / r.floor_ms
         print(f"{r.rank:<5} {r.mbytes:<6.0f} {r.floor_ms:<9.2f} {r.pinned_ms:<6.2f} ({ratio:.2f}x){'':<11} "
               f"{r.pinned_host_ms:<15.2f} {r.disk_ms:<13.1f} {r.disk_read_ms:<17.1f} {r.cache_drop}")  # fmt: skip
-    print("mode          req   tok/s    gpu hit  wait p50/p99 ms  cold wait p50/p99 ms  disk loads  gpu evictions")
+    print("mode          conc  req   tok/s    gpu hit  wait p50/p99 ms  cold wait p50/p99 ms  disk loads  gpu evict")
     for z in zipf:
-        print(f"{z.mode:<13} {z.requests:<5} {z.tok_s:<8.0f} {z.gpu_hit_rate:<8.3f} "
+        print(f"{z.mode:<13} {z.concurrency:<5} {z.requests:<5} {z.tok_s:<8.0f} {z.gpu_hit_rate:<8.3f} "
               f"{z.wait_p50_ms:.1f}/{z.wait_p99_ms:<10.1f} {z.cold_wait_p50_ms:.1f}/{z.cold_wait_p99_ms:<16.1f} "
               f"{z.disk_loads:<11} {z.gpu_evictions}")  # fmt: skip
-    if len(zipf) == 2:
-        print(f"pool / all-resident throughput: {zipf[1].tok_s / zipf[0].tok_s:.3f}")
+    for resident, pooled in zip(zipf[::2], zipf[1::2], strict=True):
+        print(f"concurrency {pooled.concurrency}: pool / all-resident throughput {pooled.tok_s / resident.tok_s:.3f}")
     if memory:
         print(json.dumps(memory))
 
