@@ -84,20 +84,25 @@ class SlotWriter:
         unknown = sorted(set(parts) - set(self._targets))
         if unknown:
             raise ValueError(f"adapter targets modules this model does not have: {unknown[:3]}")
-        destinations, sources, zeroed = [], [], []
+        a_pairs, b_pairs, zeroed = [], [], []  # (destination, source)
         for key, (a_slots, b_slots) in self._targets.items():
             part = parts.get(key)
             if part is None:
                 if stale:
                     zeroed += [a_slots[slot, :stale], b_slots[slot, ..., :stale]]
                 continue
-            destinations += [a_slots[slot, :rank], b_slots[slot, ..., :rank]]
-            sources += [adapter.a(part, source), adapter.b(part, source)]
+            a_pairs.append((a_slots[slot, :rank], adapter.a(part, source)))
+            b_pairs.append((b_slots[slot, ..., :rank], adapter.b(part, source)))
             if stale > rank:
                 zeroed += [a_slots[slot, rank:stale], b_slots[slot, ..., rank:stale]]
         if zeroed:
             torch._foreach_zero_(zeroed)
-        torch._foreach_copy_(destinations, sources)
+        # apart: A rows are dense (multi-tensor copy kernels take them in a few launches), B columns
+        # are strided and go one copy per tensor
+        for pairs in (a_pairs, b_pairs):
+            if pairs:
+                destinations, sources = zip(*pairs, strict=True)
+                torch._foreach_copy_(list(destinations), list(sources))
         self._model.slot_ranks[slot] = rank
         self._model.slot_scales[slot] = adapter.scaling
         self._written_rank[slot] = rank
