@@ -8,7 +8,9 @@ Per token count (pairs = tokens × top-k): a small sweep of launch configuration
 best kept (--write: into kernels/configs/moe_<GPU>.json, which kernels/moe/configs.py reads).
 Printed per token count, each a median of triton.testing.do_bench, with the tuned configurations:
     base MoE   routing + alignment + both grouped GEMMs + activation + top-k sum (the whole layer)
+    MoE+LoRA   the same with every token's adapter on every expert
     gu shrink / gu expand / dn shrink / dn expand   the four MoE-LoRA kernels
+    align / lora align   the pair metadata by expert, and by (adapter, expert)
     roofline   the base layer's active expert weights read once at the measured copy bandwidth
 """
 
@@ -111,6 +113,10 @@ def tune(num_tokens: int, args: argparse.Namespace) -> tuple[dict[tuple[str, int
         return moe_triton(case.x, weights, ids, case.w13, case.w2, lora, case.token_slots, case.slot_scales, plan)
 
     times["base MoE"] = ms(layer)
+    times["align"] = ms(partial(expert_blocks, ids, args.experts, plan.gemm_up.block_m))
+    times["lora align"] = ms(
+        partial(adapter_expert_blocks, ids, case.token_slots, args.adapters, args.experts, plan.lora_block_m)
+    )
     times["MoE+LoRA"] = ms(partial(layer, case.lora))
     active = torch.unique(ids).numel()
     times["active experts"] = active
@@ -138,7 +144,8 @@ def main() -> None:
         entries += [entry(kernel, n, k, pairs, config) for (kernel, n, k), config in best.items()]
         rows.append((num_tokens, pairs, times))
         print(f"tuned T={num_tokens}: {times}", file=sys.stderr, flush=True)
-    columns = ["base MoE", "MoE+LoRA", "gu shrink", "gu expand", "dn shrink", "dn expand", "roofline"]
+    columns = ["base MoE", "MoE+LoRA", "gu shrink", "gu expand", "dn shrink", "dn expand", "align", "lora align",
+               "roofline"]  # fmt: skip
     print(f"\n{device}, copy bandwidth {args.bandwidth / 1e12:.2f} TB/s; one MoE layer, ms (median); "
           f"LoRA rank {args.rank}, {args.adapters} adapters")  # fmt: skip
     print(f"| tokens | pairs | active experts | {' | '.join(columns)} |")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
+from kernels.fused import silu_and_mul
 from kernels.moe.align import adapter_expert_blocks, expert_blocks
 from kernels.moe.configs import MoEPlan, plan_for
 from kernels.moe.gemm import moe_gemm
@@ -65,8 +65,11 @@ def moe_triton(
     if lora is not None:
         lora_blocks = adapter_expert_blocks(ids, token_slots, lora.a13.shape[0], num_experts, plan.lora_block_m)
         z = moe_lora_shrink(x, lora.a13, lora_blocks, top_k, plan.shrink_up)
-        moe_lora_expand(gate_up, z, lora.b13, slot_scales, lora_blocks, plan.expand_up)
-    hidden_act = F.silu(gate_up[:, :width]) * gate_up[:, width:]  # [P, I]
+        # the slots hold gate and up LoRAs block-diagonally (worker/engine/moe.py): column tiles that
+        # stay inside one half read only its ranks; the whole B gives the same sum otherwise
+        halves = width % plan.expand_up.block_n == 0
+        moe_lora_expand(gate_up, z, lora.b13, slot_scales, lora_blocks, plan.expand_up, block_diagonal=halves)
+    hidden_act = silu_and_mul(gate_up)  # [P, I]
     y = moe_gemm(hidden_act, w2, down_blocks, 1, plan.gemm_down, weights=pair_weights)
     if lora is not None:
         z = moe_lora_shrink(hidden_act, lora.a2, lora_blocks, 1, plan.shrink_down)

@@ -9,6 +9,10 @@ Semantics:
 pass: each (pair, column) belongs to exactly one block and one column tile, so the read-add-write
 needs no atomics. With the down projection the routing weight the base GEMM applied is applied to
 the delta too. Grid and block ordering as in gemm.py (B[s, e] plays the expert weight).
+
+block_diagonal: B [N, R] is [[B_0, 0], [0, B_1]] (gate and up LoRAs stacked, rank R/2 each), so a
+column tile in the first N/2 columns reads only ranks [0, R/2) of z and B, one in the second half only
+[R/2, R): half the B bytes and half the dot. Column tiles must not straddle N/2.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ from kernels.moe.lora_shrink import rank_pad
 def _moe_expand_kernel(
     z_ptr, lora_b_ptr, out_ptr, scales_ptr, weights_ptr, sorted_pairs_ptr, block_groups_ptr,
     num_pairs, num_blocks, num_experts, n_size, rank, split_k,
-    z_stride_split, out_stride,
-    MUL_WEIGHT: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    z_stride_split, z_stride_pair, out_stride,
+    MUL_WEIGHT: tl.constexpr, BLOCK_DIAGONAL: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = swizzle(tl.program_id(0), num_blocks, tl.cdiv(n_size, BLOCK_N), GROUP_M)
     group = tl.load(block_groups_ptr + pid_m)
@@ -37,15 +41,22 @@ def _moe_expand_kernel(
         return
     pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
-    r = tl.arange(0, R_PAD)
-    z_ptrs = z_ptr + pairs.to(tl.int64)[:, None] * R_PAD + r[None, :]
+    if BLOCK_DIAGONAL:
+        used = rank // 2
+        r0 = tl.where(pid_n * BLOCK_N >= n_size // 2, used, 0)
+    else:
+        used = rank
+        r0 = 0
+    r = r0 + tl.arange(0, R_PAD)
+    r_ok = r < r0 + used
+    z_ptrs = z_ptr + pairs.to(tl.int64)[:, None] * z_stride_pair + r[None, :]
     z = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for split in range(split_k):
-        z += tl.load(z_ptrs + split * z_stride_split, mask=pair_ok[:, None], other=0.0)
+        z += tl.load(z_ptrs + split * z_stride_split, mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_size
     b_ptrs = lora_b_ptr + group.to(tl.int64) * n_size * rank + n[None, :] * rank + r[:, None]  # [R_PAD, BLOCK_N]
-    b = tl.load(b_ptrs, mask=(r < rank)[:, None] & n_ok[None, :], other=0.0)
+    b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
     delta = tl.dot(z.to(b.dtype), b) * tl.load(scales_ptr + group // num_experts)
     if MUL_WEIGHT:
         delta *= tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
@@ -63,9 +74,11 @@ def moe_lora_expand(
     blocks: PairBlocks,
     config: GemmConfig,
     weights: torch.Tensor | None = None,
+    block_diagonal: bool = False,
 ) -> None:
     """out [P, N] += LoRA delta, in place; z float32 [SPLIT_K, P, R_PAD] from moe_lora_shrink,
-    lora_b [S, E, N, R] contiguous, slot_scales float32 [S], weights float32 [P] or None."""
+    lora_b [S, E, N, R] contiguous, slot_scales float32 [S], weights float32 [P] or None;
+    block_diagonal: see the module docstring."""
     if blocks.block_m != config.block_m:
         raise ValueError(f"pair blocks of {blocks.block_m} rows, config wants {config.block_m}")
     _, num_experts, n_size, rank = lora_b.shape
@@ -73,13 +86,16 @@ def moe_lora_expand(
         raise ValueError(f"out {tuple(out.shape)} does not match LoRA B {tuple(lora_b.shape)} over {blocks.num_pairs}")
     if z.shape[1:] != (blocks.num_pairs, rank_pad(rank)) or not z.is_contiguous():
         raise ValueError(f"z {tuple(z.shape)} is not the shrink output for rank {rank}")
+    if block_diagonal and (rank % 2 or (n_size // 2) % config.block_n):
+        raise ValueError(f"block-diagonal B {tuple(lora_b.shape)} needs an even rank and tiles of N/2")
     if blocks.num_pairs == 0:
         return
     grid = (blocks.max_blocks * triton.cdiv(n_size, config.block_n),)
     _moe_expand_kernel[grid](
         z, lora_b, out, slot_scales, out if weights is None else weights, blocks.sorted_pairs, blocks.block_groups,
         blocks.num_pairs, blocks.max_blocks, num_experts, n_size, rank, z.shape[0],
-        z.stride(0), out.stride(0),
-        MUL_WEIGHT=weights is not None, R_PAD=rank_pad(rank), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        z.stride(0), z.stride(1), out.stride(0),
+        MUL_WEIGHT=weights is not None, BLOCK_DIAGONAL=block_diagonal,
+        R_PAD=rank_pad(rank // 2 if block_diagonal else rank), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -9,7 +9,9 @@
         out[t] += w[t, k] * y
 
 W13 [E, 2I, H], W2 [E, H, I]; A13 [S, E, R13, H], B13 [S, E, 2I, R13], A2 [S, E, R2, I], B2 [S, E, H, R2].
-Slots are zero past their adapter's rank, so padding adds nothing and no rank mask is needed.
+Slots are zero past their adapter's rank, so padding adds nothing and no rank mask is needed. B13 is
+block-diagonal (gate rows use ranks [0, R13/2), up rows [R13/2, R13)), which the Triton expand
+exploits; the reference multiplies it whole.
 """
 
 from __future__ import annotations

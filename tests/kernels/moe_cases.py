@@ -31,9 +31,10 @@ def make_moe_case(
     device: str,
     seed: int,
 ) -> MoECase:
-    """Slot s holds an adapter of rank slot_ranks[s] (0: empty) on gate_up (rank 2r capacity, as a
-    per-expert gate/up pair fills it) and down; tokens pick slots at random, -1 included, except
-    token 0, which always uses slot 0 (so every case has adapter work when slot 0 is not empty)."""
+    """Slot s holds an adapter of rank slot_ranks[s] (0: empty) on gate and up (stacked as one
+    block-diagonal LoRA of twice the rank, as the engine's slots hold them) and down; tokens pick
+    slots at random, -1 included, except token 0, which always uses slot 0 (so every case has
+    adapter work when slot 0 is not empty)."""
     gen = torch.Generator(device=device).manual_seed(seed)  # drawn on the device: GPU-sized cases are large
     num_slots, max_rank = len(slot_ranks), max(slot_ranks)
 
@@ -44,9 +45,13 @@ def make_moe_case(
     b13 = rand(num_slots, num_experts, 2 * width, 2 * max_rank, std=0.2)
     a2 = rand(num_slots, num_experts, max_rank, width, std=width**-0.5)
     b2 = rand(num_slots, num_experts, hidden, max_rank, std=0.2)
+    # as worker/engine/moe.py lays slots out: gate ranks [0, R), up ranks [R, 2R), B block-diagonal
+    b13[:, :, :width, max_rank:] = 0
+    b13[:, :, width:, :max_rank] = 0
     for slot, rank in enumerate(slot_ranks):  # slots are zero past their adapter's rank
-        a13[slot, :, 2 * rank :] = 0
-        b13[slot, :, :, 2 * rank :] = 0
+        for first in (0, max_rank):
+            a13[slot, :, first + rank : first + max_rank] = 0
+            b13[slot, :, :, first + rank : first + max_rank] = 0
         a2[slot, :, rank:] = 0
         b2[slot, :, :, rank:] = 0
     return MoECase(

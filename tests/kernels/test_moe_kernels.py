@@ -69,7 +69,8 @@ def test_moe_with_lora_matches_reference(dtype: torch.dtype, num_tokens: int, sp
     case = make_moe_case(num_tokens, **SHAPE, slot_ranks=[8, 0, 4, 16], dtype=dtype, device=DEVICE, seed=7)
     weights, ids = route_reference(case.x.float() @ case.router.float().T, 3, False)
     args = (case.x, weights, ids, case.w13, case.w2, case.lora, case.token_slots, case.slot_scales)
-    gemm, expand = GemmConfig(block_m=16, block_n=32, block_k=32), GemmConfig(block_m=16, block_n=32)
+    # expand tiles of 16 columns split gate | up (width 48): the block-diagonal expand runs
+    gemm, expand = GemmConfig(block_m=16, block_n=32, block_k=32), GemmConfig(block_m=16, block_n=16)
     shrink = ShrinkConfig(block_m=16, block_k=16, split_k=split_k)
     out = moe_triton(*args, plan=MoEPlan(gemm, gemm, shrink, expand, shrink, expand))
     expected = moe_reference(*args)
