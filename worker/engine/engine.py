@@ -200,21 +200,22 @@ class LLMEngine:
         take step N-1's tokens on the device (`_mark_launched`). A sequence that step N-1 ends with a
         stop token or string wastes its row of step N, which is discarded."""
         in_flight, self._in_flight = self._in_flight, None
-        results = self._launch_step()
+        results = self._launch_step(idle=in_flight is None)
         if in_flight is not None:
             results += self._finish_step(in_flight)
         return results
 
-    def _launch_step(self) -> list[EngineResult]:
+    def _launch_step(self, *, idle: bool) -> list[EngineResult]:
         """Schedule a step and launch it without waiting for it (into self._in_flight). Returns the
-        requests that failed on the way."""
+        requests that failed on the way. idle: no earlier step is in flight, whose tokens would be
+        kept waiting if this one waited for adapter loads."""
         self.last_step = StepStats()
         results = self._expire_overdue()
         results += self._fail_adapter_loads(self.adapter_pool.poll())
         plan = self.scheduler.schedule()
         scheduled = [s for s in plan.scheduled if s.seq.seq_id in self._tracked]
         if not scheduled:
-            if self.adapter_pool.loads_in_flight:
+            if idle and self.adapter_pool.loads_in_flight:
                 self.adapter_pool.wait(_IDLE_WAIT_S)  # only adapter loads can unblock the queue
             return results
         try:
