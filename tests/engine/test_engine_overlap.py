@@ -98,3 +98,30 @@ def test_an_abort_between_launch_and_read_discards_the_step(llama: TinyCheckpoin
     assert set(results) == {"kept"}
     assert list(results["kept"].output.token_ids) == expected_tokens(llama, None)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_a_sequence_preempted_with_its_token_in_flight_is_recomputed_from_the_device_copy(
+    llama: TinyCheckpoint, monkeypatch
+):
+    engine = make_engine(llama)
+    recomputed_stand_ins = []
+    execute = engine.runner.execute
+
+    def logged_execute(scheduled, *args):
+        for item in scheduled:
+            seq = item.seq
+            tokens = seq.token_ids(seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens)
+            if item.num_new_tokens > 1 and min(tokens) < 0:
+                recomputed_stand_ins.append(seq.seq_id)
+        return execute(scheduled, *args)
+
+    monkeypatch.setattr(engine.runner, "execute", logged_execute)
+    engine.add(greedy_request(llama, "p", None))
+    engine.step()  # the prefill is launched
+    engine.step()  # the first decode is launched, the prefill's token read
+    [seq] = engine.scheduler.running
+    assert seq.output_token_ids[-1] < 0  # the first decode's token: not read yet
+    engine.scheduler.preempt(seq)  # as when the next step's schedule runs out of KV blocks
+    results = run_to_completion(engine, [])
+    assert recomputed_stand_ins == ["p"]  # the recompute's prompt ended in the stand-in, taken on the device
+    assert list(results["p"].output.token_ids) == expected_tokens(llama, None)
