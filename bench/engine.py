@@ -8,6 +8,8 @@ transformers(+PEFT) on the same workload and the decode roofline.
 Engine rows: all requests are added at once to an LLMEngine (scheduler, paged KV, multi-LoRA, the
 GPU sampler; greedy, ignore_eos) and stepped to completion. Adapters are rank 16 on all seven
 projections, spread round-robin over the batch, preloaded into their slots (loading is not timed).
+Each (batch, prompt) shape first runs once untimed (prefill and one decode, with adapters), so no row
+pays a first-use compile.
     tok/s   output tokens / wall time of the whole run (prefill included)
     TTFT    mean over requests of (first token - start)
     TPOT    mean over requests of (last token - first token) / (new tokens - 1)
@@ -337,7 +339,11 @@ def main() -> None:
     bench = EngineBench(info, max(args.adapters), max(args.batches), max(args.prompts) + args.new_tokens)
     sizes = bench.runner.graphs.sizes if bench.runner.graphs else []
     print(f"runner ready in {bench.setup_s:.1f} s (KV cache, decode graphs for batch sizes {sizes})", flush=True)
-    bench.run(2, 16, 4, min(max(args.adapters), 2))  # warm-up: Triton compiles, cuBLAS handles
+    # warm-up: Triton compiles and cuBLAS handles, for every prefill shape of the grid (a LoRA launch
+    # configuration's first use at a new token count stalled that row's TTFT by 1-2 s on the H200)
+    for prompt in args.prompts:
+        for batch in args.batches:
+            bench.run(batch, prompt, 2, max(args.adapters))
     for prompt in args.prompts:
         for batch in args.batches:
             for adapters in args.adapters:
