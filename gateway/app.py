@@ -9,11 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
+from gateway.authenticator import Authenticator
 from gateway.job_service import JobService
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import error_middleware, metrics_middleware, request_id_middleware
 from gateway.routes import setup_routes
-from gateway.state import CONFIG, JOBS, METRICS, REDIS
+from gateway.state import AUTHENTICATOR, CONFIG, JOBS, METRICS, REDIS
 from gateway.tokenization import TokenizerCache
 from gateway.webhooks import WebhookDispatcher
 from shared.config import GatewayConfig
@@ -38,6 +39,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     )
     app[CONFIG] = config
     app[METRICS] = GatewayMetrics()
+    app[AUTHENTICATOR] = Authenticator()
     app.cleanup_ctx.append(_services)
     setup_routes(app)
     return app
@@ -53,7 +55,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         redis,
         store,
         TokenizerCache(redis, executor),
-        Admission(redis, config.tenant_limits),
+        Admission(config.tenant_limits),
         events_idle_s=min(_KEEPALIVE_S, config.limits.max_wait_s),
     )
     webhooks = None

@@ -1,13 +1,20 @@
-"""`Authorization: Bearer <api key>` → the tenant the key belongs to."""
+"""`Authorization: Bearer <api key>` → the tenant the key belongs to (gateway/authenticator.py).
+
+A key that authenticated is remembered for AUTH_CACHE_TTL_S, so most requests cost no Redis round
+trip for authentication, and concurrent requests with a key that is not remembered share one lookup.
+A rotated key or a disabled tenant is therefore still let *read* its jobs for up to that long; it can
+never *submit* one: the submit script checks the key and the tenant again (shared/rate_limits.py).
+Keys that fail are never remembered.
+"""
 
 from __future__ import annotations
 
 from aiohttp import web
 
 from gateway.errors import RequestError
-from gateway.state import REDIS
+from gateway.state import AUTHENTICATOR, REDIS
 from shared.errors import ErrorCode
-from shared.tenants import Tenant, authenticate
+from shared.tenants import Tenant
 
 
 async def request_tenant(request: web.Request) -> Tenant:
@@ -22,4 +29,4 @@ async def request_tenant(request: web.Request) -> Tenant:
         raise RequestError(
             ErrorCode.INVALID_API_KEY, "the Authorization header must be 'Bearer <key>'", param="Authorization"
         )
-    return await authenticate(request.app[REDIS], api_key)
+    return await request.app[AUTHENTICATOR].tenant(request.app[REDIS], api_key)

@@ -6,7 +6,9 @@ Tenancy rule: a job or adapter that belongs to another tenant is reported exactl
 does not exist, so a tenant learns nothing about others' ids or adapter names.
 
 Admission (shared/rate_limits.py) runs last, once the job's token cost is known, so a request that
-is refused for its content never spends the tenant's budget.
+is refused for its content never spends the tenant's budget; it runs inside the job store's create
+script, so a submit costs one Redis round trip once the tenant and the model are cached (model
+records for MODEL_CACHE_TTL_S: a republished model's new limits apply within that).
 """
 
 from __future__ import annotations
@@ -26,18 +28,18 @@ from gateway.chat import render_chat
 from gateway.errors import RequestError
 from gateway.job_request import JobRequest
 from gateway.tokenization import TokenizerCache
+from gateway.ttl_cache import TtlCache
 from shared.adapter_registry import get_adapter, track_adapter_job
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore
 from shared.model_info import ModelInfo
 from shared.model_registry import get_chat_template, get_model
-from shared.rate_limits import Admission
+from shared.rate_limits import Admission, AdmissionDenied, Denial
 from shared.schema import AdapterRef, JobMessage, JobRecord, JobStatus, SamplingParams
 from shared.tenants import Tenant
 
 _JOB_ID = re.compile(r"^job_[0-9a-f]{32}$")
-
-log = structlog.get_logger(__name__)
+MODEL_CACHE_TTL_S = 5.0
 
 
 def new_job_id() -> str:
@@ -47,6 +49,31 @@ def new_job_id() -> str:
 
 def _job_not_found() -> RequestError:
     return RequestError(ErrorCode.JOB_NOT_FOUND, "job not found")
+
+
+def _refusal(denial: Denial, model: ModelInfo, cost_tokens: int) -> RequestError:
+    """The error for a job the submit script did not admit."""
+    if denial.limit == "invalid_api_key":  # rotated since this gateway cached the key
+        return RequestError(ErrorCode.INVALID_API_KEY, "the API key is not valid")
+    if denial.limit == "tenant_disabled":
+        return RequestError(ErrorCode.TENANT_DISABLED, "this tenant is disabled")
+    if denial.limit == "tokens_per_request":
+        return RequestError(
+            ErrorCode.INVALID_REQUEST,
+            f"prompt + max_tokens ({cost_tokens} tokens) exceeds your tokens-per-minute limit ({denial.value})",
+            param="max_tokens",
+        )
+    if denial.limit == "queue":
+        return RequestError(
+            ErrorCode.QUEUE_FULL,
+            f"model {model.name!r} has {denial.value} jobs queued or running, its limit; retry later",
+            retry_after_s=denial.retry_after_s,
+        )
+    return RequestError(
+        ErrorCode.RATE_LIMITED,
+        f"over your {denial.limit.replace('_', ' ')} limit ({denial.value}); retry after {denial.retry_after_s} s",
+        retry_after_s=denial.retry_after_s,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,19 +116,19 @@ class JobService:
         self._tokenizers = tokenizers
         self._admission = admission
         self._events_idle_s = events_idle_s  # an event stream yields Idle after this long without events
+        self._models: TtlCache[str, ModelInfo] = TtlCache(MODEL_CACHE_TTL_S, max_entries=1024)
 
     async def submit(
         self, tenant: Tenant, request: JobRequest, *, request_id: str, idempotency_key: str | None
     ) -> tuple[JobRecord, bool]:
         """Queue a job. Returns (its record, newly created); a repeated idempotency key returns the
         first job's current record and queues nothing."""
-        model = await get_model(self._redis, request.model)
+        model = await self._model(request.model)
         if model is None:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} not found", param="model")
         adapter = None if request.adapter is None else await self._adapter(tenant, request.adapter, model)
         prompt_token_ids, sampling = await self._prompt_token_ids(model, request)
         job_id = new_job_id()
-        await self._admit(tenant, job_id, model, len(prompt_token_ids) + sampling.max_tokens)
         created_at = time.time()
         record = JobRecord(
             job_id=job_id,
@@ -127,15 +154,15 @@ class JobService:
         )
         if adapter is not None and not await track_adapter_job(self._redis, adapter.name, job_id):
             raise RequestError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {adapter.name!r} not found", param="adapter")
-        job_id, created = await self._store.create(record, message, idempotency_key)
-        if created:
-            log.info(
-                "job_queued",
-                job_id=job_id,
-                tenant=tenant.tenant_id,
-                model=model.name,
-                adapter=request.adapter,
-                prompt_tokens=record.prompt_tokens,
+        cost_tokens = len(prompt_token_ids) + sampling.max_tokens
+        admission = self._admission.check(tenant.tenant_id, tenant.key_lookup, job_id, model.name, cost_tokens)
+        try:
+            job_id, created = await self._store.create(record, message, idempotency_key, admission)
+        except AdmissionDenied as denied:
+            raise _refusal(denied.denial, model, cost_tokens) from None
+        if created:  # the request's log line (gateway/middleware.py) says what was queued
+            structlog.contextvars.bind_contextvars(
+                job_id=job_id, tenant=tenant.tenant_id, model=model.name, adapter=request.adapter
             )
             return record, True
         return await self.get(tenant, job_id), False
@@ -168,7 +195,7 @@ class JobService:
     async def resolve_model(self, tenant: Tenant, name: str) -> tuple[str, str | None]:
         """An OpenAI-style model name as (base model, adapter): `BASE`, `BASE:ADAPTER`, or an adapter's
         name (as vLLM serves adapters). An adapter the tenant may not use is MODEL_NOT_FOUND."""
-        if await get_model(self._redis, name) is not None:
+        if await self._model(name) is not None:
             return name, None
         base, sep, adapter_name = name.partition(":")
         if sep:
@@ -182,7 +209,7 @@ class JobService:
         """`messages` rendered with the model's chat template; NO_CHAT_TEMPLATE when it has none."""
         template = await get_chat_template(self._redis, model)
         if template is None:
-            if await get_model(self._redis, model) is None:
+            if await self._model(model) is None:
                 raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} not found", param="model")
             raise RequestError(
                 ErrorCode.NO_CHAT_TEMPLATE,
@@ -241,27 +268,10 @@ class JobService:
                     int(fields[b"offset"]),
                 )
 
-    async def _admit(self, tenant: Tenant, job_id: str, model: ModelInfo, cost_tokens: int) -> None:
-        denial = await self._admission.admit(tenant.tenant_id, job_id, model.name, cost_tokens)
-        if denial is None:
-            return
-        if denial.limit == "tokens_per_request":
-            raise RequestError(
-                ErrorCode.INVALID_REQUEST,
-                f"prompt + max_tokens ({cost_tokens} tokens) exceeds your tokens-per-minute limit ({denial.value})",
-                param="max_tokens",
-            )
-        if denial.limit == "queue":
-            raise RequestError(
-                ErrorCode.QUEUE_FULL,
-                f"model {model.name!r} has {denial.value} jobs queued or running, its limit; retry later",
-                retry_after_s=denial.retry_after_s,
-            )
-        raise RequestError(
-            ErrorCode.RATE_LIMITED,
-            f"over your {denial.limit.replace('_', ' ')} limit ({denial.value}); retry after {denial.retry_after_s} s",
-            retry_after_s=denial.retry_after_s,
-        )
+    async def _model(self, name: str) -> ModelInfo | None:
+        """The model's record, from this process's cache when it is fresh (models that are not found are
+        looked up again every time)."""
+        return await self._models.get_or_load(name, lambda: get_model(self._redis, name))
 
     async def _adapter(self, tenant: Tenant, name: str, model: ModelInfo) -> AdapterRef:
         """The current version of an adapter the tenant may use with `model`."""

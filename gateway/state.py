@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 from redis.asyncio import Redis
 
+from gateway.authenticator import Authenticator
 from gateway.job_service import JobService
 from gateway.metrics import GatewayMetrics
 from shared.config import GatewayConfig
@@ -13,5 +14,6 @@ CONFIG = web.AppKey("config", GatewayConfig)
 REDIS = web.AppKey("redis", Redis)
 JOBS = web.AppKey("jobs", JobService)
 METRICS = web.AppKey("metrics", GatewayMetrics)
+AUTHENTICATOR = web.AppKey("authenticator", Authenticator)
 
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -14,20 +14,30 @@ import time
 from redis.asyncio import Redis
 
 from shared import keys
+from shared.rate_limits import ADMIT_LUA, AdmissionCheck, AdmissionDenied, denial
 from shared.schema import JobError, JobMessage, JobOutput, JobRecord, JobStatus, TokenDelta, encode_job, encode_output
 
-_CREATE = """
--- KEYS: job hash, model queue, idempotency key   ARGV: use_idem, ttl_s, payload, job_id, field/value...
+_CREATE = (
+    ADMIT_LUA
+    + """
+-- KEYS: job hash, model queue, idempotency key, then the admit function's keys when ARGV[5] is '1'
+-- ARGV: use_idem, ttl_s, payload, job_id, admit, n (record fields + values), the n, then admit's args
 if ARGV[1] == '1' then
   local existing = redis.call('GET', KEYS[3])
   if existing then return {0, existing} end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+local n = tonumber(ARGV[6])
+if ARGV[5] == '1' then
+  local verdict = admit({unpack(KEYS, 4)}, {unpack(ARGV, 7 + n)})
+  if verdict[1] ~= 'ok' then return {2, verdict[1], verdict[2], verdict[3]} end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 7, 6 + n))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('XADD', KEYS[2], '*', 'job', ARGV[3])
 if ARGV[1] == '1' then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[2]) end
 return {1, ARGV[4]}
 """
+)
 
 _START = """
 -- KEYS: job hash   ARGV: worker id, now_ms
@@ -110,18 +120,36 @@ class JobStore:
         self._cancel = redis.register_script(_CANCEL)
 
     async def create(
-        self, record: JobRecord, message: JobMessage, idempotency_key: str | None = None
+        self,
+        record: JobRecord,
+        message: JobMessage,
+        idempotency_key: str | None = None,
+        admission: AdmissionCheck | None = None,
     ) -> tuple[str, bool]:
-        """Write the job hash, then its queue entry, atomically. Returns (job id, newly created);
-        a repeated idempotency key returns the first job's id and queues nothing."""
+        """Write the job hash, then its queue entry, atomically (one script, one round trip). Returns
+        (job id, newly created); a repeated idempotency key returns the first job's id and queues
+        nothing (nor is admitted again). With `admission`, the job is admitted first in the same script,
+        and AdmissionDenied is raised, with nothing written, when it is not."""
         idem_key = keys.idempotency(record.tenant, idempotency_key) if idempotency_key else keys.job(record.job_id)
         flat: list[str | int | bytes] = []
         for name, value in record.to_hash().items():
             flat += [name, value]
-        created, job_id = await self._create(
-            keys=[keys.job(record.job_id), keys.queue(record.model), idem_key],
-            args=["1" if idempotency_key else "0", self._ttl_s, encode_job(message), record.job_id, *flat],
+        reply = await self._create(
+            keys=[keys.job(record.job_id), keys.queue(record.model), idem_key, *(admission.keys if admission else ())],
+            args=[
+                "1" if idempotency_key else "0",
+                self._ttl_s,
+                encode_job(message),
+                record.job_id,
+                "1" if admission else "0",
+                len(flat),
+                *flat,
+                *(admission.args if admission else ()),
+            ],
         )
+        if reply[0] == 2:
+            raise AdmissionDenied(denial(*reply[1:]))
+        created, job_id = reply
         return job_id.decode() if isinstance(job_id, bytes) else job_id, bool(created)
 
     async def get(self, job_id: str) -> JobRecord | None:

@@ -1,6 +1,7 @@
 """Per-tenant admission, atomic in Redis: requests/min and tokens/min token buckets, a cap on the
-tenant's concurrent (queued + running) jobs, and a cap on the model's queue. One Lua script checks
-everything and, only when all pass, debits the buckets and records the job as active.
+tenant's concurrent (queued + running) jobs, and a cap on the model's queue. One Lua function checks
+everything and, only when all pass, debits the buckets and records the job as active; the job
+store's create script runs it first, so admitting and queueing a job is one script.
 
 Buckets hold at most one minute's worth and refill continuously by Redis's clock (one clock for all
 gateways). The active set needs no release step: finished jobs are swept from it, by their status,
@@ -24,60 +25,90 @@ LIMIT_FIELDS = {
     "max_concurrent_jobs": "limit_concurrent",
 }
 
-_ADMIT = """
--- KEYS: rate hash, active set, tenant hash, model queue
--- ARGV: job id, cost (tokens), default rpm, default tpm, default max jobs, max queue, job key prefix
-local own = redis.call('HMGET', KEYS[3], 'limit_rpm', 'limit_tpm', 'limit_concurrent')
-local rpm = tonumber(own[1]) or tonumber(ARGV[3])
-local tpm = tonumber(own[2]) or tonumber(ARGV[4])
-local max_jobs = tonumber(own[3]) or tonumber(ARGV[5])
-local cost = tonumber(ARGV[2])
-if cost > tpm then return {'tokens_per_request', 0, tpm} end
-if redis.call('XLEN', KEYS[4]) >= tonumber(ARGV[6]) then return {'queue', 1000, tonumber(ARGV[6])} end
-if redis.call('ZCARD', KEYS[2]) >= max_jobs then
-  for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-    local status = redis.call('HGET', ARGV[7] .. id, 'status')
-    if status ~= 'queued' and status ~= 'running' then redis.call('ZREM', KEYS[2], id) end
+# A Lua function, not a script: the job store's create script calls it (shared/jobstore.py), so a
+# submit is admitted and queued in one script and one round trip, and a refused job is never queued.
+# It re-checks the API key (still this tenant's) and that the tenant is enabled, so a gateway may cache
+# authentication without letting a rotated key or a disabled tenant submit.
+ADMIT_LUA = """
+-- k: rate hash, active set, tenant hash, model queue, api-key lookup
+-- a: job id, cost (tokens), default rpm, default tpm, default max jobs, max queue, job key prefix, tenant id
+local function admit(k, a)
+  if redis.call('GET', k[5]) ~= a[8] then return {'invalid_api_key', 0, 0} end
+  local own = redis.call('HMGET', k[3], 'limit_rpm', 'limit_tpm', 'limit_concurrent', 'disabled')
+  if own[4] == '1' then return {'tenant_disabled', 0, 0} end
+  local rpm = tonumber(own[1]) or tonumber(a[3])
+  local tpm = tonumber(own[2]) or tonumber(a[4])
+  local max_jobs = tonumber(own[3]) or tonumber(a[5])
+  local cost = tonumber(a[2])
+  if cost > tpm then return {'tokens_per_request', 0, tpm} end
+  if redis.call('XLEN', k[4]) >= tonumber(a[6]) then return {'queue', 1000, tonumber(a[6])} end
+  if redis.call('ZCARD', k[2]) >= max_jobs then
+    for _, id in ipairs(redis.call('ZRANGE', k[2], 0, -1)) do
+      local status = redis.call('HGET', a[7] .. id, 'status')
+      if status ~= 'queued' and status ~= 'running' then redis.call('ZREM', k[2], id) end
+    end
+    if redis.call('ZCARD', k[2]) >= max_jobs then return {'concurrent_jobs', 1000, max_jobs} end
   end
-  if redis.call('ZCARD', KEYS[2]) >= max_jobs then return {'concurrent_jobs', 1000, max_jobs} end
+  local time = redis.call('TIME')
+  local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+  local state = redis.call('HMGET', k[1], 'req', 'tok', 'ts')
+  local elapsed = math.max(0, now - (tonumber(state[3]) or now))
+  local req = math.min(rpm, (tonumber(state[1]) or rpm) + elapsed * rpm / 60000)
+  local tok = math.min(tpm, (tonumber(state[2]) or tpm) + elapsed * tpm / 60000)
+  if req < 1 then return {'requests_per_min', math.ceil((1 - req) * 60000 / rpm), rpm} end
+  if tok < cost then return {'tokens_per_min', math.ceil((cost - tok) * 60000 / tpm), tpm} end
+  redis.call('HSET', k[1], 'req', tostring(req - 1), 'tok', tostring(tok - cost), 'ts', now)
+  redis.call('PEXPIRE', k[1], 120000)
+  redis.call('ZADD', k[2], now, a[1])
+  return {'ok', 0, 0}
 end
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local state = redis.call('HMGET', KEYS[1], 'req', 'tok', 'ts')
-local elapsed = math.max(0, now - (tonumber(state[3]) or now))
-local req = math.min(rpm, (tonumber(state[1]) or rpm) + elapsed * rpm / 60000)
-local tok = math.min(tpm, (tonumber(state[2]) or tpm) + elapsed * tpm / 60000)
-if req < 1 then return {'requests_per_min', math.ceil((1 - req) * 60000 / rpm), rpm} end
-if tok < cost then return {'tokens_per_min', math.ceil((cost - tok) * 60000 / tpm), tpm} end
-redis.call('HSET', KEYS[1], 'req', tostring(req - 1), 'tok', tostring(tok - cost), 'ts', now)
-redis.call('PEXPIRE', KEYS[1], 120000)
-redis.call('ZADD', KEYS[2], now, ARGV[1])
-return {'ok', 0, 0}
 """
 
 
 @dataclass(frozen=True, slots=True)
 class Denial:
     """Why a job was not admitted: `limit` names it ("requests_per_min", "tokens_per_min",
-    "concurrent_jobs", "queue", or "tokens_per_request" for a job larger than a minute's tokens)."""
+    "concurrent_jobs", "queue", "tokens_per_request" for a job larger than a minute's tokens), or
+    the credentials it came with no longer hold ("invalid_api_key", "tenant_disabled")."""
 
     limit: str
     value: int  # the limit's value
-    retry_after_s: int  # 0 for tokens_per_request: waiting does not help
+    retry_after_s: int  # 0 when waiting does not help
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionCheck:
+    """The keys and arguments of one `admit` call, for a script that embeds ADMIT_LUA."""
+
+    keys: tuple[str, ...]
+    args: tuple[str | int, ...]
+
+
+class AdmissionDenied(Exception):
+    def __init__(self, denial: Denial) -> None:
+        super().__init__(denial.limit)
+        self.denial = denial
 
 
 class Admission:
-    def __init__(self, redis: Redis, defaults: TenantLimits) -> None:
-        self._redis = redis
-        self._defaults = defaults
-        self._admit = redis.register_script(_ADMIT)
+    """The gateway's default limits, and the admission check of each job."""
 
-    async def admit(self, tenant_id: str, job_id: str, model: str, cost_tokens: int) -> Denial | None:
-        """Admit job `job_id` of `cost_tokens` (prompt + max_tokens) for the tenant, or say why not."""
+    def __init__(self, defaults: TenantLimits) -> None:
+        self._defaults = defaults
+
+    def check(self, tenant_id: str, key_lookup: str, job_id: str, model: str, cost_tokens: int) -> AdmissionCheck:
+        """Admit job `job_id` of `cost_tokens` (prompt + max_tokens) for the tenant whose API key has lookup
+        id `key_lookup`."""
         defaults = self._defaults
-        verdict, retry_ms, value = await self._admit(
-            keys=[keys.rate(tenant_id), keys.active_jobs(tenant_id), keys.tenant(tenant_id), keys.queue(model)],
-            args=[
+        return AdmissionCheck(
+            keys=(
+                keys.rate(tenant_id),
+                keys.active_jobs(tenant_id),
+                keys.tenant(tenant_id),
+                keys.queue(model),
+                keys.api_key(key_lookup),
+            ),
+            args=(
                 job_id,
                 cost_tokens,
                 defaults.requests_per_min,
@@ -85,11 +116,16 @@ class Admission:
                 defaults.max_concurrent_jobs,
                 defaults.max_queue_per_model,
                 keys.job(""),
-            ],
+                tenant_id,
+            ),
         )
-        if verdict == b"ok":
-            return None
-        return Denial(verdict.decode(), int(value), max(1, -(-int(retry_ms) // 1000)) if retry_ms else 0)
+
+
+def denial(verdict: bytes, retry_ms: int, value: int) -> Denial | None:
+    """The admit function's answer as a Denial; None when the job was admitted."""
+    if verdict == b"ok":
+        return None
+    return Denial(verdict.decode(), int(value), max(1, -(-int(retry_ms) // 1000)) if retry_ms else 0)
 
 
 async def set_tenant_limits(redis: Redis, tenant_id: str, limits: dict[str, int | None]) -> None:

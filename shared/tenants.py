@@ -26,6 +26,7 @@ _KEY_FORMAT = re.compile(r"^lf_([A-Za-z0-9]{16})_([A-Za-z0-9_-]{20,})$")
 class Tenant:
     tenant_id: str
     disabled: bool = False
+    key_lookup: str = ""  # the lookup id of the API key that authenticated it ("" when none did)
 
 
 def hash_admin_key(key: str) -> str:
@@ -81,7 +82,7 @@ async def authenticate(redis: Redis, api_key: str) -> Tenant:
         raise LorafleetError(ErrorCode.INVALID_API_KEY, "the API key is not valid")
     if disabled == b"1":
         raise LorafleetError(ErrorCode.TENANT_DISABLED, "this tenant is disabled")
-    return Tenant(tenant_id.decode())
+    return Tenant(tenant_id.decode(), key_lookup=lookup)
 
 
 async def tenant_exists(redis: Redis, tenant_id: str) -> bool:

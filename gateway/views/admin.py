@@ -11,7 +11,7 @@ from gateway import admin
 from gateway.errors import RequestError
 from gateway.job_request import boolean, invalid
 from gateway.json_body import parse_json_object
-from gateway.state import CONFIG, REDIS
+from gateway.state import AUTHENTICATOR, CONFIG, REDIS
 from shared.adapter_registry import list_adapters, unregister_adapter
 from shared.errors import ErrorCode
 from shared.rate_limits import LIMIT_FIELDS, get_tenant_limits, set_tenant_limits
@@ -58,6 +58,7 @@ async def rotate_key_view(request: web.Request) -> web.Response:
     admin.require_admin(request)
     tenant_id = request.match_info["tenant"]
     api_key = await rotate_key(request.app[REDIS], tenant_id)
+    request.app[AUTHENTICATOR].forget_all()  # this gateway at once; the others within AUTH_CACHE_TTL_S
     return web.json_response({"tenant": tenant_id, "api_key": api_key})
 
 
@@ -82,6 +83,7 @@ async def update_tenant_view(request: web.Request) -> web.Response:
         await set_tenant_limits(redis, tenant_id, limits)
     if body.get("disabled") is not None:
         await set_disabled(redis, tenant_id, boolean(body, "disabled", False))
+        request.app[AUTHENTICATOR].forget_all()  # this gateway at once; the others within AUTH_CACHE_TTL_S
     tenant = await get_tenant(redis, tenant_id)
     return web.json_response(await _tenant_view(request, tenant_id, tenant.disabled))
 
