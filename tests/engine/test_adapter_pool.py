@@ -122,6 +122,32 @@ def test_steps_run_other_requests_while_an_adapter_is_still_on_disk(llama: TinyC
     assert_matches_oracle(llama, results, {"base": None, "adapted": "all_r8"})
 
 
+def test_adapters_are_read_to_the_host_while_every_gpu_slot_is_busy(llama: TinyCheckpoint):
+    engine = make_engine(llama, max_loras=1)
+    pool = engine.adapter_pool
+    holder = greedy_request(llama, "holder", "all_r8")  # runs long, pinning the only slot
+    holder = dataclasses.replace(holder, sampling=dataclasses.replace(holder.sampling, max_tokens=100))
+    first, second = greedy_request(llama, "first", "mlp_k_r4"), greedy_request(llama, "second", "attn_r4_rslora")
+
+    def step_until(condition: object) -> None:
+        for _ in range(200):
+            if condition():
+                return
+            engine.step()
+            pool.wait(0.05)
+        raise AssertionError("condition never held")
+
+    assert engine.add(holder) is None
+    step_until(lambda: engine.scheduler.running)
+    engine.add(first)
+    step_until(lambda: first.adapter.uid in pool.host)
+    engine.add(second)  # behind `first`, which is on the host and waits for a slot
+    step_until(lambda: second.adapter.uid in pool.host)
+    assert [seq.seq_id for seq in engine.scheduler.running] == ["holder"]
+    assert engine.abort("holder")
+    assert_matches_oracle(llama, run_to_completion(engine, []), {"first": "mlp_k_r4", "second": "attn_r4_rslora"})
+
+
 def test_an_adapter_evicted_from_the_gpu_comes_back_from_the_host_tier(llama: TinyCheckpoint):
     metrics = WorkerMetrics(device="cpu")
     config = EngineConfig(device="cpu", max_loras=1, max_lora_rank=8, num_kv_blocks=64, block_size=4)

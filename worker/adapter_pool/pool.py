@@ -9,15 +9,16 @@ admitted, through three tiers, without the engine step ever waiting on a disk.
 has read at once), so the pool sees the whole backlog. Each `poll()` (once per engine step) moves
 adapters one tier up: it collects finished disk reads into the host cache, starts copies into GPU
 slots for adapters already on the host, and marks slots READY once their copy has landed. Only the
-first `gpu slots` adapters waiting, in arrival order, are prefetched (the prefetch window), so a
-backlog of a thousand adapters never thrashes the tiers. The scheduler admits a request only when
+first adapters waiting, in arrival order, as many as the host budget holds at their largest, are
+prefetched (the prefetch window, never fewer than the GPU slots), so a backlog of a thousand
+adapters never thrashes the tiers. The scheduler admits a request only when
 its adapter's slot is READY; others run meanwhile. A load that fails is reported by `poll()` and
 fails only the requests naming that adapter.
 
 Eviction (the policy in eviction.py ranks; the tiers below say what is evictable): a GPU slot is
 given up only by an adapter no running or waiting request names; a host entry only by one outside
 the prefetch window. The host budget holds at least one largest adapter per GPU slot (checked at
-start-up), so the window always fits.
+start-up), and the window is sized to what it holds, so the window always fits.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class AdapterPool:
                 )
         self.gpu = GpuSlots(config.max_loras, make_policy(config.adapter_eviction))
         self.host: HostCache[HostAdapter] = HostCache(budget, make_policy(config.adapter_eviction))
+        self._window = budget // largest  # adapters prefetched ahead: >= max_loras, and sure to fit the host
         self._writer = SlotWriter(model)
         self._pin = self._writer.device.type == "cuda"
         self._executor = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="adapter-load")
@@ -135,18 +137,22 @@ class AdapterPool:
         """Advance every load without blocking. Returns the adapters whose load failed (their
         requests must fail); a later request for one of them tries again."""
         self._land_copies()
-        window = list(islice(self._pending, self.gpu.num_slots))
+        window = list(islice(self._pending, self._window))
         failures = self._collect_reads(set(window))
+        slots_full = False
         for uid in window:
             if uid in self._copies or uid in self._reads or self.gpu.holds(uid):
                 continue
-            adapter = self.host.get(uid)
-            if adapter is None:
+            if uid not in self.host:
                 self._reads[uid] = _Read(self._executor.submit(self._read, self._refs[uid]))
                 continue
+            if slots_full:
+                continue  # reads for the rest of the window still go on
             reservation = self.gpu.reserve(uid, evictable=lambda other: self._demand[other] == 0)
             if reservation is None:
-                break  # every slot is in use: nothing later in the window can get one either
+                slots_full = True  # every slot is in use: nothing later in the window can get one either
+                continue
+            adapter = self.host.get(uid)
             if reservation.evicted_uid is not None:
                 self._metrics.evicted(AdapterTier.GPU)
             try:
