@@ -12,33 +12,19 @@ BLOCK_M, so one tile of BLOCK_M rows never mixes weights. Built with device ops 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class PairBlocks:
-    sorted_pairs: torch.Tensor  # int32 [max_blocks * block_m]: pair ids by group, padded with num_pairs
-    block_groups: torch.Tensor  # int32 [max_blocks]: group of each block, -1 past the last used block
-    block_m: int
-    num_pairs: int
-
-    @property
-    def max_blocks(self) -> int:
-        return self.block_groups.shape[0]
-
-
-def max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
-    """Blocks enough for any grouping: each non-empty group wastes at most block_m - 1 rows."""
-    padded = num_pairs + min(num_groups, num_pairs) * (block_m - 1)
-    return max(1, -(-padded // block_m))
+from kernels.moe.align_small import SMALL_PAIRS, align_pairs_small
+from kernels.moe.pair_blocks import PairBlocks, max_blocks
 
 
 def align_pairs(groups: torch.Tensor, num_groups: int, block_m: int) -> PairBlocks:
     """Pairs grouped and block-padded. groups: int [P], the group of each pair in 0..num_groups-1,
-    or num_groups (or more) for a pair no kernel should see (a token without an adapter)."""
+    or num_groups (or more) for a pair no kernel should see (a token without an adapter).
+    On CUDA, up to SMALL_PAIRS pairs take the one-launch kernel of align_small.py."""
     num_pairs = groups.shape[0]
+    if groups.is_cuda and num_pairs <= SMALL_PAIRS:
+        return align_pairs_small(groups, num_groups, block_m)
     device = groups.device
     groups = groups.long().clamp(max=num_groups)  # one "skipped" group past the real ones
     counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=device)
@@ -75,6 +61,6 @@ def adapter_expert_blocks(
     """Pairs grouped by (adapter slot, expert), group = slot * E + expert; tokens whose slot is -1
     are left out. ids int [T, K], token_slots int [T]."""
     top_k = ids.shape[1]
-    slots = token_slots.long().repeat_interleave(top_k)
-    groups = torch.where(slots >= 0, slots * num_experts + ids.reshape(-1).long(), num_slots * num_experts)
+    slots = token_slots.to(torch.int32).repeat_interleave(top_k)
+    groups = torch.where(slots >= 0, slots * num_experts + ids.reshape(-1), num_slots * num_experts)
     return align_pairs(groups, num_slots * num_experts, block_m)

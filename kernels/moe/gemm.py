@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.align import PairBlocks
 from kernels.moe.configs import GemmConfig
+from kernels.moe.pair_blocks import PairBlocks
 
 
 @triton.jit

@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.align import PairBlocks
 from kernels.moe.configs import GemmConfig
 from kernels.moe.gemm import swizzle
 from kernels.moe.lora_shrink import rank_pad
+from kernels.moe.pair_blocks import PairBlocks
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "z_stride_split"])

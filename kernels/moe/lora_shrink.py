@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.align import PairBlocks
 from kernels.moe.configs import ShrinkConfig
+from kernels.moe.pair_blocks import PairBlocks
 
 
 def rank_pad(rank: int) -> int:

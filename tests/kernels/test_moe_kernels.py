@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels.moe.align import adapter_expert_blocks, align_pairs, expert_blocks
+from kernels.moe.align_small import align_pairs_small
 from kernels.moe.configs import GemmConfig, MoEPlan, ShrinkConfig
 from kernels.moe.fused import moe_triton
 from kernels.moe.gemm import moe_gemm
@@ -39,6 +40,19 @@ def test_adapter_expert_blocks_leave_out_tokens_without_adapter() -> None:
     used = blocks.block_groups[blocks.block_groups >= 0].tolist()
     assert used == [0 * 3 + 0, 0 * 3 + 2, 1 * 3 + 0, 1 * 3 + 2]  # (slot, expert) groups, ascending
     assert sorted(p for p in blocks.sorted_pairs.tolist() if p < 6) == [0, 1, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("num_pairs", "num_groups", "block_m"), [(5, 3, 2), (64, 1024, 16), (300, 128, 16), (2100, 9, 64)]
+)
+def test_one_launch_alignment_matches_the_torch_one(num_pairs: int, num_groups: int, block_m: int) -> None:
+    groups = torch.randint(0, num_groups + 1, (num_pairs,), generator=torch.Generator().manual_seed(num_pairs))
+    expected = align_pairs(groups, num_groups, block_m)  # CPU tensors: the torch version
+    got = align_pairs_small(groups.to(DEVICE), num_groups, block_m)
+    assert torch.equal(got.block_groups.cpu(), expected.block_groups)
+    # the same pairs in every block; their order inside a group is the atomics' order
+    got_rows = got.sorted_pairs.cpu().view(-1, block_m).sort(dim=1).values
+    assert torch.equal(got_rows, expected.sorted_pairs.view(-1, block_m).sort(dim=1).values)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -84,4 +98,3 @@ def test_moe_without_adapters_matches_reference() -> None:
     weights, ids = route_reference(case.x @ case.router.T, 2, True)
     out = moe_triton(case.x, weights, ids, case.w13, case.w2)
     assert rel_err(out, moe_reference(case.x, weights, ids, case.w13, case.w2)) < 1e-5
-
