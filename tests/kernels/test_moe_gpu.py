@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels.moe import route
+from kernels.moe.align_small import _align_small_kernel
 from kernels.moe.fused import moe_triton
 from kernels.moe.gemm import _moe_gemm_kernel
 from kernels.moe.lora_expand import _moe_expand_kernel
@@ -63,7 +64,7 @@ def test_captured_graph_replays_new_routing_without_recompiling() -> None:
         expected = moe_reference(case.x, weights, ids, case.w13, case.w2, case.lora, case.token_slots, case.slot_scales)
         assert rel_err(out, expected) < BF16_TOL
     device = torch.cuda.current_device()
-    kernels = (_moe_gemm_kernel, _moe_shrink_kernel, _moe_expand_kernel)
+    kernels = (_moe_gemm_kernel, _moe_shrink_kernel, _moe_expand_kernel, _align_small_kernel)
     compiled = {kernel: len(kernel.device_caches[device][0]) for kernel in kernels}
     for num_tokens in (3, 5, 9, 13):  # same bucket of launch configurations, other token counts
         other = make_moe_case(num_tokens, **A3B, slot_ranks=SLOT_RANKS, dtype=torch.bfloat16, device="cuda", seed=4)
