@@ -57,7 +57,7 @@ def plot_timeline(runs: list[tuple[RunSummary, RunRecord]], path: Path) -> None:
         bins = [0] * horizon
         for t in record.token_times_s:
             bins[int(t)] += 1
-        tput_axes.plot(range(horizon), bins, style, color=_COLORS[row.mode], label=label)
+        tput_axes.plot([i + 0.5 for i in range(horizon)], bins, style, color=_COLORS[row.mode], label=label)
         if record.probes:
             queue_axes.plot([t for t, _ in record.probes], [p["queue"] for _, p in record.probes], style,
                             color=_COLORS[row.mode])  # fmt: skip
