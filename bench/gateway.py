@@ -11,7 +11,9 @@ the shared machine's load hits the baseline and the gateway alike):
     submit  POST /v1/jobs, a short text prompt on the demo model (no worker: jobs stay queued)
     poll    GET /v1/jobs/{id} of finished jobs
 Per phase: requests/s (median of rounds), p50/p99 latency (all rounds), the gateway's rate over the
-bare handler's of the same round (median and range), and per request the Redis round trips (client side: one per
+bare handler's of the same round (median and range), and per request the server process's CPU time
+(user + system, from /proc: what the request costs whatever else the shared machine runs), the Redis
+round trips (client side: one per
 command or pipeline sent, counted in the gateway) and Redis commands (server side: INFO
 commandstats, including those Lua scripts run).
 Targets (issue #7): submit >= 0.5x the bare handler's requests/s; <= 3 round trips per submit;
@@ -109,15 +111,19 @@ class Phase:
     rates: list[float] = field(default_factory=list)  # requests/s, one per round
     latencies_ms: list[float] = field(default_factory=list)  # all rounds
     requests: int = 0
+    cpu_s: float = 0.0  # CPU time (user + system) of the server process, all rounds
     round_trips: int = 0  # Redis sends the gateway made, all rounds
     commands: int = 0  # Redis commands the server ran, all rounds
 
-    def add(self, requests: int, seconds: float, latencies_ms: list[float], redis_work: tuple[int, int]) -> None:
+    def add(
+        self, requests: int, seconds: float, latencies_ms: list[float], cpu_s: float, redis: tuple[int, int]
+    ) -> None:
         self.rates.append(requests / seconds)
         self.latencies_ms += latencies_ms
         self.requests += requests
-        self.round_trips += redis_work[0]
-        self.commands += redis_work[1]
+        self.cpu_s += cpu_s
+        self.round_trips += redis[0]
+        self.commands += redis[1]
 
     def percentile(self, q: int) -> float:
         return statistics.quantiles(self.latencies_ms, n=100, method="inclusive")[q - 1]
@@ -154,6 +160,13 @@ async def load(
 
 
 # -- the run -----------------------------------------------------------------------------------------------
+
+
+def cpu_seconds(process: subprocess.Popen) -> float:
+    """User + system CPU time a child has used so far (Linux /proc): the server's own cost, whatever
+    else the shared machine runs meanwhile."""
+    fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -215,13 +228,16 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Phase]:
             bare_phase = Phase("bare aiohttp handler (constant 202)")
             submits, polls = Phase("POST /v1/jobs"), Phase("GET /v1/jobs/{id} (finished)")
 
-            async def measure(phase: Phase, method: str, urls: list[str], payload: bytes | None, s: float) -> list[str]:
-                before = await work.mark()
+            async def measure(
+                phase: Phase, server: subprocess.Popen, method: str, urls: list[str], payload: bytes | None, s: float
+            ) -> list[str]:
+                before, cpu_before = await work.mark(), cpu_seconds(server)
                 count, elapsed, latencies, answers = await load(
                     method, urls, headers=auth, body=payload, seconds=s, concurrency=args.concurrency
                 )
+                cpu = cpu_seconds(server) - cpu_before
                 after = await work.mark()
-                phase.add(count, elapsed, latencies, (after[0] - before[0], after[1] - before[1]))
+                phase.add(count, elapsed, latencies, cpu, (after[0] - before[0], after[1] - before[1]))
                 return answers
 
             # warm-up: connections, the gateway's caches and tokenizer
@@ -230,12 +246,12 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Phase]:
             poll_urls: list[str] = []
             # the box is shared: rounds alternate the handlers, so a load change hits both alike
             for _ in range(args.rounds):
-                await measure(bare_phase, "POST", [f"{bare_url}/"], body, args.seconds)
-                answers = await measure(submits, "POST", [f"{gateway_url}/v1/jobs"], body, args.seconds)
+                await measure(bare_phase, bare, "POST", [f"{bare_url}/"], body, args.seconds)
+                answers = await measure(submits, gateway, "POST", [f"{gateway_url}/v1/jobs"], body, args.seconds)
                 if not poll_urls:
                     poll_urls = await finish_jobs(client, gateway_url, answers[: args.concurrency * 4])
                     await load("GET", poll_urls, headers=auth, body=None, seconds=args.warmup_seconds, **common)
-                answers = await measure(polls, "GET", poll_urls, None, args.poll_seconds)
+                answers = await measure(polls, gateway, "GET", poll_urls, None, args.poll_seconds)
                 assert json.loads(answers[0])["status"] == "succeeded", answers[0]
             return [bare_phase, submits, polls]
         finally:
@@ -262,8 +278,8 @@ def table(phases: list[Phase], args: argparse.Namespace) -> str:
         f"gateway benchmark: concurrency {args.concurrency}, {args.rounds} rounds of {args.seconds:g} s per handler "
         f"({args.poll_seconds:g} s poll), {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "| phase | req/s (median of rounds) | p50 ms | p99 ms | vs bare, median (min-max) of rounds (target) "
-        "| Redis round trips/req (target) | Redis commands/req |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| server CPU µs/req | Redis round trips/req (target) | Redis commands/req |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     targets = {"POST /v1/jobs": (">= 0.50x", "<= 3"), "GET /v1/jobs/{id} (finished)": ("", "<= 1")}
     for phase in phases:
@@ -278,7 +294,8 @@ def table(phases: list[Phase], args: argparse.Namespace) -> str:
             commands = f"{phase.commands / phase.requests:.2f}"
         lines.append(
             f"| {phase.name} | {statistics.median(phase.rates):,.0f} | {phase.percentile(50):.1f} "
-            f"| {phase.percentile(99):.1f} | {ratio} | {trips} | {commands} |"
+            f"| {phase.percentile(99):.1f} | {ratio} | {phase.cpu_s / phase.requests * 1e6:.0f} "
+            f"| {trips} | {commands} |"
         )
     return "\n".join(lines)
 
