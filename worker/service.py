@@ -314,7 +314,7 @@ class Worker:
     async def _give_up(
         self, model: str, entry_id: bytes, fields: dict[bytes, bytes], message: JobMessage, attempts: int
     ) -> None:
-        log.error("job_dead_lettered", job=message.job_id, attempts=attempts)
+        log.error("job_dead_lettered", job=message.job_id, attempts=attempts, request_id=message.request_id)
         error = JobError(ErrorCode.WORKER_CRASHED, f"the job was delivered {attempts - 1} times without finishing")
         await self._jobs.finish(message.job_id, JobStatus.FAILED, error=error)
         await self._dead_letter(model, entry_id, fields, reason="too many deliveries")
@@ -410,7 +410,7 @@ class Worker:
             await self._ack(flight.model, flight.entry_id)
             self._in_flight.pop(job_id, None)
             self._room.set()
-            log.info("job_aborted", job=job_id, status=(status or b"missing").decode())
+            log.info("job_aborted", job=job_id, status=(status or b"missing").decode(), request_id=flight.request_id)
 
     async def _heartbeat(self) -> None:
         while True:
