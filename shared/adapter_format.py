@@ -142,18 +142,22 @@ def inspect_adapter(adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_b
     return _manifest(config, header, model, size=weights.stat().st_size, sha256=file_sha256(weights))
 
 
-def read_adapter_files(
-    adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_bytes: int
-) -> tuple[AdapterManifest, bytes]:
-    """Validate an adapter directory and return its manifest with the weights file's bytes, read once:
-    the manifest's sha256 is of exactly these bytes, so a file replaced meanwhile cannot slip in."""
+def read_adapter_files(adapter_dir: Path, *, max_rank: int, max_bytes: int) -> tuple[dict, bytes]:
+    """An adapter directory's config and weights file bytes, read once (rank, size and safetensors-only
+    checked); `manifest_of` validates the bytes themselves, so a file replaced meanwhile cannot slip in."""
     config = _read_config(adapter_dir)
     _check_rank(config, max_rank)
     data = _weights_file(adapter_dir, max_bytes).read_bytes()
     if len(data) > max_bytes:  # grown since the size check
         raise _invalid(ErrorCode.ADAPTER_TOO_LARGE, f"{WEIGHTS_FILE} is over the limit of {max_bytes} bytes")
+    return config, data
+
+
+def manifest_of(config: dict, data: bytes, model: ModelInfo, *, sha256: str) -> AdapterManifest:
+    """Validate weights file bytes `data` (with `config` from read_adapter_files) against `model`.
+    `sha256` is the caller's digest of `data` (a worker hashes on another thread meanwhile)."""
     header = _parse_header(io.BytesIO(data).read, WEIGHTS_FILE)
-    return _manifest(config, header, model, size=len(data), sha256=hashlib.sha256(data).hexdigest()), data
+    return _manifest(config, header, model, size=len(data), sha256=sha256)
 
 
 def _check_rank(config: dict, max_rank: int) -> None:

@@ -4,11 +4,14 @@ versions that never share weights, start-up checks, and slots that never leak an
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from shared.adapter_format import WEIGHTS_FILE, file_sha256
 from shared.config import EngineConfig, ModelSpec
@@ -45,8 +48,9 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 def host_adapter(checkpoint: TinyCheckpoint, name: str, device: str) -> HostAdapter:
     directory = checkpoint.adapters[name]
     ref = AdapterRef(name, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
-    return read_host_adapter(ref, adapter_root=directory.parent, info=checkpoint.info, dtype=torch.float32,
-                             max_rank=16, max_bytes=1 << 30, pin=device == "cuda")  # fmt: skip
+    with ThreadPoolExecutor(1) as hasher:
+        return read_host_adapter(ref, adapter_root=directory.parent, info=checkpoint.info, dtype=torch.float32,
+                                 max_rank=16, max_bytes=1 << 30, pin=device == "cuda", hasher=hasher)  # fmt: skip
 
 
 def make_runner(checkpoint: TinyCheckpoint, device: str) -> ModelRunner:
@@ -186,6 +190,17 @@ def test_a_load_failure_fails_every_request_of_that_adapter_and_no_other(llama: 
     assert results["base"].status is JobStatus.SUCCEEDED
     # the free slot list alone: nothing is kept of the failed adapter
     assert engine.adapter_pool.bookkeeping_size() == engine.config.max_loras
+
+
+def test_a_valid_adapter_file_replaced_after_registration_is_never_served(llama: TinyCheckpoint, tmp_path: Path):
+    shutil.copytree(llama.adapters["all_r8"], tmp_path / "all_r8")
+    request = greedy_request(llama, "stale", "all_r8")  # carries the registered sha256
+    weights = tmp_path / "all_r8" / WEIGHTS_FILE
+    save_file({name: tensor * 2 for name, tensor in load_file(weights).items()}, str(weights))  # still valid PEFT
+
+    result = run_to_completion(make_engine(llama, tmp_path), [request])["stale"]
+
+    assert result.error.code == "adapter_load_failed" and "changed since registration" in result.error.message
 
 
 def test_a_host_tier_smaller_than_one_adapter_per_gpu_slot_is_refused_at_start(llama: TinyCheckpoint):

@@ -4,6 +4,7 @@ slot writes of expert LoRAs."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -78,8 +79,9 @@ def test_adapter_pool_writes_expert_slots_as_set_adapter_slot_does_and_leaks_not
     def host(name: str) -> HostAdapter:
         directory = tiny_moe.adapters[name]
         ref = AdapterRef(name, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
-        return read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
-                                 max_rank=8, max_bytes=1 << 30, pin=False)  # fmt: skip
+        with ThreadPoolExecutor(1) as hasher:
+            return read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
+                                     max_rank=8, max_bytes=1 << 30, pin=False, hasher=hasher)  # fmt: skip
 
     served = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
     writer = SlotWriter(served)

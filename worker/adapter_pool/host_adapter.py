@@ -3,13 +3,15 @@ copy to the device is one large transfer at full host-to-device bandwidth."""
 
 from __future__ import annotations
 
+import hashlib
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 
-from shared.adapter_format import read_adapter_files, resolve_adapter_dir
+from shared.adapter_format import AdapterManifest, manifest_of, read_adapter_files, resolve_adapter_dir
 from shared.errors import ErrorCode, LorafleetError
 from shared.expert_adapter_keys import expert_key
 from shared.model_info import EXPERT_PROJECTIONS, PROJECTIONS, ModelInfo
@@ -71,18 +73,35 @@ def read_host_adapter(
     max_rank: int,
     max_bytes: int,
     pin: bool,
+    hasher: Executor,
 ) -> HostAdapter:
     """Read `ref`'s files (path confined to the root), check them against the base model and the
     registered sha256, and pack them. Raises LorafleetError(ADAPTER_LOAD_FAILED) naming the problem.
-    Thread-safe: the pool runs it on its loader threads (file reads and hashing release the GIL)."""
+    Thread-safe: the pool runs it on its loader threads (file reads and hashing release the GIL);
+    the bytes are hashed on `hasher` while they are validated and packed here."""
     try:
         adapter_dir = resolve_adapter_dir(adapter_root, ref.path)
-        manifest, data = read_adapter_files(adapter_dir, info, max_rank=max_rank, max_bytes=max_bytes)
+        config, data = read_adapter_files(adapter_dir, max_rank=max_rank, max_bytes=max_bytes)
+        digest = hasher.submit(_sha256, data)
+        # the manifest takes the registered digest: `digest` must equal it before anything is returned
+        manifest = manifest_of(config, data, info, sha256=ref.sha256)
     except LorafleetError as exc:
         raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, exc.message) from exc
-    if manifest.sha256 != ref.sha256:
+    adapter = _pack(ref, manifest, data, info, dtype, pin)
+    if digest.result() != ref.sha256:
         # the registry names exact weights: never serve other bytes under this identity
         raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "adapter files changed since registration")
+    return adapter
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _pack(
+    ref: AdapterRef, manifest: AdapterManifest, data: bytes, info: ModelInfo, dtype: torch.dtype, pin: bool
+) -> HostAdapter:
+    """Every LoRA matrix of the validated weights `data`, packed in `dtype` into one flat buffer."""
     tensors = load_safetensors(data)
     rank = manifest.rank
     parts = []

@@ -102,7 +102,6 @@ class LLMEngine:
         self.info = runner.info
         self.tokenizer = tokenizer
         self.config = config
-        self.adapter_root = adapter_root
         self.blocks = BlockManager(runner.num_blocks, config.block_size)
         self.metrics = metrics if metrics is not None else EngineMetrics.unregistered(self.info.name)
         self.adapter_pool = AdapterPool(runner.model, config, adapter_root, self.metrics.adapters)
