@@ -284,7 +284,9 @@ def host_memory() -> tuple[int, int]:
     """(resident set bytes, pinned host bytes held by torch's caching host allocator)."""
     rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    return rss, int(stats.get("reserved_bytes.current", stats.get("segment.all.current", -1)))
+    # the caching host allocator's bytes held (name differs across torch versions); -1: not reported
+    held = next((v for k, v in stats.items() if "bytes" in k and k.endswith(".current") and "reserved" in k), -1)
+    return rss, int(held)
 
 
 def churn(root: Path, cycles: int) -> dict[str, float]:
