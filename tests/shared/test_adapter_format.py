@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -139,3 +140,54 @@ def test_paths_are_confined_to_the_adapter_root(tmp_path):
         with pytest.raises(LorafleetError) as info:
             resolve_adapter_dir(root, bad)
         assert info.value.code is ErrorCode.ADAPTER_PATH_OUTSIDE_ROOT, bad
+
+
+@pytest.mark.parametrize(
+    "config_extra",
+    [{"rank_pattern": {"q_proj": 8}}, {"alpha_pattern": {"q_proj": 8}}, {"fan_in_fan_out": True}, {"bias": "all"}],
+)
+def test_more_unsupported_peft_features_are_refused(tmp_path, config_extra):
+    assert refusal(write_adapter(tmp_path / "a", config_extra=config_extra)) is ErrorCode.ADAPTER_UNSUPPORTED
+
+
+def test_a_tensor_that_is_not_a_lora_matrix_is_refused(tmp_path):
+    tensors = {"base_model.model.lm_head.weight": np.ones((100, 32), np.float32)}  # modules_to_save's weights
+    assert refusal(write_adapter(tmp_path / "a", tensors=tensors)) is ErrorCode.ADAPTER_UNSUPPORTED
+
+
+def test_a_weight_dtype_other_than_f16_bf16_f32_is_refused(tmp_path):
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {f"{prefix}.lora_A.weight": np.ones((4, 32), np.float64), f"{prefix}.lora_B.weight": np.ones((32, 4))}
+    with pytest.raises(LorafleetError, match="dtype") as info:
+        check(write_adapter(tmp_path / "a", tensors=tensors))
+    assert info.value.code is ErrorCode.INVALID_ADAPTER
+
+
+@pytest.mark.parametrize(("config_text", "message"), [(None, "missing"), ("{", "not valid JSON"), ("[]", "object")])
+def test_a_missing_or_unreadable_config_is_refused(tmp_path, config_text, message):
+    directory = write_adapter(tmp_path / "a")
+    config = directory / "adapter_config.json"
+    if config_text is None:
+        config.unlink()
+    else:
+        config.write_text(config_text)
+    with pytest.raises(LorafleetError, match=message) as info:
+        check(directory)
+    assert info.value.code is ErrorCode.INVALID_ADAPTER
+
+
+@pytest.mark.parametrize("rank", [0, "8", None])
+def test_a_rank_that_is_not_a_positive_integer_is_refused(tmp_path, rank):
+    assert refusal(write_adapter(tmp_path / "a", config_extra={"r": rank})) is ErrorCode.INVALID_ADAPTER
+
+
+def test_an_adapter_without_lora_matrices_is_refused(tmp_path):
+    assert refusal(write_adapter(tmp_path / "a", tensors={})) is ErrorCode.INVALID_ADAPTER
+
+
+def test_an_adapter_for_another_base_model_is_refused_by_its_shapes(tmp_path):
+    wider = dataclasses.replace(MODEL, name="wider", hidden_size=64)
+    directory = write_adapter(tmp_path / "a")  # made for MODEL (hidden 32)
+    with pytest.raises(LorafleetError) as info:
+        inspect_adapter(directory, wider, max_rank=16, max_bytes=1 << 20)
+    assert info.value.code is ErrorCode.ADAPTER_SHAPE_MISMATCH
