@@ -164,13 +164,12 @@ class EngineMetrics:
         self.record_state(engine)
 
     def record_state(self, engine: LLMEngine) -> None:
-        """The queues, KV cache and resident adapters as `engine` has them now."""
+        """The queues and KV cache as `engine` has them now (the adapter pool records its own tiers)."""
         scheduler = engine.scheduler
         self._running.set(len(scheduler.running))
         self._waiting.set(len(scheduler.waiting))
         self._kv_used.set(engine.blocks.num_blocks - engine.blocks.num_free_blocks)
         self._kv_total.set(engine.blocks.num_blocks)
-        self.adapters.set_resident(AdapterTier.GPU, len(engine.adapter_slots.resident))
         if scheduler.num_preemptions != self._preemptions_seen:
             self._preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = scheduler.num_preemptions
