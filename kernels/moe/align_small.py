@@ -4,7 +4,7 @@ Same output contract as align.align_pairs (pair order inside a group may differ:
 atomic counters; a pair's own result never depends on its tile-mates). The torch version is ~25
 small kernels, which at decode sizes cost more than the GEMMs they feed (×2 per MoE layer with
 adapters); this is one. A single program walks the pairs serially, so it is only for small counts:
-`fused.py` takes it up to SMALL_PAIRS pairs and the torch version above.
+align.align_pairs takes it up to SMALL_PAIRS pairs on CUDA and the torch version above.
 
     phase 0  zero the per-group counters, fill sorted_pairs with the padding id
     phase 1  counts[g] += 1 per pair (atomics)
@@ -21,7 +21,10 @@ import triton.language as tl
 
 from kernels.moe.pair_blocks import PairBlocks, max_blocks
 
-SMALL_PAIRS = 4096
+# Measured on the H200 (bench/tune_moe.py, eager): this kernel with its launch 0.025-0.037 ms up to
+# 2,048 pairs; the torch version 0.72 ms at 12,800 pairs, nearly all launch cost. The serial walk
+# grows with the pairs, so past this the torch version's sort wins (a guess, not measured).
+SMALL_PAIRS = 32768
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_rows", "num_blocks"])
@@ -86,6 +89,6 @@ def align_pairs_small(groups: torch.Tensor, num_groups: int, block_m: int) -> Pa
     _align_small_kernel[(1,)](
         groups, sorted_pairs, block_groups, scratch[0], scratch[1],
         num_pairs, num_groups, blocks * block_m, blocks,
-        BLOCK_M=block_m, CHUNK=1024, SEARCH_STEPS=max(1, num_groups.bit_length()),
+        BLOCK_M=block_m, CHUNK=2048, SEARCH_STEPS=max(1, num_groups.bit_length()), num_warps=8,
     )  # fmt: skip
     return PairBlocks(sorted_pairs, block_groups, block_m, num_pairs)

@@ -16,6 +16,8 @@ from kernels.moe.routing import topk_softmax
 from tests.kernels.moe_cases import make_moe_case, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 tl.dot is tf32 on a GPU (about 1e-3 relative), exact in the interpreter
+FP32_TOL = 3e-3 if DEVICE == "cuda" else 1e-5
 SHAPE = {"hidden": 64, "width": 48, "num_experts": 8}
 
 
@@ -50,9 +52,12 @@ def test_one_launch_alignment_matches_the_torch_one(num_pairs: int, num_groups: 
     expected = align_pairs(groups, num_groups, block_m)  # CPU tensors: the torch version
     got = align_pairs_small(groups.to(DEVICE), num_groups, block_m)
     assert torch.equal(got.block_groups.cpu(), expected.block_groups)
-    # the same pairs in every block; their order inside a group is the atomics' order
-    got_rows = got.sorted_pairs.cpu().view(-1, block_m).sort(dim=1).values
-    assert torch.equal(got_rows, expected.sorted_pairs.view(-1, block_m).sort(dim=1).values)
+    # each group's blocks hold the same pairs (their order inside a group is the atomics' order),
+    # padding included, and the rows past the last block are padding alone
+    rows_group = expected.block_groups.repeat_interleave(block_m)
+    for group in range(-1, num_groups):
+        got_pairs = got.sorted_pairs.cpu()[rows_group == group].sort().values
+        assert torch.equal(got_pairs, expected.sorted_pairs[rows_group == group].sort().values), group
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -74,7 +79,7 @@ def test_grouped_gemm_applies_each_pairs_expert_and_weight(dtype: torch.dtype, n
     out = moe_gemm(case.x, case.w13, blocks, 2, config, weights=weights.reshape(-1))
     pair_tokens = torch.arange(num_tokens, device=DEVICE).repeat_interleave(2)
     expected = torch.einsum("ph,pnh->pn", case.x[pair_tokens].float(), case.w13[ids.reshape(-1).long()].float())
-    assert rel_err(out, expected * weights.reshape(-1, 1)) < (1e-5 if dtype == torch.float32 else 2e-3)
+    assert rel_err(out, expected * weights.reshape(-1, 1)) < (FP32_TOL if dtype == torch.float32 else 2e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -89,7 +94,7 @@ def test_moe_with_lora_matches_reference(dtype: torch.dtype, num_tokens: int, sp
     out = moe_triton(*args, plan=MoEPlan(gemm, gemm, shrink, expand, shrink, expand))
     expected = moe_reference(*args)
     base = moe_reference(*args[:5])
-    assert rel_err(out, expected) < (1e-5 if dtype == torch.float32 else 3e-3)
+    assert rel_err(out, expected) < (FP32_TOL if dtype == torch.float32 else 3e-3)
     assert rel_err(expected, base) > 0.05  # the adapters change the output: the test can fail
 
 
@@ -97,4 +102,4 @@ def test_moe_without_adapters_matches_reference() -> None:
     case = make_moe_case(23, **SHAPE, slot_ranks=[4], dtype=torch.float32, device=DEVICE, seed=3)
     weights, ids = route_reference(case.x @ case.router.T, 2, True)
     out = moe_triton(case.x, weights, ids, case.w13, case.w2)
-    assert rel_err(out, moe_reference(case.x, weights, ids, case.w13, case.w2)) < 1e-5
+    assert rel_err(out, moe_reference(case.x, weights, ids, case.w13, case.w2)) < FP32_TOL
