@@ -112,7 +112,8 @@ def test_mps_workers_share_the_daemons_pipe(services: dict[str, dict[str, Any]])
     shared_volume = next(v for v in daemon["volumes"] if pipe.startswith(v.split(":")[1]))
     assert shared_volume in worker["volumes"]
     assert daemon["ipc"] == worker["ipc"] == "host"
-    assert "--gpu-memory-utilization" in worker["command"]
+    assert "--gpu-memory-fraction" in worker["command"]  # MPS isolates no memory: a hard cap per process
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in worker["environment"]
 
 
 def test_prometheus_scrapes_every_gateway_replica():

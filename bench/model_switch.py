@@ -1,0 +1,566 @@
+"""Model switching and GPU sharing on one GPU, with bf16 random-weight Llama-shaped models.
+
+    python -m bench.model_switch --part switch [--shapes 1b 8b 14b] [--cold 1b 8b] [--dir DIR]
+    python -m bench.model_switch --part share  [--pair 1b 8b] [--seconds 20] [--mps]
+    python -m bench.model_switch --serve 8b --seconds 20 --memory-fraction 0.45   (one co-located process)
+
+--part switch, per model shape, beside the floors measured in the same run:
+    cold      read_to_host (safetensors into pinned buffers, page cache dropped first) + copy to the
+              device; floor: the checkpoint's bytes over a plain read of the same file (cache dropped)
+    warm      copy_to_model from the pinned host copy on a side stream; floor: bytes over the pinned
+              host-to-device bandwidth of a 1 GiB copy
+    overlap   a 1B-shaped model keeps decoding (batch 32) while the model is prepared beside it; the
+              pause is the hand-over: evict the serving engine, then KV cache + decode-graph capture +
+              engine for the new one, until its first step; 'graphs' is the capture alone (timed again
+              after the hand-over), the part of the pause that is not memory work
+    during    decode tok/s of the serving model while the side-stream copy runs, vs before it
+The cold and warm rows run the code the worker runs (worker/models/loader.py); the overlap row takes
+the steps ModelResidency takes (prepare on a loader thread, evict, activate) beside a serving LLMEngine.
+
+--part share: two base models (--pair) on one GPU, each fed batches of 32 requests (prompt 128,
+128 new tokens, greedy, ignore_eos):
+    dedicated       each model alone in one process (what one GPU per model gives)
+    time-sliced     one process, one model resident at a time, a warm switch after each batch
+    co-located      two processes at once (--memory-fraction each), without MPS (the driver
+                    time-slices their contexts), and with --mps under a running MPS daemon
+                    (deploy/mps/start.sh) with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 each
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models
+
+from shared.config import EngineConfig
+from shared.model_info import ModelInfo
+from shared.schema import SamplingParams
+from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.model import CausalLM
+from worker.engine.model_runner import ModelRunner
+from worker.engine.weights import SINGLE_FILE
+from worker.models.host_cache import HostWeights
+from worker.models.loader import copy_to_model, read_to_host
+
+
+def llama(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, tied: bool) -> ModelInfo:
+    return ModelInfo(
+        name=name,
+        architecture="LlamaForCausalLM",
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hidden // heads,
+        vocab_size=vocab,
+        max_context=4096,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        attention_bias=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        torch_dtype="bfloat16",
+    )
+
+
+SHAPES = {
+    "tiny": llama("tiny", 256, 688, 2, 4, 2, 1024, True),  # a CPU smoke run of this script
+    "1b": llama("1b", 2048, 8192, 16, 32, 8, 128256, True),  # Llama-3.2-1B
+    "8b": llama("8b", 4096, 14336, 32, 32, 8, 128256, False),  # Llama-3-8B
+    "14b": llama("14b", 5120, 13824, 48, 40, 8, 152064, False),  # Qwen2.5-14B's sizes, Llama layout
+}
+BATCH, PROMPT, NEW_TOKENS = 32, 128, 128
+_BLOCK_ELEMENTS = 1 << 27  # 256 MiB of random bf16 values that every tensor's bytes are cut from
+
+
+def tensor_shapes(info: ModelInfo) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name → shape, as an HF Llama checkpoint names them."""
+    h, kv = info.hidden_size, info.num_kv_heads * info.head_dim
+    shapes = {"model.embed_tokens.weight": (info.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(info.num_layers):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
+            f"{p}.self_attn.q_proj.weight": (h, h),
+            f"{p}.self_attn.k_proj.weight": (kv, h),
+            f"{p}.self_attn.v_proj.weight": (kv, h),
+            f"{p}.self_attn.o_proj.weight": (h, h),
+            f"{p}.mlp.gate_proj.weight": (info.intermediate_size, h),
+            f"{p}.mlp.up_proj.weight": (info.intermediate_size, h),
+            f"{p}.mlp.down_proj.weight": (h, info.intermediate_size),
+        }
+    if not info.tie_word_embeddings:
+        shapes["lm_head.weight"] = (info.vocab_size, h)
+    return shapes
+
+
+def random_block(device: str) -> torch.Tensor:
+    """bf16 N(0, 0.02) values on the host (finite logits whatever slice a tensor gets)."""
+    return (torch.randn(_BLOCK_ELEMENTS, device=device, dtype=torch.bfloat16) * 0.02).cpu()
+
+
+def _layout(info: ModelInfo) -> tuple[dict, int]:
+    header, offset = {}, 0
+    for name, shape in tensor_shapes(info).items():
+        nbytes = 2 * int(torch.Size(shape).numel())
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    return header, offset
+
+
+def _fill(buffer: memoryview, block: bytes) -> None:
+    for start in range(0, len(buffer), len(block)):
+        end = min(start + len(block), len(buffer))
+        buffer[start:end] = block[: end - start]
+
+
+def write_model(info: ModelInfo, directory: Path, block: torch.Tensor) -> Path:
+    """An HF-format checkpoint (config.json, tokenizer.json, one model.safetensors) on disk, synced."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": [info.architecture],
+        "hidden_size": info.hidden_size,
+        "intermediate_size": info.intermediate_size,
+        "num_hidden_layers": info.num_layers,
+        "num_attention_heads": info.num_heads,
+        "num_key_value_heads": info.num_kv_heads,
+        "vocab_size": info.vocab_size,
+        "max_position_embeddings": info.max_context,
+        "rope_theta": info.rope_theta,
+        "rms_norm_eps": info.rms_norm_eps,
+        "tie_word_embeddings": info.tie_word_embeddings,
+        "bos_token_id": info.bos_token_id,
+        "eos_token_id": list(info.eos_token_ids),
+        "torch_dtype": "bfloat16",
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    word_level = Tokenizer(models.WordLevel({f"w{i}": i for i in range(info.vocab_size)}, unk_token="w0"))
+    word_level.save(str(directory / "tokenizer.json"))
+    header, data_bytes = _layout(info)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section 8-byte aligned, as safetensors writers do
+    block_bytes = block.view(torch.int16).numpy().tobytes()
+    path = directory / SINGLE_FILE
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        chunk = bytearray(len(block_bytes))
+        _fill(memoryview(chunk), block_bytes)
+        for start in range(0, data_bytes, len(chunk)):
+            f.write(memoryview(chunk)[: min(len(chunk), data_bytes - start)])
+        f.flush()
+        os.fsync(f.fileno())
+    return directory
+
+
+def host_weights(info: ModelInfo, block: torch.Tensor) -> HostWeights:
+    """The checkpoint built in pinned host memory, as the warm tier holds it (no file needed)."""
+    header, data_bytes = _layout(info)
+    buffer = torch.empty(data_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    _fill(memoryview(buffer.numpy()), block.view(torch.int16).numpy().tobytes())
+    tensors = {
+        name: buffer[e["data_offsets"][0] : e["data_offsets"][1]].view(torch.bfloat16).reshape(e["shape"])
+        for name, e in header.items()
+    }
+    return HostWeights(info.name, tensors, data_bytes, pinned=buffer.is_pinned())
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evict the file's clean pages, so the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def disk_read_floor(path: Path) -> float:
+    """Bytes/s of a plain sequential read of `path` into pageable memory, the page cache dropped."""
+    drop_page_cache(path)
+    buffer = bytearray(64 << 20)
+    view = memoryview(buffer)
+    total = 0
+    start = time.perf_counter()
+    with path.open("rb", buffering=0) as f:
+        while read := f.readinto(view):
+            total += read
+    return total / (time.perf_counter() - start)
+
+
+def h2d_floor() -> float:
+    """Pinned host → device bytes/s, median of 10 copies of 1 GiB."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(12):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return src.numel() / sorted(times[2:])[5]
+
+
+def engine_config(context: int = PROMPT + NEW_TOKENS) -> EngineConfig:
+    """A batch of BATCH sequences of up to `context` tokens fits the KV cache."""
+    return EngineConfig(
+        device=device(),
+        dtype="bfloat16",
+        max_num_seqs=BATCH,
+        max_num_batched_tokens=8192,
+        num_kv_blocks=BATCH * -(-context // 16),
+        max_loras=1,
+        max_lora_rank=16,
+    )
+
+
+def empty_model(info: ModelInfo, config: EngineConfig) -> CausalLM:
+    return CausalLM(
+        info, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, dtype=torch.bfloat16, device=config.device
+    )
+
+
+def new_engine(model: CausalLM, config: EngineConfig) -> LLMEngine:
+    runner = ModelRunner.from_model(model, config)
+    tokenizer = Tokenizer(models.WordLevel({"w0": 0}, unk_token="w0"))
+    return LLMEngine(runner, tokenizer, config, adapter_root=Path())
+
+
+def add_batch(engine: LLMEngine, tag: str, new_tokens: int = NEW_TOKENS) -> None:
+    gen = torch.Generator().manual_seed(len(tag))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(BATCH):
+        tokens = tuple(torch.randint(3, engine.info.vocab_size, (PROMPT,), generator=gen).tolist())
+        engine.add(EngineRequest(job_id=f"{tag}-{i}", prompt_token_ids=tokens, sampling=params))
+
+
+def run_batch(engine: LLMEngine, tag: str) -> int:
+    """Generated tokens of one batch run to completion."""
+    add_batch(engine, tag)
+    done = []
+    while engine.num_unfinished:
+        done += engine.step()
+    assert all(r.completion_tokens == NEW_TOKENS for r in done), [r.error for r in done if r.error][:1]
+    return sum(r.completion_tokens for r in done)
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def side_stream() -> torch.cuda.Stream | None:
+    return torch.cuda.Stream() if torch.cuda.is_available() else None
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- part: switch ---------------------------------------------------------------------------------
+
+
+@dataclass
+class SwitchRow:
+    shape: str
+    gb: float
+    kind: str  # cold / warm / overlap
+    seconds: float
+    floor_s: float  # the same bytes at the measured floor bandwidth (cold: disk; warm: pinned H2D)
+    detail: str
+
+
+def measure_cold(info: ModelInfo, directory: Path, disk_bps: float, stream: torch.cuda.Stream | None) -> SwitchRow:
+    drop_page_cache(directory / SINGLE_FILE)
+    config = engine_config()
+    start = time.perf_counter()
+    host = read_to_host(info.name, directory, pin=torch.cuda.is_available())
+    read_s = time.perf_counter() - start
+    model = empty_model(info, config)
+    copy_start = time.perf_counter()
+    copy_to_model(model, host, stream)
+    copy_s = time.perf_counter() - copy_start
+    del model, host
+    free_device_memory()
+    nbytes = (directory / SINGLE_FILE).stat().st_size
+    detail = f"read {read_s:.2f} s + copy {copy_s:.2f} s"
+    return SwitchRow(info.name, nbytes / 1e9, "cold", read_s + copy_s, nbytes / disk_bps, detail)
+
+
+def measure_warm(info: ModelInfo, host: HostWeights, h2d_bps: float, stream: torch.cuda.Stream | None) -> SwitchRow:
+    config = engine_config()
+    model = empty_model(info, config)
+    sync()
+    start = time.perf_counter()
+    copy_to_model(model, host, stream)
+    seconds = time.perf_counter() - start
+    del model
+    free_device_memory()
+    detail = f"{len(host.tensors)} tensors, {host.nbytes / seconds / 1e9:.1f} GB/s"
+    return SwitchRow(info.name, host.nbytes / 1e9, "warm", seconds, host.nbytes / h2d_bps, detail)
+
+
+SERVING_TOKENS = 2048  # the serving model's requests outlast the preparation beside it
+
+
+def serving_engine(block: torch.Tensor, tiny: bool, stream: torch.cuda.Stream | None) -> LLMEngine:
+    """The model that serves while another is prepared: 1B-shaped (tiny on a CPU smoke run)."""
+    info, config = SHAPES["tiny" if tiny else "1b"], engine_config(PROMPT + SERVING_TOKENS)
+    engine = new_engine(empty_model(info, config), config)
+    copy_to_model(engine.runner.model, host_weights(info, block), stream)
+    return engine
+
+
+def measure_overlap(
+    serving: LLMEngine, info: ModelInfo, host: HostWeights, stream: torch.cuda.Stream | None
+) -> tuple[SwitchRow, LLMEngine]:
+    """Prepare `info` beside `serving` while it decodes, then hand over; returns the row and the new
+    engine. Takes `serving` over: it is freed in the hand-over (the caller keeps no reference)."""
+    config = engine_config()
+    add_batch(serving, "before", new_tokens=SERVING_TOKENS)
+    for _ in range(3):  # prefill, then decode steps only
+        serving.step()
+    sync()
+    t0, steps0 = time.perf_counter(), 20
+    for _ in range(steps0):
+        serving.step()
+    sync()
+    before_tok_s = BATCH * steps0 / (time.perf_counter() - t0)
+    prepared: dict[str, CausalLM] = {}
+
+    def prepare() -> None:
+        model = empty_model(info, config)
+        copy_to_model(model, host, stream)
+        prepared["model"] = model
+
+    loader = threading.Thread(target=prepare)
+    t0, steps = time.perf_counter(), 0
+    loader.start()
+    while loader.is_alive():
+        if serving.num_unfinished:
+            serving.step()
+            steps += 1
+        else:
+            time.sleep(0.001)
+    loader.join()
+    sync()
+    prepare_s = time.perf_counter() - t0
+    during_tok_s = BATCH * steps / prepare_s
+    for i in range(BATCH):  # a switch past its grace: the serving model's jobs are handed back
+        serving.abort(f"before-{i}")
+    sync()
+    pause_start = time.perf_counter()
+    del serving
+    free_device_memory()
+    evict_s = time.perf_counter() - pause_start
+    incoming = new_engine(prepared.pop("model"), config)
+    add_batch(incoming, "after", new_tokens=2)
+    incoming.step()  # the new model's first step (prefill) ends the pause
+    sync()
+    pause_s = time.perf_counter() - pause_start
+    graphs_s = 0.0
+    if incoming.runner.graphs is not None:
+        start = time.perf_counter()
+        again = DecodeGraphs(
+            incoming.runner.model,
+            incoming.runner.kv_cache,
+            max_batch=config.max_num_seqs,
+            max_blocks_per_seq=-(-info.max_context // config.block_size),
+        )
+        graphs_s = time.perf_counter() - start
+        del again
+    detail = (
+        f"prepare {prepare_s:.2f} s beside serving; pause = evict {evict_s * 1e3:.0f} ms + activate "
+        f"(graphs {graphs_s * 1e3:.0f} ms) + first step; decode {before_tok_s:.0f} → {during_tok_s:.0f} tok/s"
+    )
+    return SwitchRow(info.name, host.nbytes / 1e9, "overlap", pause_s, pause_s - graphs_s, detail), incoming
+
+
+def part_switch(args: argparse.Namespace) -> None:
+    stream = side_stream()
+    block = random_block(device())
+    h2d = h2d_floor() if torch.cuda.is_available() else float("nan")
+    print(f"pinned H2D floor: {h2d / 1e9:.1f} GB/s", flush=True)
+    rows: list[SwitchRow] = []
+    for shape in args.cold:
+        directory = write_model(SHAPES[shape], args.dir / shape, block)
+        disk = disk_read_floor(directory / SINGLE_FILE)
+        rows.append(measure_cold(SHAPES[shape], directory, disk, stream))
+        rows[-1].detail += f"; disk floor {disk / 1e9:.2f} GB/s"
+        print(rows[-1], flush=True)
+        (directory / SINGLE_FILE).unlink()
+    for shape in args.shapes:
+        host = host_weights(SHAPES[shape], block)
+        rows.append(measure_warm(SHAPES[shape], host, h2d, stream))
+        print(rows[-1], flush=True)
+        serving = serving_engine(block, "tiny" in args.shapes, stream)
+        row, incoming = measure_overlap(serving, SHAPES[shape], host, stream)
+        del serving  # measure_overlap dropped its own reference at the hand-over
+        rows.append(row)
+        print(rows[-1], flush=True)
+        del incoming, host
+        free_device_memory()
+    print_switch_table(rows, h2d)
+    if args.out:
+        with args.out.open("a") as f:
+            for row in rows:
+                f.write(json.dumps({"part": "switch", **asdict(row)}) + "\n")
+
+
+def print_switch_table(rows: list[SwitchRow], h2d: float) -> None:
+    """cold/warm: seconds beside the floor (× floor); overlap: the pause, and the pause less graph capture."""
+    print("\n| model | GB | switch | seconds | floor s (overlap: pause w/o graph capture) | × floor | detail |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        ratio = "—" if r.kind == "overlap" else f"{r.seconds / r.floor_s:.2f}"
+        print(f"| {r.shape} | {r.gb:.2f} | {r.kind} | {r.seconds:.3f} | {r.floor_s:.3f} | {ratio} | {r.detail} |")
+    print(f"pinned H2D floor {h2d / 1e9:.1f} GB/s")
+
+
+# -- part: share ----------------------------------------------------------------------------------
+
+
+def serve(shape: str, seconds: float) -> None:
+    """One co-located process: build the model, say ready, wait for 'go' on stdin, then decode
+    batches for `seconds`; prints one JSON line with its generated tokens and wall time."""
+    config = engine_config()
+    block = random_block(device())
+    engine = new_engine(empty_model(SHAPES[shape], config), config)
+    copy_to_model(engine.runner.model, host_weights(SHAPES[shape], block), side_stream())
+    run_batch(engine, "warmup")
+    print("ready", flush=True)
+    sys.stdin.readline()
+    tokens, start, batches = 0, time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        tokens += run_batch(engine, f"b{batches}")
+        batches += 1
+    wall = time.perf_counter() - start
+    print(json.dumps({"shape": shape, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall}), flush=True)
+
+
+def co_located(pair: list[str], seconds: float, fraction: float, mps: bool) -> list[dict]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if mps:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = "50"
+    command = [sys.executable, "-m", "bench.model_switch", "--seconds", str(seconds)]
+    command += ["--memory-fraction", str(fraction)]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "env": env, "text": True}
+    procs = [subprocess.Popen([*command, "--serve", shape], **pipes) for shape in pair]
+    for proc in procs:
+        _next_line(proc, lambda line: line == "ready")
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    results = [json.loads(_next_line(proc, lambda line: line.startswith("{"))) for proc in procs]
+    for proc in procs:
+        proc.wait(60)
+    return results
+
+
+def _next_line(proc: subprocess.Popen, wanted: Callable[[str], bool]) -> str:
+    """The process's next stdout line that `wanted` accepts (its log lines go the same way)."""
+    for line in proc.stdout:
+        if wanted(line.strip()):
+            return line.strip()
+    raise RuntimeError(f"a co-located process ended early (exit code {proc.wait()})")
+
+
+def part_share(args: argparse.Namespace) -> None:
+    rows: list[tuple[str, str, float]] = []  # (setup, model, tok/s)
+    if not args.mps:
+        config = engine_config()
+        block = random_block(device())
+        stream = side_stream()
+        hosts = {shape: host_weights(SHAPES[shape], block) for shape in args.pair}
+        for shape in args.pair:
+            engine = new_engine(empty_model(SHAPES[shape], config), config)
+            copy_to_model(engine.runner.model, hosts[shape], stream)
+            run_batch(engine, "warmup")
+            tokens, start = 0, time.perf_counter()
+            while time.perf_counter() - start < args.seconds / 2:
+                tokens += run_batch(engine, "d")
+            rows.append(("dedicated", shape, tokens / (time.perf_counter() - start)))
+            del engine
+            free_device_memory()
+        tokens_by = dict.fromkeys(args.pair, 0)
+        switches, start = 0, time.perf_counter()
+        while time.perf_counter() - start < args.seconds:
+            for shape in args.pair:  # a warm switch (copy + KV + graphs), then one batch
+                engine = new_engine(empty_model(SHAPES[shape], config), config)
+                copy_to_model(engine.runner.model, hosts[shape], stream)
+                tokens_by[shape] += run_batch(engine, "t")
+                del engine
+                free_device_memory()
+                switches += 1
+        wall = time.perf_counter() - start
+        rows += [(f"time-sliced ({switches} switches)", shape, tokens_by[shape] / wall) for shape in args.pair]
+        del hosts
+        free_device_memory()
+        setup = "co-located, no MPS"
+    else:
+        setup = "co-located, MPS 50% threads"
+    results = co_located(args.pair, args.seconds, args.memory_fraction, args.mps)
+    rows += [(f"{setup} ({args.memory_fraction:.2f} memory each)", r["shape"], r["tok_s"]) for r in results]
+    print("\n| setup | model | tok/s |")
+    print("| --- | --- | --- |")
+    for setup_name in dict.fromkeys(name for name, _, _ in rows):
+        group = [(m, t) for name, m, t in rows if name == setup_name]
+        for model, tok_s in group:
+            print(f"| {setup_name} | {model} | {tok_s:.0f} |")
+        if len(group) > 1:
+            print(f"| {setup_name} | aggregate | {sum(t for _, t in group):.0f} |")
+    if args.out:
+        with args.out.open("a") as f:
+            for name, model, tok_s in rows:
+                f.write(json.dumps({"part": "share", "setup": name, "model": model, "tok_s": tok_s}) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("switch", "share"))
+    parser.add_argument("--shapes", nargs="+", default=["1b", "8b", "14b"], choices=list(SHAPES))
+    parser.add_argument("--cold", nargs="*", default=["1b", "8b"], choices=list(SHAPES))
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/lorafleet-model-switch"))
+    parser.add_argument("--pair", nargs=2, default=["1b", "8b"], choices=list(SHAPES))
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--memory-fraction", type=float, default=0.45)
+    parser.add_argument("--mps", action="store_true", help="co-located run only, under a running MPS daemon")
+    parser.add_argument("--serve", choices=list(SHAPES), help="internal: one co-located process")
+    parser.add_argument("--out", type=Path, help="append result rows as JSON lines")
+    args = parser.parse_args()
+    if args.serve:
+        if torch.cuda.is_available():
+            torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
+        serve(args.serve, args.seconds)
+    elif args.part == "switch":
+        part_switch(args)
+    elif args.part == "share":
+        part_share(args)
+    else:
+        parser.error("give --part switch|share")
+
+
+if __name__ == "__main__":
+    main()
