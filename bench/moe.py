@@ -68,8 +68,11 @@ def main() -> None:
     )
     gc.collect()
     torch.cuda.empty_cache()
-    bench.run(2, 64, 8, args.adapters)  # warm-up: compile the kernels outside the timed runs
-    bench.run(2, 64, 8, 0)
+    # warm-up at every measured shape: Triton compiles per launch configuration, and the prefill of
+    # each concurrency takes other configurations (token buckets) than a short prompt would
+    for concurrency in args.concurrency:
+        for adapters in (0, args.adapters):
+            bench.run(concurrency, args.prompt, 2, adapters)
     rows = []
     for concurrency in args.concurrency:
         for adapters in (0, args.adapters):

@@ -16,8 +16,9 @@ from kernels.moe.routing import topk_softmax
 from tests.kernels.moe_cases import make_moe_case, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# fp32 tl.dot is tf32 on a GPU (about 1e-3 relative), exact in the interpreter
-FP32_TOL = 3e-3 if DEVICE == "cuda" else 1e-5
+# fp32 tl.dot is tf32 on a GPU (3.5e-3 relative measured on the H200 through both GEMMs and the
+# LoRA), exact in the interpreter
+FP32_TOL = 1e-2 if DEVICE == "cuda" else 1e-5
 SHAPE = {"hidden": 64, "width": 48, "num_experts": 8}
 
 
