@@ -17,7 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import ErrorCode, LorafleetError
-from shared.expert_adapter_keys import check_expert_tensor, check_experts_complete, parse_expert_key
+from shared.expert_adapter_keys import (
+    FUSED_PARAMETERS,
+    FusedExperts,
+    check_expert_tensor,
+    check_experts_complete,
+    fused_experts,
+    fused_parameter_of,
+    parse_expert_key,
+    parse_fused_key,
+)
 from shared.model_info import PROJECTIONS, ModelInfo
 
 CONFIG_FILE = "adapter_config.json"
@@ -39,9 +48,16 @@ class AdapterManifest:
     rank: int
     lora_alpha: float
     use_rslora: bool
-    target_modules: tuple[str, ...]  # subset of PROJECTIONS, in PROJECTIONS order, then `experts.{projection}`
+    target_modules: tuple[str, ...]  # subset of PROJECTIONS, in PROJECTIONS order, then `experts.{name}`
     size_bytes: int
     sha256: str  # of adapter_model.safetensors
+    fused_experts: FusedExperts | None = None  # LoRAs on fused expert parameters (their own ranks)
+
+    @property
+    def serving_rank(self) -> int:
+        """The slot rank the adapter needs: r, or a fused expert parameter's larger rank (gate_up: 2r)."""
+        fused = self.fused_experts.ranks if self.fused_experts else ()
+        return max([self.rank, *(rank for _, rank in fused)])
 
     @property
     def scaling(self) -> float:
@@ -118,18 +134,18 @@ def _read_config(adapter_dir: Path) -> dict:
     unsupported = {
         "use_dora": bool(config.get("use_dora")),
         "modules_to_save": bool(config.get("modules_to_save")),
-        "rank_pattern": bool(config.get("rank_pattern")),
-        "alpha_pattern": bool(config.get("alpha_pattern")),
+        # PEFT writes rank/alpha patterns for the fused expert parameters (checked by fused_experts)
+        "rank_pattern": bool(config.get("rank_pattern")) and not config.get("target_parameters"),
+        "alpha_pattern": bool(config.get("alpha_pattern")) and not config.get("target_parameters"),
         "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
         "bias": config.get("bias", "none") != "none",
-        # LoRA on fused 3-D expert parameters, as PEFT saves it for transformers-5 MoE models
-        "target_parameters": bool(config.get("target_parameters")),
     }
     refused = [name for name, present in unsupported.items() if present]
     if refused:
         raise _invalid(ErrorCode.ADAPTER_UNSUPPORTED, f"unsupported PEFT features: {', '.join(refused)}")
     if not isinstance(config.get("r"), int) or config["r"] < 1:
         raise _invalid(ErrorCode.INVALID_ADAPTER, "adapter_config.json: r must be a positive integer")
+    fused_experts(config)  # raises unless any target_parameters are MoE experts' fused parameters
     return config
 
 
@@ -161,8 +177,10 @@ def manifest_of(config: dict, data: bytes, model: ModelInfo, *, sha256: str) -> 
 
 
 def _check_rank(config: dict, max_rank: int) -> None:
-    if config["r"] > max_rank:
-        raise _invalid(ErrorCode.ADAPTER_RANK_TOO_LARGE, f"rank {config['r']} exceeds the maximum rank {max_rank}")
+    fused = fused_experts(config)
+    rank = max([config["r"], *(r for _, r in (fused.ranks if fused else ()))])
+    if rank > max_rank:
+        raise _invalid(ErrorCode.ADAPTER_RANK_TOO_LARGE, f"rank {rank} exceeds the maximum rank {max_rank}")
 
 
 def _weights_file(adapter_dir: Path, max_bytes: int) -> Path:
@@ -187,7 +205,19 @@ def _manifest(config: dict, header: dict[str, dict], model: ModelInfo, *, size: 
     rank = config["r"]
     seen: dict[tuple[int, str], set[str]] = {}
     experts_seen: dict[tuple[int, str], set[int]] = {}
+    fused = fused_experts(config)
     for name, entry in header.items():
+        fused_key = parse_fused_key(name, model) if fused else None
+        if fused and fused_key is not None:
+            if fused_key.layer not in model.moe_layers:
+                raise _invalid(ErrorCode.ADAPTER_SHAPE_MISMATCH, f"{name}: layer {fused_key.layer} has no experts")
+            if entry.get("dtype") not in _ACCEPTED_DTYPES:
+                raise _invalid(ErrorCode.INVALID_ADAPTER, f"{name}: dtype {entry.get('dtype')!r} is not F16/BF16/F32")
+            parameter = fused_parameter_of(list(entry.get("shape", [])), fused_key, fused, model)
+            # an A and a B pair up when they sit in the same wrapper and fit the same parameter
+            seen.setdefault((fused_key.layer, f"experts.{fused_key.wrapper}{parameter}"), set()).add(fused_key.which)
+            experts_seen.setdefault((fused_key.layer, parameter), set()).add(-1)
+            continue
         expert = parse_expert_key(name, model)
         if expert is not None:
             if entry.get("dtype") not in _ACCEPTED_DTYPES:
@@ -222,7 +252,10 @@ def _manifest(config: dict, header: dict[str, dict], model: ModelInfo, *, size: 
     if unpaired:
         raise _invalid(ErrorCode.INVALID_ADAPTER, f"LoRA A without B (or B without A) at {', '.join(unpaired[:3])}")
     targets = {projection for _, projection in seen}
-    expert_targets = check_experts_complete(experts_seen, model)
+    if fused:
+        expert_targets = tuple(f"experts.{p}" for p in FUSED_PARAMETERS if any(p == q for _, q in experts_seen))
+    else:
+        expert_targets = check_experts_complete(experts_seen, model)
     return AdapterManifest(
         rank=rank,
         lora_alpha=float(config.get("lora_alpha", rank)),
@@ -230,4 +263,5 @@ def _manifest(config: dict, header: dict[str, dict], model: ModelInfo, *, size: 
         target_modules=tuple(p for p in PROJECTIONS if p in targets) + expert_targets,
         size_bytes=size,
         sha256=sha256,
+        fused_experts=fused,
     )

@@ -14,15 +14,15 @@ from shared.adapter_format import WEIGHTS_FILE, file_sha256
 from shared.schema import AdapterRef
 from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, load_engine, make_kv_cache, prefill
 from tests.engine.tiny_hf import oracle_logits
-from tests.engine.tiny_moe import MOE_FAMILIES, VOCAB_SIZE, TinyMoE, build_tiny_moe
+from tests.engine.tiny_moe import FUSED, MOE_FAMILIES, VOCAB_SIZE, TinyMoE, build_tiny_moe
 from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.model import CausalLM
 from worker.engine.peft_adapter import load_adapter_weights
 
 TOLERANCE = 1e-4
-SLOTS = {"experts_r8": 1, "experts_only_r4": 3, "attn_r4": 0}
-MIXED = [(None, 6), ("experts_r8", 5), ("experts_only_r4", 9), ("attn_r4", 3), ("experts_r8", 1), (None, 4)]
+SLOTS = {"experts_r8": 1, "experts_only_r4": 3, "attn_r4": 0, FUSED: 2}
+MIXED = [(None, 6), ("experts_r8", 5), ("experts_only_r4", 9), (FUSED, 7), ("attn_r4", 3), ("experts_r8", 1), (None, 4)]
 
 
 @pytest.fixture(scope="module", params=list(MOE_FAMILIES))
@@ -60,7 +60,7 @@ def test_decode_steps_match_hf(tiny_moe: TinyMoE) -> None:
     model = _engine(tiny_moe)
     kv_cache = make_kv_cache(model, num_blocks=64, block_size=4)
     pool = BlockPool(64, seed=1)
-    seqs = _sequences()[:4]
+    seqs = _sequences()[:5]
     next_tokens = prefill([seq for _, seq in seqs], model, kv_cache, pool).argmax(-1).tolist()
     for _ in range(3):
         for (_, seq), token in zip(seqs, next_tokens, strict=True):
@@ -96,3 +96,22 @@ def test_adapter_pool_writes_expert_slots_as_set_adapter_slot_does_and_leaks_not
         assert torch.equal(got, want), name
         expert_buffers += ".mlp.lora_" in name
     assert expert_buffers == 4 * len(tiny_moe.info.moe_layers)
+
+
+def test_adapter_pool_serves_peft_fused_expert_loras_at_their_doubled_rank(tiny_moe: TinyMoE) -> None:
+    """PEFT's fused form: gate_up at rank 2r takes the slot at that rank, attention zero-padded to it;
+    every LoRA buffer as the direct copy (which keeps attention at r) fills it."""
+    directory = tiny_moe.adapters[FUSED]
+    ref = AdapterRef(FUSED, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
+    with ThreadPoolExecutor(1) as hasher:
+        host = read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
+                                 max_rank=8, max_bytes=1 << 30, pin=False, hasher=hasher)  # fmt: skip
+    served = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
+    SlotWriter(served).write(0, host).wait()
+    direct = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
+    direct.set_adapter_slot(0, load_adapter_weights(directory, tiny_moe.info, max_rank=8, max_bytes=1 << 30))
+
+    assert host.rank == 8 and served.slot_ranks[0] == 8  # r = 4, gate_up 2r
+    for (name, got), (_, want) in zip(served.named_buffers(), direct.named_buffers(), strict=True):
+        if "lora" in name:
+            assert torch.equal(got, want), name

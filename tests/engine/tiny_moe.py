@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import PeftModel
+from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -88,11 +88,27 @@ def save_expert_adapter(
     (directory / "adapter_config.json").write_text(json.dumps(config))
 
 
+def save_peft_moe_adapter(base: PreTrainedModel, info: ModelInfo, directory: Path, *, rank: int, alpha: float,
+                          seed: int, use_rslora: bool = False) -> None:  # fmt: skip
+    """An adapter on q/v and every expert as PEFT 0.21 saves it for a transformers-5 MoE model: LoRA on
+    the fused expert parameters (target_parameters, gate_up at rank 2r via rank_pattern), random A and B."""
+    targets = ["q_proj", "v_proj", *EXPERT_PROJECTIONS[info.architecture]]
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, lora_dropout=0.0)
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn_like(param) * 0.2)
+    peft_model.save_pretrained(directory)
+
+
 MOE_ADAPTERS = {
     "experts_r8": {"rank": 8, "alpha": 16, "attention": ["q_proj", "o_proj"], "experts": True},
     "experts_only_r4": {"rank": 4, "alpha": 12, "attention": [], "experts": True},
     "attn_r4": {"rank": 4, "alpha": 8, "attention": ["k_proj", "v_proj"], "experts": False},
 }
+FUSED = "fused_r4_rslora"  # saved by PEFT itself, in its fused-parameter form
 
 
 @dataclass(frozen=True)
@@ -112,6 +128,9 @@ def build_tiny_moe(family: str, directory: Path) -> TinyMoE:
     for seed, (name, spec) in enumerate(MOE_ADAPTERS.items(), start=1):
         adapters[name] = directory / name
         save_expert_adapter(info, adapters[name], seed=seed, **spec)
+    # rsLoRA: PEFT's doubled rank and alpha on gate_up give it another scale than attention's
+    adapters[FUSED] = directory / FUSED
+    save_peft_moe_adapter(base, info, adapters[FUSED], rank=4, alpha=8, seed=9, use_rslora=True)
     (first, first_dir), *rest = adapters.items()
     oracle = PeftModel.from_pretrained(copy.deepcopy(base), first_dir, adapter_name=first)
     for name, path in rest:

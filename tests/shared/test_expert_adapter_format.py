@@ -1,6 +1,6 @@
 """Validation of MoE adapters: per-expert LoRAs are accepted with their shapes checked against the
-base model; incomplete experts, dense-MLP LoRAs on MoE layers and PEFT's fused-parameter form are
-refused with a code naming the problem."""
+base model (incomplete experts and dense-MLP LoRAs on MoE layers are refused with a code naming the
+problem), and PEFT's own fused-parameter form is accepted at its ranks."""
 
 from __future__ import annotations
 
@@ -79,10 +79,27 @@ def test_a_dense_mlp_lora_on_an_moe_layer_is_refused(moe) -> None:
     assert refused(path, info).code is ErrorCode.ADAPTER_SHAPE_MISMATCH
 
 
-def test_peft_fused_expert_parameters_are_refused_as_unsupported(moe, tmp_path: Path) -> None:
+def test_peft_fused_expert_parameters_are_accepted_at_their_own_ranks(moe, tmp_path: Path) -> None:
     _, info, base = moe
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
     get_peft_model(copy.deepcopy(base), config).save_pretrained(tmp_path)
     assert json.loads((tmp_path / "adapter_config.json").read_text())["target_parameters"]  # what PEFT 0.21 saves
-    error = refused(tmp_path, info)
+
+    manifest = inspect_adapter(tmp_path, info, max_rank=8, max_bytes=1 << 30)
+
+    assert manifest.target_modules == ("q_proj", "experts.gate_up_proj", "experts.down_proj")
+    assert manifest.fused_experts is not None
+    assert dict(manifest.fused_experts.ranks) == {"gate_up_proj": 8, "down_proj": 4}  # gate and up fused: 2r
+    assert manifest.rank == 4 and manifest.serving_rank == 8
+    with pytest.raises(LorafleetError) as caught:  # the doubled rank counts against the slot rank
+        inspect_adapter(tmp_path, info, max_rank=4, max_bytes=1 << 30)
+    assert caught.value.code is ErrorCode.ADAPTER_RANK_TOO_LARGE
+
+
+def test_fused_targets_other_than_the_experts_are_refused(moe, tmp_path: Path) -> None:
+    directory = adapter(moe, "fused_ok")
+    config = json.loads((directory / "adapter_config.json").read_text())
+    (tmp_path / "adapter_model.safetensors").write_bytes((directory / WEIGHTS_FILE).read_bytes())
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config | {"target_parameters": ["mlp.gate.weight"]}))
+    error = refused(tmp_path, moe[1])
     assert error.code is ErrorCode.ADAPTER_UNSUPPORTED and "target_parameters" in error.message

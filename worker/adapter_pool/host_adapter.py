@@ -13,9 +13,9 @@ from safetensors.torch import load as load_safetensors
 
 from shared.adapter_format import AdapterManifest, manifest_of, read_adapter_files, resolve_adapter_dir
 from shared.errors import ErrorCode, LorafleetError
-from shared.expert_adapter_keys import expert_key
 from shared.model_info import EXPERT_PROJECTIONS, PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef
+from worker.engine.moe import expert_loras
 from worker.engine.peft_adapter import peft_key
 
 
@@ -103,7 +103,9 @@ def _pack(
 ) -> HostAdapter:
     """Every LoRA matrix of the validated weights `data`, packed in `dtype` into one flat buffer."""
     tensors = load_safetensors(data)
-    rank = manifest.rank
+    # one rank for every part: the largest any part has (a fused gate_up LoRA's is 2r); smaller
+    # parts fill their first ranks and the zeroed rest adds nothing
+    rank = manifest.serving_rank
     parts = []
     offset = 0
     for layer in range(info.num_layers):
@@ -114,37 +116,25 @@ def _pack(
             parts.append(AdapterPart(layer, projection, offset, offset + rank * in_features, in_features, out_features))
             offset += rank * (in_features + out_features)
     expert_parts = []
-    for layer, projection in _expert_targets(tensors, info):
+    experts = expert_loras(tensors, info, manifest.fused_experts, manifest.scaling)
+    for layer, projection in experts:
         in_features, out_features = info.expert_projection_shape(projection)
         b_offset = offset + rank * info.num_experts * in_features
         name = f"experts.{projection}"
         part = AdapterPart(layer, name, offset, b_offset, in_features, out_features, info.num_experts)
         expert_parts.append((part, projection))
         offset += rank * part.numel
-    buffer = torch.empty(offset, dtype=dtype, pin_memory=pin)
+    padded = rank > manifest.rank
+    buffer = (torch.zeros if padded else torch.empty)(offset, dtype=dtype, pin_memory=pin)
     adapter = HostAdapter(ref.uid, rank, manifest.scaling, buffer, tuple(parts) + tuple(p for p, _ in expert_parts))
     for part in parts:
-        adapter.a(part).copy_(tensors[peft_key(part.layer, part.projection, "A")])
-        adapter.b(part).copy_(tensors[peft_key(part.layer, part.projection, "B")])
+        adapter.a(part)[: manifest.rank].copy_(tensors[peft_key(part.layer, part.projection, "A")])
+        adapter.b(part)[:, : manifest.rank].copy_(tensors[peft_key(part.layer, part.projection, "B")])
     for part, projection in expert_parts:
-        experts = range(info.num_experts)
-        a = [tensors[expert_key(info, part.layer, e, projection, "A")] for e in experts]
-        adapter.a(part).copy_(torch.stack(a, dim=1))
-        adapter.b(part).copy_(torch.stack([tensors[expert_key(info, part.layer, e, projection, "B")] for e in experts]))
+        a, b = experts[(part.layer, projection)]  # [E, r, in], [E, out, r]
+        adapter.a(part)[: a.shape[1]].copy_(a.transpose(0, 1))
+        adapter.b(part)[..., : b.shape[2]].copy_(b)
     return adapter
-
-
-def _expert_targets(tensors: dict[str, torch.Tensor], info: ModelInfo) -> list[tuple[int, str]]:
-    """(layer, expert projection) the adapter gives per-expert LoRAs for (validation checked that a
-    projection it targets has every expert)."""
-    if not info.is_moe:
-        return []
-    return [
-        (layer, projection)
-        for layer in info.moe_layers
-        for projection in EXPERT_PROJECTIONS[info.architecture]
-        if expert_key(info, layer, 0, projection, "A") in tensors
-    ]
 
 
 def max_adapter_bytes(info: ModelInfo, *, max_rank: int, dtype: torch.dtype) -> int:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from shared.adapter_format import WEIGHTS_FILE, inspect_adapter
 from shared.model_info import ModelInfo
-from worker.engine.moe import stack_expert_loras
+from worker.engine.moe import expert_loras
 
 ATTENTION_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 
@@ -53,5 +53,5 @@ def load_adapter_weights(adapter_dir: Path, info: ModelInfo, *, max_rank: int, m
         scaling=manifest.scaling,
         lora=lora,
         sha256=manifest.sha256,
-        experts=stack_expert_loras(tensors, info),
+        experts=expert_loras(tensors, info, manifest.fused_experts, manifest.scaling),
     )
