@@ -15,7 +15,7 @@ from shared.adapter_format import AdapterManifest, manifest_of, read_adapter_fil
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import EXPERT_PROJECTIONS, PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef
-from worker.engine.moe import expert_loras
+from worker.engine.moe_adapter import expert_loras
 from worker.engine.peft_adapter import peft_key
 
 
