@@ -6,7 +6,7 @@ Semantics (reference.py is the oracle):
     each of gate_up and down carrying token t's adapter delta (if it has one) for expert e.
 
 `route` and `moe_forward` dispatch: CPU tensors take the torch reference, CUDA tensors the Triton
-kernels (routing.py, align.py, gemm.py, lora_shrink.py, lora_expand.py, composed in fused.py) with
+kernels (routing.py, align.py / align_small.py, gemm.py, lora_shrink.py, lora_expand.py, composed in fused.py) with
 launch configurations from configs.py (tuned by bench/tune_moe.py).
 """
 

@@ -3,12 +3,14 @@ the LoRA shrink/expand of every active (adapter, expert) added into their output
 
     gate_up = moe_gemm(x, W13)                                  [P, 2I]   P = T * top_k pairs
     gate_up += expand(shrink(x, A13), B13)                      adapters' gate_up, in place
-    h = silu(gate up[:, :I]) * gate_up[:, I:]                   [P, I]
+    h = silu(gate_up[:, :I]) * gate_up[:, I:]                   [P, I]    (kernels.fused.silu_and_mul)
     y = moe_gemm(h, W2) * w                                     [P, H]    routing weight in the epilogue
     y += expand(shrink(h, A2), B2) * w                          adapters' down, in place
     out = y.view(T, top_k, H).sum(1)
 
-Six launches per layer with adapters in the batch (two with none), plus the metadata ops of align.py.
+Per layer: the router GEMM, top-k, one alignment by expert (align_small.py: one launch at decode
+sizes), two grouped GEMMs, SiLU·up and the top-k sum; with adapters in the batch, a second alignment
+by (adapter, expert) after ~5 small ops that build its groups, and the four LoRA kernels.
 """
 
 from __future__ import annotations
