@@ -13,9 +13,10 @@ the shared machine's load hits the baseline and the gateway alike):
 Per phase: requests/s (median of rounds), p50/p99 latency (all rounds), the gateway's rate over the
 bare handler's of the same round (median and range), and per request the server process's CPU time
 (user + system, from /proc: what the request costs whatever else the shared machine runs), the Redis
-round trips (client side: one per
-command or pipeline sent, counted in the gateway) and Redis commands (server side: INFO
-commandstats, including those Lua scripts run).
+round trips (client side: one per command or pipeline sent, counted in the gateway; the gateway
+auto-pipelines, so concurrent requests share sends and this can be below 1, while each request
+still waits on one round trip) and Redis commands (server side: INFO commandstats, including those
+Lua scripts run).
 Targets (issue #7): submit >= 0.5x the bare handler's requests/s; <= 3 round trips per submit;
 <= 1 per poll of a finished job.
 """

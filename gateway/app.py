@@ -17,6 +17,7 @@ from gateway.routes import setup_routes
 from gateway.state import AUTHENTICATOR, CONFIG, JOBS, METRICS, REDIS
 from gateway.tokenization import TokenizerCache
 from gateway.webhooks import WebhookDispatcher
+from shared.auto_pipeline import AutoPipeline
 from shared.config import GatewayConfig
 from shared.jobstore import JobStore
 from shared.rate_limits import Admission
@@ -50,7 +51,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     redis = resilient_redis(config.redis_url, socket_timeout_s=config.limits.max_wait_s + _REDIS_READ_MARGIN_S)
     executor = ThreadPoolExecutor(max_workers=_TOKENIZER_THREADS, thread_name_prefix="tokenize")
     app[REDIS] = redis
-    store = JobStore(redis, config.job_ttl_s)
+    store = JobStore(redis, config.job_ttl_s, batched=AutoPipeline(redis))
     app[JOBS] = JobService(
         redis,
         store,

@@ -15,6 +15,7 @@ import msgpack
 from redis.asyncio import Redis
 
 from shared import keys
+from shared.auto_pipeline import AutoPipeline
 from shared.rate_limits import ADMIT_LUA, AdmissionCheck, AdmissionDenied, denial
 from shared.schema import JobError, JobMessage, JobOutput, JobRecord, JobStatus, TokenDelta, encode_job, encode_output
 
@@ -110,8 +111,11 @@ def now_ms() -> int:
 class JobStore:
     """Owns the `lf:job:*` hashes and `lf:out:*` event streams; queues are written only through `create`."""
 
-    def __init__(self, redis: Redis, job_ttl_s: int) -> None:
+    def __init__(self, redis: Redis, job_ttl_s: int, *, batched: AutoPipeline | None = None) -> None:
+        """`batched`: send `create` and `get` through this auto-pipeline (a gateway's many concurrent
+        requests then share Redis round trips); otherwise every call is its own round trip."""
         self._redis = redis
+        self._batched: Redis | AutoPipeline = batched or redis
         self._ttl_s = job_ttl_s
         self._create = redis.register_script(_CREATE)
         self._start = redis.register_script(_START)
@@ -134,6 +138,7 @@ class JobStore:
         # the record travels as one msgpack argument: each argument costs redis-py's encoder more than msgpack
         flat = [item for field in record.to_hash().items() for item in field]
         reply = await self._create(
+            client=self._batched,
             keys=[keys.job(record.job_id), keys.queue(record.model), idem_key, *(admission.keys if admission else ())],
             args=[
                 "1" if idempotency_key else "0",
@@ -151,7 +156,7 @@ class JobStore:
         return job_id.decode() if isinstance(job_id, bytes) else job_id, bool(created)
 
     async def get(self, job_id: str) -> JobRecord | None:
-        raw = await self._redis.hgetall(keys.job(job_id))
+        raw = await self._batched.hgetall(keys.job(job_id))
         return JobRecord.from_hash(raw) if raw else None
 
     async def start(self, job_id: str, worker_id: str) -> tuple[JobStatus | None, int]:
