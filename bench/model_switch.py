@@ -51,9 +51,9 @@ from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model import CausalLM
 from worker.engine.model_runner import ModelRunner
-from worker.engine.weights import SINGLE_FILE
+from worker.engine.weights import INDEX_FILE, checkpoint_files
 from worker.models.host_cache import HostWeights
-from worker.models.loader import copy_to_model, read_to_host
+from worker.models.loader import PageLock, copy_to_model, read_to_host
 
 
 def llama(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, tied: bool) -> ModelInfo:
@@ -87,6 +87,7 @@ SHAPES = {
 }
 BATCH, PROMPT, NEW_TOKENS = 32, 128, 128
 _BLOCK_ELEMENTS = 1 << 27  # 256 MiB of random bf16 values that every tensor's bytes are cut from
+_SHARD_BYTES = 5_000_000_000  # transformers' default max_shard_size
 
 
 def tensor_shapes(info: ModelInfo) -> dict[str, tuple[int, ...]]:
@@ -116,13 +117,18 @@ def random_block(device: str) -> torch.Tensor:
     return (torch.randn(_BLOCK_ELEMENTS, device=device, dtype=torch.bfloat16) * 0.02).cpu()
 
 
-def _layout(info: ModelInfo) -> tuple[dict, int]:
-    header, offset = {}, 0
+def _layout(info: ModelInfo, shard_bytes: int | None = None) -> list[tuple[dict, int]]:
+    """(safetensors header, data bytes) per shard of at most `shard_bytes` (None: one file)."""
+    shards: list[tuple[dict, int]] = [({}, 0)]
     for name, shape in tensor_shapes(info).items():
         nbytes = 2 * int(torch.Size(shape).numel())
+        header, offset = shards[-1]
+        if shard_bytes is not None and offset and offset + nbytes > shard_bytes:
+            shards.append(({}, 0))
+            header, offset = shards[-1]
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    return header, offset
+        shards[-1] = (header, offset + nbytes)
+    return shards
 
 
 def _fill(buffer: memoryview, block: bytes) -> None:
@@ -153,53 +159,58 @@ def write_model(info: ModelInfo, directory: Path, block: torch.Tensor) -> Path:
     (directory / "config.json").write_text(json.dumps(config))
     word_level = Tokenizer(models.WordLevel({f"w{i}": i for i in range(info.vocab_size)}, unk_token="w0"))
     word_level.save(str(directory / "tokenizer.json"))
-    header, data_bytes = _layout(info)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section 8-byte aligned, as safetensors writers do
-    block_bytes = block.view(torch.int16).numpy().tobytes()
-    path = directory / SINGLE_FILE
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        chunk = bytearray(len(block_bytes))
-        _fill(memoryview(chunk), block_bytes)
-        for start in range(0, data_bytes, len(chunk)):
-            f.write(memoryview(chunk)[: min(len(chunk), data_bytes - start)])
-        f.flush()
-        os.fsync(f.fileno())
+    shards = _layout(info, _SHARD_BYTES)
+    chunk = block.view(torch.int16).numpy().tobytes()
+    weight_map = {}
+    for index, (header, data_bytes) in enumerate(shards, start=1):
+        shard = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        weight_map |= dict.fromkeys(header, shard)
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)  # the data section 8-byte aligned, as safetensors writers do
+        with (directory / shard).open("wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for start in range(0, data_bytes, len(chunk)):
+                f.write(memoryview(chunk)[: min(len(chunk), data_bytes - start)])
+            f.flush()
+            os.fsync(f.fileno())
+    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return directory
 
 
 def host_weights(info: ModelInfo, block: torch.Tensor) -> HostWeights:
     """The checkpoint built in pinned host memory, as the warm tier holds it (no file needed)."""
-    header, data_bytes = _layout(info)
-    buffer = torch.empty(data_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    [(header, data_bytes)] = _layout(info)
+    buffer = torch.empty(data_bytes, dtype=torch.uint8)
     _fill(memoryview(buffer.numpy()), block.view(torch.int16).numpy().tobytes())
+    lock = (PageLock(buffer),) if torch.cuda.is_available() else ()
     tensors = {
         name: buffer[e["data_offsets"][0] : e["data_offsets"][1]].view(torch.bfloat16).reshape(e["shape"])
         for name, e in header.items()
     }
-    return HostWeights(info.name, tensors, data_bytes, pinned=buffer.is_pinned())
+    return HostWeights(info.name, tensors, data_bytes, pinned=bool(lock), keepalive=lock)
 
 
-def drop_page_cache(path: Path) -> None:
-    """Evict the file's clean pages, so the next read comes from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def drop_page_cache(directory: Path) -> None:
+    """Evict the checkpoint files' clean pages, so the next read comes from the disk."""
+    for path in checkpoint_files(directory):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
-def disk_read_floor(path: Path) -> float:
-    """Bytes/s of a plain sequential read of `path` into pageable memory, the page cache dropped."""
-    drop_page_cache(path)
-    buffer = bytearray(64 << 20)
-    view = memoryview(buffer)
+def disk_read_floor(directory: Path) -> float:
+    """Bytes/s of plain sequential reads of the checkpoint's files into one reused 64 MiB buffer,
+    the page cache dropped."""
+    drop_page_cache(directory)
+    view = memoryview(bytearray(64 << 20))
     total = 0
     start = time.perf_counter()
-    with path.open("rb", buffering=0) as f:
-        while read := f.readinto(view):
-            total += read
+    for path in checkpoint_files(directory):
+        with path.open("rb", buffering=0) as f:
+            while read := f.readinto(view):
+                total += read
     return total / (time.perf_counter() - start)
 
 
@@ -293,7 +304,7 @@ class SwitchRow:
 
 
 def measure_cold(info: ModelInfo, directory: Path, disk_bps: float, stream: torch.cuda.Stream | None) -> SwitchRow:
-    drop_page_cache(directory / SINGLE_FILE)
+    drop_page_cache(directory)
     config = engine_config()
     start = time.perf_counter()
     host = read_to_host(info.name, directory, pin=torch.cuda.is_available())
@@ -304,7 +315,7 @@ def measure_cold(info: ModelInfo, directory: Path, disk_bps: float, stream: torc
     copy_s = time.perf_counter() - copy_start
     del model, host
     free_device_memory()
-    nbytes = (directory / SINGLE_FILE).stat().st_size
+    nbytes = sum(path.stat().st_size for path in checkpoint_files(directory))
     detail = f"read {read_s:.2f} s + copy {copy_s:.2f} s"
     return SwitchRow(info.name, nbytes / 1e9, "cold", read_s + copy_s, nbytes / disk_bps, detail)
 
@@ -339,6 +350,14 @@ def measure_overlap(
     """Prepare `info` beside `serving` while it decodes, then hand over; returns the row and the new
     engine. Takes `serving` over: it is freed in the hand-over (the caller keeps no reference)."""
     config = engine_config()
+    # a worker switching between models it served before has their kernels compiled (Triton JITs
+    # each new shape once per process): compile them here so the pause below is the steady state
+    warm = new_engine(empty_model(info, config), config)
+    add_batch(warm, "compile", new_tokens=2)
+    while warm.num_unfinished:
+        warm.step()
+    del warm
+    free_device_memory()
     add_batch(serving, "before", new_tokens=SERVING_TOKENS)
     for _ in range(3):  # prefill, then decode steps only
         serving.step()
@@ -406,11 +425,12 @@ def part_switch(args: argparse.Namespace) -> None:
     rows: list[SwitchRow] = []
     for shape in args.cold:
         directory = write_model(SHAPES[shape], args.dir / shape, block)
-        disk = disk_read_floor(directory / SINGLE_FILE)
+        disk = disk_read_floor(directory)
         rows.append(measure_cold(SHAPES[shape], directory, disk, stream))
-        rows[-1].detail += f"; disk floor {disk / 1e9:.2f} GB/s"
+        rows[-1].detail += f"; disk floor {disk / 1e9:.2f} GB/s; {len(checkpoint_files(directory))} shards"
         print(rows[-1], flush=True)
-        (directory / SINGLE_FILE).unlink()
+        for path in checkpoint_files(directory):
+            path.unlink()
     for shape in args.shapes:
         host = host_weights(SHAPES[shape], block)
         rows.append(measure_warm(SHAPES[shape], host, h2d, stream))

@@ -15,6 +15,7 @@ from shared.model_info import ModelInfo
 from tests.engine.tiny_hf import save_tiny_model
 from worker.engine.model import CausalLM
 from worker.engine.weights import SINGLE_FILE
+from worker.models import loader
 from worker.models.loader import checkpoint_bytes, copy_to_model, read_to_host
 
 
@@ -55,8 +56,11 @@ def test_offsets_outside_the_file_are_refused(tmp_path: Path) -> None:
         read_to_host("m", tmp_path, pin=False)
 
 
-@pytest.mark.parametrize("shard_size", [None, "20KB"])
-def test_a_model_filled_from_host_memory_equals_one_loaded_from_disk(tmp_path: Path, shard_size: str | None) -> None:
+@pytest.mark.parametrize(("shard_size", "segment_bytes"), [(None, 256 << 20), ("20KB", 256 << 20), (None, 4096)])
+def test_a_model_filled_from_host_memory_equals_one_loaded_from_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_size: str | None, segment_bytes: int
+) -> None:
+    monkeypatch.setattr(loader, "_SEGMENT_BYTES", segment_bytes)  # 4096: many host buffers per file
     save_tiny_model("qwen2", tmp_path, seed=3, max_shard_size=shard_size)  # q/k/v biases and a tied head
     info = ModelInfo.from_pretrained("m", tmp_path)
     from_disk = CausalLM(info, max_loras=1, max_lora_rank=2, dtype=torch.float32)

@@ -44,6 +44,12 @@ def read_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+# Host-to-device copies go in pieces of at most this many bytes: copies queue on the GPU's copy
+# engine in order, so a serving model's small per-step input copy waits behind at most one piece
+# (~0.6 ms at 55 GB/s) of a model being loaded beside it, not behind a whole 1 GB embedding.
+COPY_CHUNK_BYTES = 32 << 20
+
+
 def copy_weight(target: torch.Tensor, tensor: torch.Tensor, *, name: str) -> None:
     """Copy a checkpoint tensor into a parameter (or a slice of one), converting its dtype.
 
@@ -51,7 +57,13 @@ def copy_weight(target: torch.Tensor, tensor: torch.Tensor, *, name: str) -> Non
     used, and keeps the host tensors alive until then); from pageable memory torch copies synchronously."""
     if target.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
-    target.copy_(tensor, non_blocking=True)
+    row_bytes = tensor[0].numel() * tensor.element_size() if tensor.dim() > 1 and len(tensor) else 0
+    if not row_bytes or len(tensor) * row_bytes <= COPY_CHUNK_BYTES:
+        target.copy_(tensor, non_blocking=True)
+        return
+    rows = max(1, COPY_CHUNK_BYTES // row_bytes)
+    for piece, source in zip(target.split(rows), tensor.split(rows), strict=True):
+        piece.copy_(source, non_blocking=True)
 
 
 def load_checkpoint(model_dir: Path, loaders: dict[str, TensorLoader], *, ignore: Callable[[str], bool]) -> None:
