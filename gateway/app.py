@@ -58,6 +58,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         TokenizerCache(redis, executor),
         Admission(config.tenant_limits),
         events_idle_s=min(_KEEPALIVE_S, config.limits.max_wait_s),
+        model_unserved_after_s=config.model_unserved_after_s,
     )
     webhooks = None
     if config.webhooks.enabled:

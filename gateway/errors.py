@@ -41,6 +41,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.MODEL_UNAVAILABLE: 503,
     ErrorCode.COMPLETION_TIMEOUT: 504,
 }
 

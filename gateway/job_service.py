@@ -33,7 +33,7 @@ from shared.adapter_registry import get_adapter, track_adapter_job
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore
 from shared.model_info import ModelInfo
-from shared.model_registry import get_chat_template, get_model
+from shared.model_registry import get_chat_template, get_model, served_ms
 from shared.rate_limits import Admission, AdmissionDenied, Denial
 from shared.schema import AdapterRef, JobMessage, JobRecord, JobStatus, SamplingParams
 from shared.tenants import Tenant
@@ -110,12 +110,14 @@ class JobService:
         admission: Admission,
         *,
         events_idle_s: float,
+        model_unserved_after_s: float,
     ) -> None:
         self._redis = redis
         self._store = store
         self._tokenizers = tokenizers
         self._admission = admission
         self._events_idle_s = events_idle_s  # an event stream yields Idle after this long without events
+        self._unserved_after_ms = model_unserved_after_s * 1000
         self._models: TtlCache[str, ModelInfo] = TtlCache(MODEL_CACHE_TTL_S, max_entries=1024)
 
     async def submit(
@@ -126,6 +128,7 @@ class JobService:
         model = await self._model(request.model)
         if model is None:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} not found", param="model")
+        await self._check_served(model.name)
         adapter = None if request.adapter is None else await self._adapter(tenant, request.adapter, model)
         prompt_token_ids, sampling = await self._prompt_token_ids(model, request)
         job_id = new_job_id()
@@ -272,6 +275,17 @@ class JobService:
         """The model's record, from this process's cache when it is fresh (models that are not found are
         looked up again every time)."""
         return await self._models.get_or_load(name, lambda: get_model(self._redis, name))
+
+    async def _check_served(self, model: str) -> None:
+        """MODEL_UNAVAILABLE unless a live worker advertised `model` recently: a job for a model no
+        worker serves would wait in its queue forever."""
+        last = await served_ms(self._redis, model)
+        if last is None or time.time() * 1000 - last > self._unserved_after_ms:
+            raise RequestError(
+                ErrorCode.MODEL_UNAVAILABLE,
+                f"no worker serves model {model!r} at present; retry later",
+                param="model",
+            )
 
     async def _adapter(self, tenant: Tenant, name: str, model: ModelInfo) -> AdapterRef:
         """The current version of an adapter the tenant may use with `model`."""

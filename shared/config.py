@@ -96,6 +96,9 @@ class GatewayConfig:
     max_lora_rank: int = 64
     max_adapter_bytes: int = 2 << 30
     webhooks: WebhookConfig = field(default_factory=WebhookConfig)
+    # a known model that no worker has advertised for this long is refused (503) instead of queued:
+    # long enough for a worker restart (its heartbeats resume once it has loaded its models)
+    model_unserved_after_s: float = 120.0
 
 
 @dataclass(frozen=True, slots=True)

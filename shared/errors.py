@@ -28,6 +28,7 @@ class ErrorCode(StrEnum):
     NO_CHAT_TEMPLATE = "chat_template_missing"  # chat completion on a model without a chat template
     INVALID_CHAT_TEMPLATE = "invalid_chat_template"  # the model's template failed to render these messages
     COMPLETION_TIMEOUT = "completion_timeout"  # a blocking completion outlived limits.max_completion_s
+    MODEL_UNAVAILABLE = "model_unavailable"  # a known model that no live worker has served for a while
     ADMIN_DISABLED = "admin_disabled"  # the gateway has no admin key configured
     WEBHOOK_NOT_ALLOWED = "webhook_not_allowed"  # a webhook URL off the allow-list (or webhooks are off)
     # adapter validation

@@ -38,7 +38,7 @@ from shared.config import WorkerConfig
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore, now_ms
 from shared.model_info import ModelInfo
-from shared.model_registry import publish_model
+from shared.model_registry import mark_served, publish_model
 from shared.redis_client import resilient_redis
 from shared.schema import JobError, JobMessage, JobStatus, SchemaError, TokenDelta, decode_job
 from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
@@ -440,6 +440,8 @@ class Worker:
                 },
             )
             pipe.expire(keys.worker(self.id), max(3, int(self.config.heartbeat_interval_s * 3)))
+            for spec in self.config.models:
+                mark_served(pipe, spec.name, now_ms())
             pipe.sadd(keys.WORKERS, self.id)
             await pipe.execute()
 
