@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import structlog
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.jobstore import now_ms
 from worker.engine_thread import EngineThread
@@ -31,6 +33,7 @@ log = structlog.get_logger(__name__)
 
 _CHECK_INTERVAL_S = 0.25
 _DRAIN_POLL_S = 0.02
+_FAILED_RETRY_S = 60.0  # a model that failed to load is not switched to again for this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,7 @@ class ModelSwitcher:
         self._in_flight = in_flight
         self._hand_back = hand_back
         self._draining: set[str] = set()
+        self._failed_at: dict[str, float] = {}  # model → monotonic time its last load failed
         self.switches = 0
         self.last_switch: SwitchRecord | None = None
 
@@ -87,17 +91,39 @@ class ModelSwitcher:
         }
 
     async def run(self) -> None:
-        """Warm the cold models into the host cache as it has room, then decide and switch forever."""
+        """Decide and switch forever; meanwhile, read the cold models into the host cache as it has room
+        (a switch need not wait for that)."""
+        warm_up = asyncio.create_task(self._warm_up(), name="warm-up")
+        try:
+            await self._switch_when_worth_it()  # a lost Redis connection ends it: the caller retries
+        finally:
+            warm_up.cancel()
+
+    async def _warm_up(self) -> None:
         for name in self.residency.specs:
-            if name not in self.residency.resident:
+            if name in self.residency.resident:
+                continue
+            try:
                 await asyncio.to_thread(self.residency.warm_up, name)
+            except Exception as exc:  # it stays cold; a switch to it reads it again and fails its jobs' way
+                log.warning("model_warm_up_failed", model=name, error=f"{type(exc).__name__}: {exc}")
+
+    async def _switch_when_worth_it(self) -> None:
         while True:
             decision = await self._decide()
             if decision is None:
                 await asyncio.sleep(_CHECK_INTERVAL_S)
                 continue
             log.info("model_switch", incoming=decision.incoming, outgoing=decision.outgoing, why=decision.reason)
-            record = await self._switch(decision)
+            try:
+                record = await self._switch(decision)
+            except (RedisConnectionError, RedisTimeoutError):
+                raise
+            except Exception:  # a checkpoint that cannot load must not stop the worker serving the others
+                log.exception("model_switch_failed", incoming=decision.incoming, outgoing=decision.outgoing)
+                self._failed_at[decision.incoming] = time.monotonic()
+                self._draining.discard(decision.outgoing)  # still resident unless it was already evicted
+                continue
             self.switches += 1
             self.last_switch = record
             log.info("model_switched", **asdict(record))
@@ -114,10 +140,11 @@ class ModelSwitcher:
             ResidentModel(name, queues[name], *self._in_flight(name), time.monotonic() - since.get(name, 0.0))
             for name in resident
         ]
+        now_s = time.monotonic()
         candidates = [
             CandidateModel(name, queues[name], self.residency.switch_cost_s(name))
             for name in self.residency.specs
-            if name not in resident
+            if name not in resident and now_s - self._failed_at.get(name, -_FAILED_RETRY_S) >= _FAILED_RETRY_S
         ]
         return choose_switch(residents, candidates, free_slots=self.residency.slots - len(resident))
 
