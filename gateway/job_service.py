@@ -118,6 +118,9 @@ class JobService:
         self._admission = admission
         self._events_idle_s = events_idle_s  # an event stream yields Idle after this long without events
         self._unserved_after_ms = model_unserved_after_s * 1000
+        # when a worker last advertised each model (unix ms): stamps are refreshed every heartbeat, so a
+        # few seconds' cache keeps the check off the submit's Redis round trip
+        self._served: TtlCache[str, int] = TtlCache(MODEL_CACHE_TTL_S, max_entries=1024)
         self._models: TtlCache[str, ModelInfo] = TtlCache(MODEL_CACHE_TTL_S, max_entries=1024)
 
     async def submit(
@@ -279,8 +282,13 @@ class JobService:
     async def _check_served(self, model: str) -> None:
         """MODEL_UNAVAILABLE unless a live worker advertised `model` recently: a job for a model no
         worker serves would wait in its queue forever."""
-        last = await served_ms(self._redis, model)
-        if last is None or time.time() * 1000 - last > self._unserved_after_ms:
+        now = time.time() * 1000
+        last = await self._served.get_or_load(model, lambda: served_ms(self._redis, model))
+        if last is not None and now - last > self._unserved_after_ms:  # the cached stamp may be behind Redis's
+            last = await served_ms(self._redis, model)
+            if last is not None:
+                self._served.put(model, last)
+        if last is None or now - last > self._unserved_after_ms:
             raise RequestError(
                 ErrorCode.MODEL_UNAVAILABLE,
                 f"no worker serves model {model!r} at present; retry later",
