@@ -6,7 +6,7 @@
 | lf:job:{id}                   | hash   | job record (status, tenant, timings, result); TTL         |
 | lf:out:{id}                   | stream | job events (tokens, final) for long-poll / streaming; TTL |
 | lf:dlq                        | stream | jobs that failed delivery too many times (capped)         |
-| lf:models / lf:model:{name}   | set / hash | base models served: ModelInfo + tokenizer.json        |
+| lf:models / lf:model:{name}   | set / hash | base models: ModelInfo, tokenizer.json, served_ms    |
 | lf:adapters / lf:adapter:{n}  | set / hash | adapter registry records                              |
 | lf:adapter-jobs:{n}           | zset   | job ids queued or running on adapter n (unregister: 409)  |
 | lf:workers / lf:worker:{id}   | set / hash | worker heartbeats; the hash has a TTL                 |
