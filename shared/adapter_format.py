@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import struct
 from collections.abc import Callable
@@ -167,6 +168,34 @@ def read_adapter_files(adapter_dir: Path, *, max_rank: int, max_bytes: int) -> t
     if len(data) > max_bytes:  # grown since the size check
         raise _invalid(ErrorCode.ADAPTER_TOO_LARGE, f"{WEIGHTS_FILE} is over the limit of {max_bytes} bytes")
     return config, data
+
+
+def read_adapter_into(
+    adapter_dir: Path, model: ModelInfo, *, max_rank: int, max_bytes: int, allocate: Callable[[int], memoryview]
+) -> tuple[AdapterManifest, dict[str, dict]]:
+    """Validate an adapter directory, reading its weights file once with the tensor data (all after
+    the safetensors header) going straight into `allocate(n)`, a writable n-byte buffer (pinned host
+    memory, say). Returns the manifest, whose sha256 is of exactly the bytes read, and the header:
+    tensor name → dtype, shape, data_offsets into that buffer."""
+    config = _read_config(adapter_dir)
+    _check_rank(config, max_rank)
+    digest = hashlib.sha256()
+    with _weights_file(adapter_dir, max_bytes).open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:  # grown since the size check
+            raise _invalid(ErrorCode.ADAPTER_TOO_LARGE, f"{WEIGHTS_FILE} is over the limit of {max_bytes} bytes")
+
+        def read(n: int) -> bytes:
+            chunk = f.read(n)
+            digest.update(chunk)
+            return chunk
+
+        header = _parse_header(read, WEIGHTS_FILE)
+        data = allocate(size - f.tell())
+        if f.readinto(data) != len(data) or f.read(1):
+            raise _invalid(ErrorCode.INVALID_ADAPTER, f"{WEIGHTS_FILE} changed while it was read")
+        digest.update(data)
+    return _manifest(config, header, model, size=size, sha256=digest.hexdigest()), header
 
 
 def manifest_of(config: dict, data: bytes, model: ModelInfo, *, sha256: str) -> AdapterManifest:

@@ -92,6 +92,24 @@ def test_an_evicted_slot_leaks_nothing_into_a_lower_rank_adapter(llama: TinyChec
     assert reused.model.slot_ranks.tolist() == fresh.model.slot_ranks.tolist() == [0, 4]
 
 
+def test_a_file_in_the_models_dtype_is_used_in_place_and_matches_the_packed_form(llama: TinyCheckpoint):
+    directory = llama.adapters["mlp_k_r4"]
+    ref = AdapterRef("mlp_k_r4", 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
+    dtypes = (torch.float32, torch.float64)
+    limits = {"adapter_root": directory.parent, "info": llama.info, "max_rank": 16, "max_bytes": 1 << 30, "pin": False}
+    with ThreadPoolExecutor(1) as hasher:
+        # the file's dtype (read in place) and another one (packed)
+        read = {dtype: read_host_adapter(ref, dtype=dtype, hasher=hasher, **limits) for dtype in dtypes}
+    weights = (directory / WEIGHTS_FILE).read_bytes()
+    data_section = len(weights) - 8 - int.from_bytes(weights[:8], "little")
+    assert read[torch.float32].nbytes == data_section  # the file's tensor bytes, nothing repacked
+    in_place, packed = read[torch.float32], read[torch.float64]
+    assert [(p.layer, p.projection) for p in in_place.parts] == [(p.layer, p.projection) for p in packed.parts]
+    for part, other in zip(in_place.parts, packed.parts, strict=True):
+        assert torch.equal(in_place.a(part).double(), packed.a(other))
+        assert torch.equal(in_place.b(part).double(), packed.b(other))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_slot_written_by_the_pool_equals_one_set_from_the_peft_files(llama: TinyCheckpoint, device: str):
     pooled, direct = make_runner(llama, device), make_runner(llama, device)

@@ -1,9 +1,16 @@
-"""Disk → host: an adapter read once, validated, and packed into one flat (pinned) buffer, so the
-copy to the device is one large transfer at full host-to-device bandwidth."""
+"""Disk → host: an adapter read once, validated, and held in one flat (pinned) buffer, so the copy to
+the device is one large transfer at full host-to-device bandwidth.
+
+The common case goes straight from the file into the pinned buffer (`_read_direct`): a PEFT file
+whose tensors are dense projections' A/B in the model's dtype already is what the slots take, so
+the host copies nothing and a loader thread makes a handful of calls (each one a GIL hand-off
+with the engine thread, which is what made per-tensor packing slow under load). Other files (MoE
+experts, fused expert forms, another dtype) are parsed and packed tensor by tensor (`_pack`)."""
 
 from __future__ import annotations
 
 import hashlib
+import math
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,12 +18,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from shared.adapter_format import AdapterManifest, manifest_of, read_adapter_files, resolve_adapter_dir
+from shared.adapter_format import (
+    AdapterManifest,
+    manifest_of,
+    read_adapter_files,
+    read_adapter_into,
+    resolve_adapter_dir,
+)
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import EXPERT_PROJECTIONS, PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef
 from worker.engine.moe_adapter import expert_loras
 from worker.engine.peft_adapter import peft_key
+
+_SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +91,14 @@ def read_host_adapter(
     hasher: Executor,
 ) -> HostAdapter:
     """Read `ref`'s files (path confined to the root), check them against the base model and the
-    registered sha256, and pack them. Raises LorafleetError(ADAPTER_LOAD_FAILED) naming the problem.
-    Thread-safe: the pool runs it on its loader threads (file reads and hashing release the GIL);
-    the bytes are hashed on `hasher` while they are validated and packed here."""
+    registered sha256, and hold them in `dtype`. Raises LorafleetError(ADAPTER_LOAD_FAILED) naming
+    the problem. Thread-safe: the pool runs it on its loader threads (file reads and hashing release
+    the GIL); when packing, the bytes are hashed on `hasher` meanwhile."""
     try:
         adapter_dir = resolve_adapter_dir(adapter_root, ref.path)
+        direct = _read_direct(ref, adapter_dir, info, dtype, max_rank=max_rank, max_bytes=max_bytes, pin=pin)
+        if direct is not None:
+            return direct
         config, data = read_adapter_files(adapter_dir, max_rank=max_rank, max_bytes=max_bytes)
         digest = hasher.submit(_sha256, data)
         # the manifest takes the registered digest: `digest` must equal it before anything is returned
@@ -92,6 +110,54 @@ def read_host_adapter(
         # the registry names exact weights: never serve other bytes under this identity
         raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "adapter files changed since registration")
     return adapter
+
+
+def _read_direct(
+    ref: AdapterRef, adapter_dir: Path, info: ModelInfo, dtype: torch.dtype, *, max_rank: int, max_bytes: int, pin: bool
+) -> HostAdapter | None:
+    """The file's tensor data read straight into one pinned buffer and used in place; None when the
+    file needs packing (the caller reads it again that way)."""
+    raw: list[torch.Tensor] = []
+
+    def allocate(nbytes: int) -> memoryview:
+        raw.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
+        return memoryview(raw[0].numpy())
+
+    manifest, header = read_adapter_into(adapter_dir, info, max_rank=max_rank, max_bytes=max_bytes, allocate=allocate)
+    if manifest.sha256 != ref.sha256:
+        raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "adapter files changed since registration")
+    parts = _parts_in_place(header, raw[0].numel(), info, dtype, manifest)
+    if parts is None:
+        return None
+    return HostAdapter(ref.uid, manifest.rank, manifest.scaling, raw[0].view(dtype), parts)
+
+
+def _parts_in_place(
+    header: dict[str, dict], nbytes: int, info: ModelInfo, dtype: torch.dtype, manifest: AdapterManifest
+) -> tuple[AdapterPart, ...] | None:
+    """Where each projection's A [r, in] and B [out, r] already sit in the file's data section, in
+    elements of `dtype`; None unless every tensor is one of those, in `dtype`, at the adapter's rank."""
+    if manifest.serving_rank != manifest.rank or manifest.fused_experts is not None:
+        return None
+    itemsize = dtype.itemsize
+    parts = []
+    for layer in range(info.num_layers):
+        for projection in manifest.target_modules:
+            keys = (peft_key(layer, projection, "A"), peft_key(layer, projection, "B"))
+            if keys[0] not in header:
+                continue  # PEFT's layers_to_transform may skip layers
+            offsets = []
+            for key in keys:
+                entry = header[key]
+                begin, end = entry.get("data_offsets", (-1, -1))
+                if entry["dtype"] != _SAFETENSORS_DTYPE.get(dtype) or begin % itemsize:
+                    return None
+                if not 0 <= begin <= end <= nbytes or end - begin != math.prod(entry["shape"]) * itemsize:
+                    raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, f"{key}: data offsets do not match its shape")
+                offsets.append(begin // itemsize)
+            in_features, out_features = info.projection_shape(projection)
+            parts.append(AdapterPart(layer, projection, offsets[0], offsets[1], in_features, out_features))
+    return tuple(parts) if 2 * len(parts) == len(header) else None  # anything else (experts): pack
 
 
 def _sha256(data: bytes) -> str:

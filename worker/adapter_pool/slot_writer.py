@@ -84,21 +84,30 @@ class SlotWriter:
         unknown = sorted(set(parts) - set(self._targets))
         if unknown:
             raise ValueError(f"adapter targets modules this model does not have: {unknown[:3]}")
-        a_pairs, b_pairs, zeroed = [], [], []  # (destination, source)
+        a_pairs, b_pairs, zeroed = [], [], []  # (destination, source); destinations to zero
+        dense_b: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B [out, max_rank] of the slot, B [out, r])
         for key, (a_slots, b_slots) in self._targets.items():
             part = parts.get(key)
+            whole_b = b_slots[slot]
+            # a projection's whole B [out, max_rank] (expert views have more axes or part of the ranks)
+            dense = whole_b.dim() == 2 and whole_b.is_contiguous() and whole_b.shape[1] == self._model.max_lora_rank
             if part is None:
                 if stale:
-                    zeroed += [a_slots[slot, :stale], b_slots[slot, ..., :stale]]
+                    zeroed += [a_slots[slot, :stale], whole_b if dense else b_slots[slot, ..., :stale]]
                 continue
             a_pairs.append((a_slots[slot, :rank], adapter.a(part, source)))
-            b_pairs.append((b_slots[slot, ..., :rank], adapter.b(part, source)))
+            if dense:
+                dense_b.append((whole_b, adapter.b(part, source)))  # its columns past `rank` are rewritten as zeros
+            else:
+                b_pairs.append((b_slots[slot, ..., :rank], adapter.b(part, source)))
             if stale > rank:
-                zeroed += [a_slots[slot, rank:stale], b_slots[slot, ..., rank:stale]]
+                zeroed.append(a_slots[slot, rank:stale])
+                if not dense:
+                    zeroed.append(b_slots[slot, ..., rank:stale])
         if zeroed:
             torch._foreach_zero_(zeroed)
-        # apart: A rows are dense (multi-tensor copy kernels take them in a few launches), B columns
-        # are strided and go one copy per tensor
+        b_pairs += self._padded_b(dense_b, rank)
+        # multi-tensor copies: a few launches for all dense pairs (the A rows; B padded to the slot rank)
         for pairs in (a_pairs, b_pairs):
             if pairs:
                 destinations, sources = zip(*pairs, strict=True)
@@ -106,3 +115,18 @@ class SlotWriter:
         self._model.slot_ranks[slot] = rank
         self._model.slot_scales[slot] = adapter.scaling
         self._written_rank[slot] = rank
+
+    def _padded_b(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], rank: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(slot B [out, max_rank], B [out, rank]) pairs → (slot B, B zero-padded to max_rank) pairs whose
+        copies are dense. Writing only the first `rank` columns of each slot B would be a strided copy,
+        one launch per tensor; instead every B is padded in one device buffer (a cat, a zero fill and
+        one strided copy), which also zeroes whatever a previous adapter left past `rank`."""
+        if not pairs or rank == self._model.max_lora_rank:
+            return pairs
+        stacked = torch.cat([b for _, b in pairs])  # [sum out, rank]
+        padded = stacked.new_zeros(stacked.shape[0], self._model.max_lora_rank)
+        padded[:, :rank] = stacked
+        rows = [destination.shape[0] for destination, _ in pairs]
+        return list(zip([destination for destination, _ in pairs], padded.split(rows), strict=True))
