@@ -6,7 +6,7 @@ Modules, one job each:
   app.py          the application factory; Redis client and tokenizer threads live in its cleanup_ctx
   state.py        typed AppKeys / RequestKeys
   routes.py       every route
-  middleware.py   request ids (+ one log line per request); request metrics; every error → JSON
+  middleware.py   one middleware: request ids, every error → JSON, request metrics, one log line per request
   metrics.py      the Prometheus registry of one app (requests, latency, queue depth)
   errors.py       error code → HTTP status, the JSON error body, RequestError (an error naming a field)
   auth.py         Bearer API key → tenant

@@ -12,7 +12,7 @@ from aiohttp import web
 from gateway.authenticator import Authenticator
 from gateway.job_service import JobService
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import error_middleware, metrics_middleware, request_id_middleware
+from gateway.middleware import request_middleware
 from gateway.routes import setup_routes
 from gateway.state import AUTHENTICATOR, CONFIG, JOBS, METRICS, REDIS
 from gateway.tokenization import TokenizerCache
@@ -35,7 +35,7 @@ _KEEPALIVE_S = 15.0
 def create_app(config: GatewayConfig) -> web.Application:
     """The job API application. Redis and the tokenizer threads are opened on startup, closed on cleanup."""
     app = web.Application(
-        middlewares=[request_id_middleware, metrics_middleware, error_middleware],  # outermost first
+        middlewares=[request_middleware],
         client_max_size=config.limits.max_body_bytes,
     )
     app[CONFIG] = config

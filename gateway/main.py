@@ -30,7 +30,7 @@ def run_gateway(config: GatewayConfig) -> None:
         shutdown_timeout=SHUTDOWN_GRACE_S,
         handle_signals=True,
         handler_cancellation=True,
-        access_log=None,  # request_id_middleware logs one structured line per request
+        access_log=None,  # request_middleware logs one structured line per request
         print=None,
     )
     log.info("gateway_stopped")

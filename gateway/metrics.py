@@ -15,6 +15,10 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 3
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # each label set's child, looked up once: prometheus_client's labels() checks the values and
+        # takes a lock on every call, and a request records two
+        self._request_counts: dict[tuple[str, str, int], Counter] = {}
+        self._request_latencies: dict[tuple[str, str], Histogram] = {}
         self.requests = Counter(
             "lorafleet_gateway_requests", "HTTP requests served", ["method", "route", "status"], registry=self.registry
         )
@@ -37,3 +41,14 @@ class GatewayMetrics:
             ["model"],
             registry=self.registry,
         )
+
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        """Count one request by method, route pattern and status, and record how long it took."""
+        count = self._request_counts.get((method, route, status))
+        if count is None:
+            count = self._request_counts[method, route, status] = self.requests.labels(method, route, str(status))
+        count.inc()
+        latency = self._request_latencies.get((method, route))
+        if latency is None:
+            latency = self._request_latencies[method, route] = self.latency.labels(method, route)
+        latency.observe(seconds)
