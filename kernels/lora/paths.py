@@ -13,6 +13,7 @@ Semantics (see reference.py):
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -29,8 +30,10 @@ from kernels.lora.tiles import SliceGroup, check_slices, slice_groups
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream LoRA shrinks run on beside the base GEMM (one per device, made once)."""
+def _side_stream(device: torch.device, thread: int) -> torch.cuda.Stream:
+    """The stream LoRA shrinks run on beside the base GEMM, one per device and thread: a model's
+    decode graphs may be captured on a loader thread while another model serves on the engine
+    thread, and a stream shared by the two would pull the server's launches into the capture."""
     return torch.cuda.Stream(device=device)
 
 
@@ -109,7 +112,7 @@ def _overlap(
     batch: LoRABatch,
 ) -> torch.Tensor:
     main = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device)
+    side = _side_stream(x.device, threading.get_ident())
     side.wait_stream(main)  # x (and the batch metadata) are ready
     with torch.cuda.stream(side):
         zs = [lora_shrink(x, group, batch, plan.shrink) for group in groups]

@@ -13,7 +13,7 @@ import torch
 from kernels.lora import LoRABatch
 from shared.model_info import ModelInfo
 from worker.engine.forward_batch import ForwardBatch
-from worker.engine.kv_cache import KVCache
+from worker.engine.kv_cache import KVCache, KVLayout
 from worker.engine.model import CausalLM
 from worker.engine.peft_adapter import load_adapter_weights
 
@@ -57,15 +57,8 @@ class PagedSequence:
 
 def make_kv_cache(model: CausalLM, *, num_blocks: int, block_size: int) -> KVCache:
     info = model.info
-    return KVCache.allocate(
-        num_layers=info.num_layers,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        dtype=model.dtype,
-        device=torch.device("cpu"),
-    )
+    layout = KVLayout(info.num_layers, block_size, info.num_kv_heads, info.head_dim, model.dtype)
+    return KVCache.allocate(layout, num_blocks, torch.device("cpu"))
 
 
 def build_step(

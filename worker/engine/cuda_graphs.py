@@ -26,7 +26,7 @@ import torch
 
 from kernels.lora import LoRABatch
 from worker.engine.forward_batch import ForwardBatch
-from worker.engine.kv_cache import KVCache
+from worker.engine.kv_cache import KVCache, KVLayout
 from worker.engine.model import CausalLM
 
 log = structlog.get_logger(__name__)
@@ -117,39 +117,53 @@ class DecodeGraphs:
         largest first, so smaller graphs fit in the memory the larger ones' activations freed in
         the shared pool.
 
+        This may run on a loader thread while another model of the worker serves from the same KV
+        storage (a switch prepared beside it): warm-ups run against a one-block cache of their own,
+        never writing the real one, and capture only records kernels (thread-local mode, on a stream
+        of this capture's own), so the serving model's launches go on and are never captured.
+
         A CUDA graph destroyed while another is being captured invalidates that capture (the next
         cuBLAS call fails): an earlier runner's graphs (a test's, a switched-out model's) may wait in
         unreachable reference cycles, so they are collected first and no collection runs mid-capture."""
         pool = torch.cuda.graph_pool_handle()
+        key = self.kv_cache.key[0]
+        layout = KVLayout(len(self.kv_cache.key), self.kv_cache.block_size, key.shape[2], key.shape[3], key.dtype)
+        warm_up_cache = KVCache.allocate(layout, 1, key.device)
+        stream = torch.cuda.Stream(key.device)
+        stream.wait_stream(torch.cuda.current_stream(key.device))  # the static buffers' fills, made there
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.inference_mode():
-                self._stage_padding()
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                self._stage_padding(scratch_block=0)  # the warm-up cache's one block
                 for size in reversed(self.sizes):
                     for with_lora in (False, True):
-                        self._forward(size, with_lora)
-                        torch.cuda.synchronize()
+                        self._forward(size, with_lora, warm_up_cache)
+                        stream.synchronize()
                         graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool):
-                            self._forward(size, with_lora)
+                        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                        try:
+                            self._forward(size, with_lora, self.kv_cache)
+                        finally:
+                            graph.capture_end()
                         self._graphs[size, with_lora] = graph
+                self._stage_padding(scratch_block=self.scratch_block)
         finally:
             if collecting:
                 gc.enable()
-        torch.cuda.synchronize()
+        stream.synchronize()
         log.info("decode_graphs_captured", sizes=self.sizes)
 
-    def _stage_padding(self) -> None:
-        """Fill every row as padding, so warm-up and capture runs write only the scratch block."""
+    def _stage_padding(self, scratch_block: int) -> None:
+        """Fill every row as padding of `scratch_block`, so a run writes only that block."""
         self._staging.zero_()
-        self._staging[_SLOT].fill_(self._scratch_slot)
+        self._staging[_SLOT].fill_(scratch_block * self.kv_cache.block_size)
         self._staging[_CONTEXT].fill_(1)
         self._staging[_ADAPTER].fill_(-1)
-        self._block_tables.fill_(self.scratch_block)
+        self._block_tables.fill_(scratch_block)
 
-    def _forward(self, size: int, with_lora: bool) -> None:
+    def _forward(self, size: int, with_lora: bool, kv_cache: KVCache) -> None:
         """model.forward over the first `size` rows of the static buffers into the static logits."""
         staged = self._staging[:, :size]
         lora = None
@@ -165,8 +179,8 @@ class DecodeGraphs:
             logits_indices=self._logits_indices[:size],
             max_query_len=1,
             # attention reads context lengths on the device; this host copy only bounds them
-            max_context_len=self._block_tables.shape[1] * self.kv_cache.block_size,
+            max_context_len=self._block_tables.shape[1] * kv_cache.block_size,
             lora=lora,
         )
         # written into one buffer shared by all sizes, so no graph keeps logits memory of its own in the pool
-        self.model.forward(batch, self.kv_cache, out=self._logits[:size])
+        self.model.forward(batch, kv_cache, out=self._logits[:size])
