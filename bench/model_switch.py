@@ -9,10 +9,11 @@
               device; floor: the checkpoint's bytes over a plain read of the same file (cache dropped)
     warm      copy_to_model from the pinned host copy on a side stream; floor: bytes over the pinned
               host-to-device bandwidth of a 1 GiB copy
-    overlap   a 1B-shaped model keeps decoding (batch 32) while the model is prepared beside it; the
-              pause is the hand-over: evict the serving engine, then KV cache + decode-graph capture +
-              engine for the new one, until its first step; 'graphs' is the capture alone (timed again
-              after the hand-over), the part of the pause that is not memory work
+    overlap   a 1B-shaped model keeps decoding (batch 32) while the model is prepared beside it as
+              ModelResidency.prepare does (paced weight copy, then its KV cache carved from the serving
+              model's KV storage and its decode graphs captured); the pause is the hand-over (evict the
+              serving engine, activate the new one) until the new model's first step is launched; the
+              time that step (a 32 x 128-token prefill) then takes is printed beside it
     during    decode tok/s of the serving model while the side-stream copy runs, vs before it
 The cold and warm rows run the code the worker runs (worker/models/loader.py); the overlap row takes
 the steps ModelResidency takes (prepare on a loader thread, evict, activate) beside a serving LLMEngine.
@@ -47,10 +48,9 @@ from tokenizers import Tokenizer, models
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from shared.schema import SamplingParams
-from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model import CausalLM
-from worker.engine.model_runner import ModelRunner
+from worker.engine.model_runner import ModelRunner, kv_layout
 from worker.engine.weights import INDEX_FILE, checkpoint_files
 from worker.models.host_cache import HostWeights
 from worker.models.loader import PageLock, copy_to_model, read_to_host
@@ -247,10 +247,13 @@ def empty_model(info: ModelInfo, config: EngineConfig) -> CausalLM:
     )
 
 
-def new_engine(model: CausalLM, config: EngineConfig) -> LLMEngine:
-    runner = ModelRunner.from_model(model, config)
-    tokenizer = Tokenizer(models.WordLevel({"w0": 0}, unk_token="w0"))
-    return LLMEngine(runner, tokenizer, config, adapter_root=Path())
+def word_tokenizer() -> Tokenizer:
+    return Tokenizer(models.WordLevel({"w0": 0}, unk_token="w0"))
+
+
+def new_engine(model: CausalLM, config: EngineConfig, kv_storage: torch.Tensor | None = None) -> LLMEngine:
+    runner = ModelRunner.from_model(model, config, kv_storage=kv_storage)
+    return LLMEngine(runner, word_tokenizer(), config, adapter_root=Path())
 
 
 def add_batch(engine: LLMEngine, tag: str, new_tokens: int = NEW_TOKENS) -> None:
@@ -336,19 +339,34 @@ def measure_warm(info: ModelInfo, host: HostWeights, h2d_bps: float, stream: tor
 SERVING_TOKENS = 2048  # the serving model's requests outlast the preparation beside it
 
 
-def serving_engine(block: torch.Tensor, tiny: bool, stream: torch.cuda.Stream | None) -> LLMEngine:
+def kv_storage_for(*infos: ModelInfo) -> torch.Tensor:
+    """One resident slot's KV storage, as ModelResidency keeps it: large enough for the serving
+    model's cache (prompt + SERVING_TOKENS) and the incoming one's (engine_config()'s)."""
+    needs = []
+    for info, context in [(infos[0], PROMPT + SERVING_TOKENS), *[(i, PROMPT + NEW_TOKENS) for i in infos[1:]]]:
+        config = engine_config(context)
+        layout = kv_layout(info, config, torch.bfloat16)
+        needs.append((config.num_kv_blocks + 1) * layout.bytes_per_block)  # + the graphs' padding block
+    return torch.empty(max(needs), dtype=torch.uint8, device=device())
+
+
+def serving_engine(
+    block: torch.Tensor, tiny: bool, stream: torch.cuda.Stream | None, kv_storage: torch.Tensor
+) -> LLMEngine:
     """The model that serves while another is prepared: 1B-shaped (tiny on a CPU smoke run)."""
     info, config = SHAPES["tiny" if tiny else "1b"], engine_config(PROMPT + SERVING_TOKENS)
-    engine = new_engine(empty_model(info, config), config)
+    engine = new_engine(empty_model(info, config), config, kv_storage)
     copy_to_model(engine.runner.model, host_weights(info, block), stream)
     return engine
 
 
 def measure_overlap(
-    serving: LLMEngine, info: ModelInfo, host: HostWeights, stream: torch.cuda.Stream | None
+    serving: LLMEngine, info: ModelInfo, host: HostWeights, stream: torch.cuda.Stream | None, kv_storage: torch.Tensor
 ) -> tuple[SwitchRow, LLMEngine]:
-    """Prepare `info` beside `serving` while it decodes, then hand over; returns the row and the new
-    engine. Takes `serving` over: it is freed in the hand-over (the caller keeps no reference)."""
+    """Prepare `info` beside `serving` while it decodes, as ModelResidency.prepare does (paced weight
+    copy on a side stream, then the runner: KV cache carved from `serving`'s KV storage, decode graphs
+    captured), then hand over as the switcher does (evict, activate); returns the row and the new
+    engine. Takes `serving` over: it is dropped in the hand-over (the caller keeps no reference)."""
     config = engine_config()
     # a worker switching between models it served before has their kernels compiled (Triton JITs
     # each new shape once per process): compile them here so the pause below is the steady state
@@ -367,12 +385,15 @@ def measure_overlap(
         serving.step()
     sync()
     before_tok_s = BATCH * steps0 / (time.perf_counter() - t0)
-    prepared: dict[str, CausalLM] = {}
+    prepared: dict[str, object] = {}
 
     def prepare() -> None:
         model = empty_model(info, config)
+        started = time.perf_counter()
         copy_to_model(model, host, stream)
-        prepared["model"] = model
+        built = time.perf_counter()
+        prepared["runner"] = ModelRunner.from_model(model, config, kv_storage=kv_storage)
+        prepared["copy_s"], prepared["build_s"] = built - started, time.perf_counter() - built
 
     loader = threading.Thread(target=prepare)
     t0, steps = time.perf_counter(), 0
@@ -389,32 +410,22 @@ def measure_overlap(
     during_tok_s = BATCH * steps / prepare_s
     for i in range(BATCH):  # a switch past its grace: the serving model's jobs are handed back
         serving.abort(f"before-{i}")
+    serving.step()  # the step that retires the aborted sequences: the serving model's last
     sync()
     pause_start = time.perf_counter()
-    del serving
-    free_device_memory()
-    evict_s = time.perf_counter() - pause_start
-    incoming = new_engine(prepared.pop("model"), config)
+    del serving  # evict
+    incoming = LLMEngine(prepared.pop("runner"), word_tokenizer(), config, adapter_root=Path())  # activate
     add_batch(incoming, "after", new_tokens=2)
-    incoming.step()  # the new model's first step (prefill) ends the pause
-    sync()
+    incoming.step()  # launches the new model's first step (a 32 x 128-token prefill)
     pause_s = time.perf_counter() - pause_start
-    graphs_s = 0.0
-    if incoming.runner.graphs is not None:
-        start = time.perf_counter()
-        again = DecodeGraphs(
-            incoming.runner.model,
-            incoming.runner.kv_cache,
-            max_batch=config.max_num_seqs,
-            max_blocks_per_seq=-(-info.max_context // config.block_size),
-        )
-        graphs_s = time.perf_counter() - start
-        del again
+    sync()
+    first_step_s = time.perf_counter() - pause_start - pause_s
     detail = (
-        f"prepare {prepare_s:.2f} s beside serving; pause = evict {evict_s * 1e3:.0f} ms + activate "
-        f"(graphs {graphs_s * 1e3:.0f} ms) + first step; decode {before_tok_s:.0f} → {during_tok_s:.0f} tok/s"
+        f"prepare {prepare_s:.2f} s beside serving (copy {prepared['copy_s']:.2f} s, KV + graphs "
+        f"{prepared['build_s']:.2f} s); pause = evict + activate until the first step is launched; that "
+        f"step (prefill) then took {first_step_s * 1e3:.0f} ms; decode {before_tok_s:.0f} → {during_tok_s:.0f} tok/s"
     )
-    return SwitchRow(info.name, host.nbytes / 1e9, "overlap", pause_s, pause_s - graphs_s, detail), incoming
+    return SwitchRow(info.name, host.nbytes / 1e9, "overlap", pause_s, pause_s + first_step_s, detail), incoming
 
 
 def part_switch(args: argparse.Namespace) -> None:
@@ -435,12 +446,14 @@ def part_switch(args: argparse.Namespace) -> None:
         host = host_weights(SHAPES[shape], block)
         rows.append(measure_warm(SHAPES[shape], host, h2d, stream))
         print(rows[-1], flush=True)
-        serving = serving_engine(block, "tiny" in args.shapes, stream)
-        row, incoming = measure_overlap(serving, SHAPES[shape], host, stream)
+        serving_info = SHAPES["tiny" if "tiny" in args.shapes else "1b"]
+        kv_storage = kv_storage_for(serving_info, SHAPES[shape])
+        serving = serving_engine(block, "tiny" in args.shapes, stream, kv_storage)
+        row, incoming = measure_overlap(serving, SHAPES[shape], host, stream, kv_storage)
         del serving  # measure_overlap dropped its own reference at the hand-over
         rows.append(row)
         print(rows[-1], flush=True)
-        del incoming, host
+        del incoming, host, kv_storage
         free_device_memory()
     print_switch_table(rows, h2d)
     if args.out:
@@ -450,8 +463,8 @@ def part_switch(args: argparse.Namespace) -> None:
 
 
 def print_switch_table(rows: list[SwitchRow], h2d: float) -> None:
-    """cold/warm: seconds beside the floor (× floor); overlap: the pause, and the pause less graph capture."""
-    print("\n| model | GB | switch | seconds | floor s (overlap: pause w/o graph capture) | × floor | detail |")
+    """cold/warm: seconds beside the floor (× floor); overlap: the pause, and the pause with the first step."""
+    print("\n| model | GB | switch | seconds | floor s (overlap: pause + first step) | × floor | detail |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         ratio = "—" if r.kind == "overlap" else f"{r.seconds / r.floor_s:.2f}"

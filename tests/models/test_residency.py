@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ from tokenizers import Tokenizer
 
 from cli.demo_model import write_demo_model
 from shared.config import EngineConfig, ModelSpec, WorkerConfig
-from worker.engine.engine import LLMEngine
+from shared.schema import SamplingParams
+from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.models.residency import ModelResidency
 
@@ -57,7 +59,8 @@ def test_a_warm_model_is_filled_from_the_host_cache_with_the_same_weights(model_
     cold = models.prepare("a")
     warm = models.prepare("a")
     assert cold.read_s > 0 and warm.read_s == 0
-    for (name, tensor), other in zip(cold.model.state_dict().items(), warm.model.state_dict().values(), strict=True):
+    warm_weights = warm.runner.model.state_dict().values()
+    for (name, tensor), other in zip(cold.runner.model.state_dict().items(), warm_weights, strict=True):
         assert torch.equal(tensor, other), name
 
 
@@ -70,9 +73,6 @@ def test_without_a_host_cache_every_load_is_cold(model_dir: Path) -> None:
 
 
 def test_evicting_a_model_with_unfinished_requests_is_refused(model_dir: Path) -> None:
-    from shared.schema import SamplingParams
-    from worker.engine.engine import EngineRequest
-
     models = residency(model_dir, "cpu")
     engine = models.activate(models.prepare("a"))
     engine.add(EngineRequest("j", (5, 6, 7), SamplingParams(max_tokens=4)))
@@ -101,3 +101,74 @@ def test_on_cuda_evicting_gives_the_device_memory_back(model_dir: Path) -> None:
     models.evict("b")
     assert torch.cuda.memory_allocated() == baseline  # no switch leaks device memory
     assert all(t.is_pinned() for t in models.cache.get("b").tensors.values())
+
+
+def _greedy_outputs(engine: LLMEngine, prompts: list[tuple[int, ...]], *, tag: str) -> list[tuple[int, ...]]:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add(EngineRequest(f"{tag}-{i}", prompt, params))
+    results = {}
+    while engine.num_unfinished:
+        for result in engine.step():
+            results[result.job_id] = tuple(result.output.token_ids)
+    return [results[f"{tag}-{i}"] for i in range(len(prompts))]
+
+
+PROMPTS = [(5, 6, 7, 8, 9), (11, 3, 4), tuple(range(20, 60))]
+
+
+def test_a_model_prepared_to_replace_another_takes_its_kv_storage_and_serves_as_a_fresh_engine_would(
+    model_dir: Path,
+) -> None:
+    models = residency(model_dir, "cpu")
+    serving = models.activate(models.prepare("a"))
+    before = _greedy_outputs(serving, PROMPTS, tag="a")  # the storage now holds a's K/V
+    prepared = models.prepare("b", replacing="a")
+    assert prepared.runner.kv_cache.key[0].data_ptr() == serving.runner.kv_cache.key[0].data_ptr()
+    assert _greedy_outputs(serving, PROMPTS, tag="a-again") == before  # a serves on beside it, untouched
+    models.evict("a")
+    incoming = models.activate(prepared)
+    fresh = LLMEngine.from_spec(ModelSpec("b", model_dir), models.config.engine, model_dir)
+    assert _greedy_outputs(incoming, PROMPTS, tag="b") == _greedy_outputs(fresh, PROMPTS, tag="fresh")
+
+
+def test_an_evicted_models_kv_storage_is_reused_by_the_next_one(model_dir: Path) -> None:
+    models = residency(model_dir, "cpu")
+    first = models.activate(models.prepare("a")).runner.kv_cache.key[0].data_ptr()
+    models.evict("a")
+    second = models.activate(models.prepare("b")).runner.kv_cache.key[0].data_ptr()
+    assert second == first
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_model_is_prepared_and_its_graphs_captured_while_the_one_it_replaces_serves(
+    model_dir: Path,
+) -> None:
+    """The overlapped switch: b's weights copied and its decode graphs captured over a's KV storage
+    on a loader thread while a decodes on this one; a's tokens are unchanged by it, and b then serves
+    (decoding through the graphs captured beside a) exactly as a fresh engine does."""
+    models = residency(model_dir, "cuda")
+    serving = models.activate(models.prepare("a"))
+    long_prompts = PROMPTS * 8  # enough decoding to last through the preparation
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+    def decode_all(tag: str, *, while_alive: threading.Thread | None = None) -> list[tuple[int, ...]]:
+        for i, prompt in enumerate(long_prompts):
+            serving.add(EngineRequest(f"{tag}-{i}", prompt, params))
+        done = {}
+        while serving.num_unfinished or (while_alive is not None and while_alive.is_alive()):
+            done |= {r.job_id: tuple(r.output.token_ids) for r in serving.step()}
+        return [done[f"{tag}-{i}"] for i in range(len(long_prompts))]
+
+    alone = decode_all("alone")
+    prepared: list = []
+    loader = threading.Thread(target=lambda: prepared.append(models.prepare("b", replacing="a")))
+    loader.start()
+    beside = decode_all("beside", while_alive=loader)
+    loader.join()
+    assert prepared and prepared[0].runner.graphs is not None
+    assert beside == alone
+    models.evict("a")
+    incoming = models.activate(prepared[0])
+    fresh = LLMEngine.from_spec(ModelSpec("b", model_dir), models.config.engine, model_dir)
+    assert _greedy_outputs(incoming, PROMPTS, tag="b") == _greedy_outputs(fresh, PROMPTS, tag="fresh")

@@ -13,7 +13,6 @@ the model being served keeps its own stream, and the caller waits only for that 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import struct
 import time
@@ -24,7 +23,7 @@ import structlog
 import torch
 
 from worker.engine.model import CausalLM
-from worker.engine.weights import checkpoint_files
+from worker.engine.weights import checkpoint_files, paced_copies
 from worker.models.host_cache import HostWeights
 
 log = structlog.get_logger(__name__)
@@ -181,9 +180,12 @@ def read_to_host(model: str, model_dir: Path, *, pin: bool) -> HostWeights:
 
 def copy_to_model(model: CausalLM, host: HostWeights, stream: torch.cuda.Stream | None) -> None:
     """Fill `model`'s parameters from `host`. On CUDA the copies are queued on `stream` (a side
-    stream: the serving model's kernels on the default stream go on meanwhile) and this returns once
+    stream: the serving model's kernels on the default stream go on meanwhile), paced so that the
+    serving model's own small copies are never stuck behind the whole model, and this returns once
     they are done, so the weights may then be used from any stream."""
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    if stream is None:
         model.load_tensors(host.tensors.items(), source=host.model)
-    if stream is not None:
-        stream.synchronize()
+        return
+    with torch.cuda.stream(stream), paced_copies():
+        model.load_tensors(host.tensors.items(), source=host.model)
+    stream.synchronize()

@@ -1,19 +1,26 @@
 """Which of a worker's base models are resident (an engine on the device), warm (a checkpoint in
 the host cache) or cold (only on disk), and the three moves between those tiers.
 
-- `prepare(name)` (loader thread): checkpoint to host (a warm hit, or a cold read into pinned
-  buffers, then cached), model allocated on the device, weights copied on a side stream. It runs
-  while the resident models keep serving; the device memory it takes is the prefetch reserve that
-  resident models leave free when the worker serves more models than it keeps resident.
-- `activate(prepared)` (engine thread): KV cache, decode graphs and engine around the prepared model.
-- `evict(name)` (engine thread): drop the engine; its checkpoint stays warm if the cache holds it.
+- `prepare(name, replacing)` (loader thread): checkpoint to host (a warm hit, or a cold read into
+  pinned buffers, then cached), model allocated on the device, weights copied on a side stream, then
+  the runner: a KV cache carved from a resident slot's KV storage and the decode graphs captured. It
+  runs while the resident models keep serving; the device memory it takes is the prefetch reserve
+  that resident models leave free when the worker serves more models than it keeps resident.
+- `activate(prepared)` (engine thread): the engine around the prepared runner (milliseconds).
+- `evict(name)` (engine thread): drop the engine; its checkpoint stays warm if the cache holds it,
+  and its KV storage stays allocated for the next model of that slot.
+
+KV storage belongs to resident slots, not to models: one flat buffer per slot, sized once, that each
+model occupying the slot views with its own layout. A model prepared to replace `replacing` gets that
+model's storage, so its decode graphs are captured against their final addresses before the
+hand-over, while `replacing` still serves from the same memory (capture writes nothing), and the
+hand-over itself only swaps engines.
 
 `engines` is the dict the engine thread steps; only the engine thread changes it once serving.
 """
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +34,14 @@ from shared.config import ModelSpec, WorkerConfig
 from shared.model_info import ModelInfo
 from worker.engine.engine import LLMEngine
 from worker.engine.model import CausalLM
-from worker.engine.model_runner import ModelRunner, device_bytes_left, engine_dtype
+from worker.engine.model_runner import (
+    ModelRunner,
+    device_bytes_left,
+    engine_dtype,
+    kv_budget_bytes,
+    kv_layout,
+    usable_kv_blocks,
+)
 from worker.models.host_cache import HostModelCache, HostWeights
 from worker.models.loader import checkpoint_bytes, copy_to_model, read_to_host
 
@@ -37,7 +51,7 @@ log = structlog.get_logger(__name__)
 # local NVMe read, and a host memcpy for CPU workers.
 _DEFAULT_H2D_BYTES_PER_S = {"cuda": 20e9, "cpu": 5e9}
 _DEFAULT_DISK_BYTES_PER_S = 1e9
-_HANDOVER_S = {"cuda": 0.5, "cpu": 0.05}  # KV allocation and graph capture at hand-over
+_BUILD_S = {"cuda": 0.5, "cpu": 0.05}  # KV cache and decode-graph capture, before the hand-over
 _SMOOTHING = 0.5  # weight of the newest measurement in the bandwidth estimates
 # With no --max-resident-models on CUDA, resident weights (plus the prefetch reserve) take at most
 # this share of the memory left, keeping the rest for KV caches and activations.
@@ -47,9 +61,12 @@ _WEIGHTS_SHARE = 0.75
 @dataclass(slots=True)
 class PreparedModel:
     spec: ModelSpec
-    model: CausalLM
+    runner: ModelRunner  # weights on the device, KV cache carved from kv_storage, decode graphs captured
+    tokenizer: Tokenizer
+    kv_storage: torch.Tensor  # flat uint8: the resident slot's storage this model will occupy
     read_s: float  # disk → host; 0 for a warm model
     copy_s: float  # host → device
+    build_s: float  # KV cache and decode graphs
     nbytes: int
 
 
@@ -61,6 +78,7 @@ class ModelResidency:
         self.config = config
         self._new_engine = new_engine
         self.specs = {spec.name: spec for spec in config.models}
+        self.infos = {name: ModelInfo.from_pretrained(name, spec.path) for name, spec in self.specs.items()}
         self.device = torch.device(config.engine.device)
         self.cache = HostModelCache(config.cpu_model_cache_bytes)
         self.engines: dict[str, LLMEngine] = {}
@@ -71,6 +89,8 @@ class ModelResidency:
         self.disk_bytes_per_s = _DEFAULT_DISK_BYTES_PER_S
         self._lock = threading.Lock()  # the cache and estimates: loader thread vs the event loop
         self._resident_names: tuple[str, ...] = ()  # a snapshot readable from any thread
+        self._kv_storage: dict[str, torch.Tensor] = {}  # resident model → its slot's KV storage
+        self._free_kv_storage: list[torch.Tensor] = []  # storage of slots whose model was evicted
 
     def _fitting_count(self) -> int:
         """Models (in the order given) whose weights, with the prefetch reserve for the largest
@@ -100,17 +120,20 @@ class ModelResidency:
         return {"resident": list(resident), "warm": warm, "cold": cold}
 
     def switch_cost_s(self, name: str) -> float:
-        """The pause a switch to `name` costs: its bytes over its tier's bandwidth, plus the hand-over."""
+        """How long a switch to `name` takes until it serves: its bytes over its tier's bandwidth, plus
+        building its KV cache and decode graphs (the hand-over itself is milliseconds)."""
         with self._lock:
             warm = name in self.cache
             copy_s = self.nbytes[name] / self.h2d_bytes_per_s
             read_s = 0.0 if warm else self.nbytes[name] / self.disk_bytes_per_s
-        return read_s + copy_s + _HANDOVER_S[self.device.type]
+        return read_s + copy_s + _BUILD_S[self.device.type]
 
     # -- moves ----------------------------------------------------------------------------------
 
-    def prepare(self, name: str) -> PreparedModel:
-        """Bring `name`'s weights onto the device beside the resident models (call off the engine thread)."""
+    def prepare(self, name: str, replacing: str | None = None) -> PreparedModel:
+        """Bring `name` onto the device beside the resident models, ready to serve from the KV storage
+        of `replacing` (a resident model a switch will evict), else of a free slot. Call off the
+        engine thread: the resident models keep serving meanwhile."""
         spec = self.specs[name]
         started = time.perf_counter()
         with self._lock:
@@ -120,7 +143,7 @@ class ModelResidency:
             host = read_to_host(name, spec.path, pin=torch.cuda.is_available())
             read_s = time.perf_counter() - started
             self._cache(host, read_s)
-        info = ModelInfo.from_pretrained(name, spec.path)
+        info = self.infos[name]
         engine = self.config.engine
         model = CausalLM(
             info,
@@ -134,6 +157,11 @@ class ModelResidency:
         copy_s = time.perf_counter() - copy_started
         with self._lock:
             self.h2d_bytes_per_s = _smooth(self.h2d_bytes_per_s, host.nbytes / max(copy_s, 1e-6))
+        build_started = time.perf_counter()
+        storage = self._kv_storage[replacing] if replacing is not None else self._storage_for_free_slot(name)
+        runner = ModelRunner.from_model(model, engine, kv_storage=storage)
+        tokenizer = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
+        build_s = time.perf_counter() - build_started
         log.info(
             "model_prepared",
             model=name,
@@ -141,8 +169,9 @@ class ModelResidency:
             gb=round(host.nbytes / 1e9, 3),
             read_s=round(read_s, 3),
             copy_s=round(copy_s, 3),
+            build_s=round(build_s, 3),
         )
-        return PreparedModel(spec, model, read_s, copy_s, host.nbytes)
+        return PreparedModel(spec, runner, tokenizer, storage, read_s, copy_s, build_s, host.nbytes)
 
     def _cache(self, host: HostWeights, read_s: float) -> None:
         with self._lock:
@@ -153,16 +182,44 @@ class ModelResidency:
             log.info("host_model_cache", cached=host.model if kept else None, evicted=evicted)
 
     def activate(self, prepared: PreparedModel) -> LLMEngine:
-        """Make a prepared model resident: KV cache sized from what is left (less the prefetch reserve
-        when some model is not resident), then the engine. Call on the engine thread."""
+        """Make a prepared model resident in the slot whose KV storage it took. Call on the engine
+        thread, after evicting the model it replaces."""
         name = prepared.spec.name
-        runner = ModelRunner.from_model(prepared.model, self.config.engine, kv_memory_share=self._kv_share(name))
-        tokenizer = Tokenizer.from_file(str(prepared.spec.path / "tokenizer.json"))
-        engine = self._new_engine(name, runner, tokenizer)
+        engine = self._new_engine(name, prepared.runner, prepared.tokenizer)
+        self._free_kv_storage = [s for s in self._free_kv_storage if s is not prepared.kv_storage]
+        self._kv_storage[name] = prepared.kv_storage
         self.engines[name] = engine
         self.resident_since[name] = time.monotonic()
         self._resident_names = tuple(self.engines)
         return engine
+
+    def _storage_for_free_slot(self, incoming: str) -> torch.Tensor:
+        """A slot's KV storage no resident model holds: an evicted model's, else a new one."""
+        if self._free_kv_storage:
+            return self._free_kv_storage[-1]
+        storage = torch.empty(self._new_storage_bytes(incoming), dtype=torch.uint8, device=self.device)
+        if self.device.type == "cpu":
+            storage.zero_()  # CPU memory is not committed until written: commit it now, not mid-step
+        return storage
+
+    def _new_storage_bytes(self, incoming: str) -> int:
+        """One slot's KV storage: what the model needing the most would use (a full batch of full
+        contexts, or num_kv_blocks), bounded by `incoming`'s share of the memory left."""
+        engine = self.config.engine
+        scratch = int(self.device.type == "cuda")  # decode graphs' padding block
+
+        def wanted(name: str) -> int:
+            info = self.infos[name]
+            layout = kv_layout(info, engine, engine_dtype(engine.dtype, info, self.device))
+            return (engine.num_kv_blocks or usable_kv_blocks(info, engine) + scratch) * layout.bytes_per_block
+
+        most = max(wanted(name) for name in self.specs)
+        if engine.num_kv_blocks:
+            return most
+        budget = kv_budget_bytes(self.infos[incoming], engine, self._kv_share(incoming))
+        if budget <= 0:
+            raise RuntimeError("no memory left for the KV cache: lower max_num_batched_tokens or serve fewer models")
+        return min(most, budget)
 
     def _kv_share(self, incoming: str) -> float:
         """The incoming model's part of the memory left: an equal split among the resident slots still
@@ -176,16 +233,14 @@ class ModelResidency:
         return max(0.0, (left - reserve) / max(left, 1)) / open_slots
 
     def evict(self, name: str) -> None:
-        """Drop `name`'s engine and give its device memory back. Call on the engine thread, once it
-        has no unfinished requests."""
+        """Drop `name`'s engine; its slot's KV storage waits for the next model. Call on the engine
+        thread, once it has no unfinished requests."""
         if self.engines[name].num_unfinished:
             raise RuntimeError(f"evicting {name!r} with {self.engines[name].num_unfinished} unfinished requests")
         del self.engines[name]
+        self._free_kv_storage.append(self._kv_storage.pop(name))
         self.resident_since.pop(name, None)
         self._resident_names = tuple(self.engines)
-        gc.collect()  # the engine holds reference cycles (runner ↔ graphs); free the device memory now
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def fits_beside_resident(self, name: str) -> bool:
         """Whether `name`'s weights fit in device memory now, beside the resident models (an overlapped

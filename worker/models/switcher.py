@@ -1,14 +1,15 @@
 """The worker's model switching loop (asyncio side): measures every served model's queue, asks the
 policy, and carries a switch out without dropping or failing a request:
 
-1. prepare the incoming model (weights onto the device on a side stream, in a loader thread) while
-   the outgoing one keeps serving — when its weights fit beside the resident models; otherwise
-   this happens after step 3 and the pause includes the copy;
+1. prepare the incoming model in a loader thread while the outgoing one keeps serving (weights onto
+   the device on a side stream, then its KV cache over the outgoing model's KV storage and its decode
+   graphs captured) — when its weights fit beside the resident models; otherwise this happens after
+   the eviction in step 3 and the pause includes it;
 2. stop reading and admitting the outgoing model's jobs; let its running ones finish for up to
    `switch_grace_s`, then abort the rest in the engine and hand them back to their stream (queued
    again, the attempt not counted) for whichever worker serves that model next;
 3. hand-over on the engine thread, between two steps: evict the outgoing engine, activate the
-   incoming one (KV cache, decode graphs); its stream is read from then on.
+   incoming one (an engine around the prepared runner); its stream is read from then on.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class ModelSwitcher:
         prepare_s = 0.0
         if overlapped:
             started = time.perf_counter()
-            prepared = await asyncio.to_thread(self.residency.prepare, incoming)
+            prepared = await asyncio.to_thread(self.residency.prepare, incoming, outgoing)
             prepare_s = time.perf_counter() - started
         drain_s, handed_back = 0.0, 0
         if outgoing is not None:
