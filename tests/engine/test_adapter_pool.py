@@ -4,6 +4,7 @@ versions that never share weights, start-up checks, and slots that never leak an
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.adapter_format import WEIGHTS_FILE, file_sha256
 from shared.config import EngineConfig, ModelSpec
+from shared.errors import ErrorCode, LorafleetError
 from shared.schema import AdapterRef, JobStatus
 from tests.engine.test_engine_generation import (
     assert_matches_oracle,
@@ -108,6 +110,24 @@ def test_a_file_in_the_models_dtype_is_used_in_place_and_matches_the_packed_form
     for part, other in zip(in_place.parts, packed.parts, strict=True):
         assert torch.equal(in_place.a(part).double(), packed.a(other))
         assert torch.equal(in_place.b(part).double(), packed.b(other))
+
+
+def test_a_file_whose_tensors_overlap_is_refused(llama: TinyCheckpoint, tmp_path: Path):
+    shutil.copytree(llama.adapters["mlp_k_r4"], tmp_path / "mlp_k_r4")
+    weights = tmp_path / "mlp_k_r4" / WEIGHTS_FILE
+    raw = weights.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    first, second = [name for name in sorted(header) if name.endswith("k_proj.lora_A.weight")][:2]  # two layers
+    header[second]["data_offsets"] = header[first]["data_offsets"]  # same shape: both read the same bytes
+    encoded = json.dumps(header).encode().ljust(length)
+    weights.write_bytes(len(encoded).to_bytes(8, "little") + encoded + raw[8 + length :])
+    ref = AdapterRef("overlap", 1, "mlp_k_r4", file_sha256(weights))
+
+    with ThreadPoolExecutor(1) as hasher, pytest.raises(LorafleetError, match="overlap") as raised:
+        read_host_adapter(ref, adapter_root=tmp_path, info=llama.info, dtype=torch.float32, max_rank=16,
+                          max_bytes=1 << 30, pin=False, hasher=hasher)  # fmt: skip
+    assert raised.value.code is ErrorCode.ADAPTER_LOAD_FAILED
 
 
 @pytest.mark.parametrize("device", DEVICES)

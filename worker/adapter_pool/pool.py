@@ -196,6 +196,7 @@ class AdapterPool:
             + len(self._pending)
             + len(self._reads)
             + len(self._copies)
+            + self._writer.bookkeeping_size()
         )
 
     def _land_copies(self) -> None:
