@@ -197,10 +197,7 @@ class ModelResidency:
         """A slot's KV storage no resident model holds: an evicted model's, else a new one."""
         if self._free_kv_storage:
             return self._free_kv_storage[-1]
-        storage = torch.empty(self._new_storage_bytes(incoming), dtype=torch.uint8, device=self.device)
-        if self.device.type == "cpu":
-            storage.zero_()  # CPU memory is not committed until written: commit it now, not mid-step
-        return storage
+        return torch.zeros(self._new_storage_bytes(incoming), dtype=torch.uint8, device=self.device)
 
     def _new_storage_bytes(self, incoming: str) -> int:
         """One slot's KV storage: what the model needing the most would use (a full batch of full
