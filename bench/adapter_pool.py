@@ -1,16 +1,22 @@
 """The adapter pool on a CUDA GPU, Llama-3-8B shapes (random bf16 weights built in memory).
 
-    python -m bench.adapter_pool [--requests 768] [--concurrency 64] [--cycles 10000] [--out FILE]
+    python -m bench.adapter_pool [--requests 512] [--concurrency 32 64] [--adapter-host-cache-gb G]
+                                 [--cycles 10000] [--out FILE]
 
 1. Load latency of one adapter, rank 16 and 64 on all seven projections (PEFT files written here):
    pinned host -> GPU slot (SlotWriter: one H2D copy, device scatters, event) beside the floor
    nbytes / measured pinned H2D bandwidth; and disk -> GPU slot with the file's page cache dropped
    (read + sha256 + validation + packing on the host, then the same upload).
 2. 1,000 registered adapters (rank 16; each its own identity, files shared by groups of them), Zipf(1.0)
-   over adapters, 32 GPU slots, closed loop of --concurrency requests through LLMEngine: GPU hit rate
-   per request, time a request waits for its adapter (add -> its slot READY) p50/p99, cold (GPU miss)
-   and warm, and output tok/s beside the same request stream with every adapter resident (adapter i
-   mapped onto preloaded slot i mod 32: the same batch shapes, no loads).
+   over adapters, 32 GPU slots, closed loop of --concurrency requests through LLMEngine: GPU and host
+   hit rates per request, time a request waits for its adapter (add -> its slot READY) p50/p99, all
+   and cold (not READY when added), and output tok/s beside the same request stream with every
+   adapter resident (adapter i mapped onto preloaded slot i mod 32: the same batch shapes, no loads).
+   The pool runs the stream twice through one engine: "pool cold" starts from an empty host tier (in
+   512 requests ~45% name an adapter not seen before, so it measures compulsory first reads from
+   disk); "pool steady" runs it again right after, host tier warm (if --adapter-host-cache-gb holds
+   the working set; a worker's default holds ~250 rank-16 8B adapters) and GPU slots as the cold
+   pass left them: the pool's serving, what the 0.9x-of-all-resident target is about.
 3. --cycles load/evict cycles through the pool (small model, two slots, a new identity per cycle):
    device memory allocated/reserved, host RSS and pinned host memory before and after.
 """
@@ -171,17 +177,20 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
 
 @dataclass
 class ZipfRow:
-    mode: str
+    mode: str  # all-resident, pool cold (host tier empty at the start), pool steady (the same stream again)
     concurrency: int
     requests: int
+    host_cache_gb: float  # the pool's host tier budget (GiB)
     tok_s: float
-    gpu_hit_rate: float
+    gpu_hit_rate: float  # requests whose adapter had a GPU slot (READY or loading) when added
+    host_hit_rate: float  # GPU misses (of adapters not already on their way up) found on the host tier
     wait_p50_ms: float
     wait_p99_ms: float
-    cold_wait_p50_ms: float
+    cold_wait_p50_ms: float  # requests whose adapter was not READY when added
     cold_wait_p99_ms: float
     disk_loads: int
     gpu_evictions: int
+    host_evictions: int
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -191,73 +200,102 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def zipf_run(runner: ModelRunner, root: Path, refs: list[AdapterRef], order: list[int], args: argparse.Namespace,
-             *, all_resident: bool) -> ZipfRow:  # fmt: skip
-    """One closed-loop run of `order` through a fresh engine on `runner` (its KV cache and graphs reused)."""
-    model, config, info = runner.model, runner.config, runner.model.info
-    concurrency = config.max_num_seqs
-    metrics = WorkerMetrics(device="cuda")
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(info.vocab_size)}, unk_token="w0"))
-    engine = LLMEngine(runner, tokenizer, config, root, metrics.engine(info.name))
-    if all_resident:  # write refs[i]'s weights into slot i and mark it READY: no load ever happens
-        writer = SlotWriter(model)
-        copies = {ref.path: read(ref, model, root) for ref in refs[:SLOTS]}
-        for slot in range(SLOTS):
-            writer.write(slot, copies[refs[slot].path]).wait()
-            engine.adapter_slots.reserve(refs[slot].uid, evictable=lambda _: False)
-            engine.adapter_slots.mark_ready(refs[slot].uid)
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    token_ids = prompts(64, args.prompt, info.vocab_size)
-    added: dict[str, tuple[float, str, bool]] = {}  # job → (time added, adapter uid, resident at add)
-    waits: dict[str, float] = {}
-    next_request, done, tokens = 0, 0, 0
+class ZipfEngine:
+    """One LLMEngine on `runner` (its KV cache and graphs reused) that request streams are run through,
+    one pass after another: a pass starts with the pool's tiers as the previous one left them."""
 
-    def add_one() -> None:
-        nonlocal next_request
-        index = order[next_request]
-        ref = refs[index % SLOTS] if all_resident else refs[index]
-        job = f"r{next_request}"
-        resident = engine.adapter_slots.slot_of(ref.uid) is not None
-        engine.add(EngineRequest(job, token_ids[next_request % 64], params, tenant=job, adapter=ref))
-        added[job] = (time.perf_counter(), ref.uid, resident)
-        if resident:
-            waits[job] = 0.0
-        next_request += 1
+    def __init__(self, runner: ModelRunner, root: Path, refs: list[AdapterRef], args: argparse.Namespace,
+                 *, all_resident: bool) -> None:  # fmt: skip
+        info = runner.model.info
+        self.metrics = WorkerMetrics(device="cuda")
+        tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(info.vocab_size)}, unk_token="w0"))
+        self.engine = LLMEngine(runner, tokenizer, runner.config, root, self.metrics.engine(info.name))
+        self.refs, self.args, self.all_resident = refs, args, all_resident
+        self.token_ids = prompts(64, args.prompt, info.vocab_size)
+        self.passes = 0
+        if all_resident:  # write refs[i]'s weights into slot i and mark it READY: no load ever happens
+            writer = SlotWriter(runner.model)
+            copies = {ref.path: read(ref, runner.model, root) for ref in refs[:SLOTS]}
+            for slot in range(SLOTS):
+                writer.write(slot, copies[refs[slot].path]).wait()
+                self.engine.adapter_slots.reserve(refs[slot].uid, evictable=lambda _: False)
+                self.engine.adapter_slots.mark_ready(refs[slot].uid)
 
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    while next_request < min(concurrency, len(order)):
-        add_one()
-    while done < len(order):
-        results = engine.step()
-        now = time.perf_counter()
-        for job, (at, uid, _) in added.items():
-            if job not in waits and engine.adapter_slots.slot_of(uid) is not None:
-                waits[job] = now - at
-        for result in results:
-            done += 1
-            tokens += result.completion_tokens
-            if next_request < len(order):
-                add_one()
-    wall = time.perf_counter() - start
-    assert tokens == len(order) * args.new_tokens, "a request did not run to max_tokens"
-    cold = [waits[job] * 1e3 for job, (_, _, resident) in added.items() if not resident]
-    every = [w * 1e3 for w in waits.values()]
+    def counters(self) -> dict[str, float]:
+        """The pool's cumulative counters, as "{tier}_{count}" (a pass reports their differences)."""
+        registry, model = self.metrics.registry, self.engine.runner.model.info.name
+        counts = {"hits": "hits_total", "misses": "misses_total", "evictions": "evictions_total",
+                  "loads": "load_seconds_count"}  # fmt: skip
+        sample = registry.get_sample_value
+        return {
+            f"{tier}_{count}": sample(f"lorafleet_worker_adapter_{name}", {"model": model, "tier": tier}) or 0.0
+            for count, name in counts.items()
+            for tier in ("gpu", "cpu", "disk")
+        }
 
-    def sample(name: str, tier: str) -> float:
-        return metrics.registry.get_sample_value(name, {"model": info.name, "tier": tier}) or 0.0
+    def run(self, order: list[int], mode: str) -> ZipfRow:
+        """One closed-loop pass of `order` (adapter indices) with `concurrency` requests in flight."""
+        engine, concurrency = self.engine, self.engine.config.max_num_seqs
+        params = SamplingParams(max_tokens=self.args.new_tokens, temperature=0.0, ignore_eos=True)
+        prefix = f"p{self.passes}-"
+        self.passes += 1
+        waits: dict[str, float] = {}  # job → seconds from add to its adapter READY
+        cold_jobs: list[str] = []  # whose adapter was not READY when added
+        waiting: dict[str, tuple[float, str]] = {}  # job → (time added, adapter uid), until its adapter is READY
+        next_request, done, tokens = 0, 0, 0
 
-    hits = sample("lorafleet_worker_adapter_hits_total", "gpu")
-    misses = sample("lorafleet_worker_adapter_misses_total", "gpu")
-    engine.adapter_pool.close()
-    mode = "all-resident" if all_resident else "pool"
-    return ZipfRow(mode, concurrency, len(order), tokens / wall, hits / max(hits + misses, 1),
-                   percentile(every, 0.5), percentile(every, 0.99), percentile(cold, 0.5), percentile(cold, 0.99),
-                   int(sample("lorafleet_worker_adapter_load_seconds_count", "disk")),
-                   int(sample("lorafleet_worker_adapter_evictions_total", "gpu")))  # fmt: skip
+        def add_one() -> None:
+            nonlocal next_request
+            index = order[next_request]
+            ref = self.refs[index % SLOTS] if self.all_resident else self.refs[index]
+            job = f"{prefix}{next_request}"
+            ready = engine.adapter_slots.slot_of(ref.uid) is not None
+            request = EngineRequest(job, self.token_ids[next_request % 64], params, tenant=job, adapter=ref)
+            engine.add(request)
+            if ready:
+                waits[job] = 0.0
+            else:
+                cold_jobs.append(job)
+                waiting[job] = (time.perf_counter(), ref.uid)
+            next_request += 1
+
+        before = self.counters()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        while next_request < min(concurrency, len(order)):
+            add_one()
+        while done < len(order):
+            results = engine.step()
+            now = time.perf_counter()
+            for job, (at, uid) in list(waiting.items()):
+                if engine.adapter_slots.slot_of(uid) is not None:
+                    waits[job] = now - at
+                    del waiting[job]
+            for result in results:
+                done += 1
+                tokens += result.completion_tokens
+                if next_request < len(order):
+                    add_one()
+        wall = time.perf_counter() - start
+        assert tokens == len(order) * self.args.new_tokens, "a request did not run to max_tokens"
+        after = self.counters()
+        count = {key: after[key] - before[key] for key in after}
+        every = [w * 1e3 for w in waits.values()]
+        cold = [waits[job] * 1e3 for job in cold_jobs]
+        gpu_lookups = count["gpu_hits"] + count["gpu_misses"]
+        host_lookups = count["cpu_hits"] + count["cpu_misses"]
+        return ZipfRow(mode, concurrency, len(order), engine.adapter_pool.host.budget_bytes / (1 << 30), tokens / wall,
+                       count["gpu_hits"] / max(gpu_lookups, 1), count["cpu_hits"] / max(host_lookups, 1),
+                       percentile(every, 0.5), percentile(every, 0.99), percentile(cold, 0.5), percentile(cold, 0.99),
+                       int(count["disk_loads"]), int(count["gpu_evictions"]), int(count["cpu_evictions"]))  # fmt: skip
+
+    def close(self) -> None:
+        self.engine.adapter_pool.close()
 
 
 def zipf_bench(model: CausalLM, root: Path, args: argparse.Namespace) -> list[ZipfRow]:
+    """Per concurrency: the all-resident run, then the pool's cold pass and its steady pass (the same
+    stream again through the same engine, host tier warm, GPU slots as the cold pass left them)."""
     distinct = [(f"zipf-files-{i}", write_adapter(root / f"zipf-files-{i}", model.info, 16, seed=100 + i))
                 for i in range(args.files)]  # fmt: skip
     refs = [AdapterRef(f"tenant-{i}", 1, *distinct[i % len(distinct)]) for i in range(args.adapters)]
@@ -268,14 +306,22 @@ def zipf_bench(model: CausalLM, root: Path, args: argparse.Namespace) -> list[Zi
     for concurrency in args.concurrency:
         config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=concurrency, max_num_batched_tokens=8192,
                               num_kv_blocks=concurrency * -(-context // 16) + 64, block_size=16, max_loras=SLOTS,
-                              max_lora_rank=MAX_RANK)  # fmt: skip
+                              max_lora_rank=MAX_RANK, adapter_host_cache_gb=args.adapter_host_cache_gb)  # fmt: skip
         runner = ModelRunner.from_model(model, config)  # decode graphs captured once per batch size
-        zipf_run(runner, root, refs, order[: 2 * concurrency], args, all_resident=True)  # warm-up: Triton JIT
-        for all_resident in (True, False):
-            rows.append(zipf_run(runner, root, refs, order, args, all_resident=all_resident))
+        warm_up = ZipfEngine(runner, root, refs, args, all_resident=True)
+        warm_up.run(order[: 2 * concurrency], "warm-up")  # Triton JIT
+        warm_up.close()
+        resident = ZipfEngine(runner, root, refs, args, all_resident=True)
+        rows.append(resident.run(order, "all-resident"))
+        resident.close()
+        print(rows[-1], flush=True)
+        pool = ZipfEngine(runner, root, refs, args, all_resident=False)
+        for mode in ("pool cold", "pool steady"):
+            rows.append(pool.run(order, mode))
             print(rows[-1], flush=True)
-        del runner
-        gc.collect()  # the runner's KV cache and decode graphs
+        pool.close()
+        del runner, warm_up, resident, pool
+        gc.collect()  # the runner's KV cache and decode graphs, the pool's pinned host tier
         torch.cuda.empty_cache()
     return rows
 
@@ -332,6 +378,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 64], help="requests kept in flight")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--adapter-host-cache-gb", type=float, default=None,
+                        help="the Zipf runs' host tier (default: a worker's, 2 max-rank adapters a slot)")  # fmt: skip
     parser.add_argument("--cycles", type=int, default=10_000)
     parser.add_argument("--skip", nargs="*", default=[], choices=["latency", "zipf", "churn"])
     parser.add_argument("--out", help="write every row as JSON lines here")
@@ -367,13 +415,16 @@ def main() -> None:
         ratio = r.pinned_ms / r.floor_ms
         print(f"{r.rank:<5} {r.mbytes:<6.0f} {r.floor_ms:<9.2f} {r.pinned_ms:<6.2f} ({ratio:.2f}x){'':<11} "
               f"{r.pinned_host_ms:<15.2f} {r.disk_ms:<13.1f} {r.disk_read_ms:<17.1f} {r.cache_drop}")  # fmt: skip
-    print("mode          conc  req   tok/s    gpu hit  wait p50/p99 ms  cold wait p50/p99 ms  disk loads  gpu evict")
+    print("mode          conc  req   host GB  tok/s    x resident  gpu hit  host hit  wait p50/p99 ms  "
+          "cold wait p50/p99 ms  disk loads  gpu evict  host evict")  # fmt: skip
+    resident_tok_s = {z.concurrency: z.tok_s for z in zipf if z.mode == "all-resident"}
     for z in zipf:
-        print(f"{z.mode:<13} {z.concurrency:<5} {z.requests:<5} {z.tok_s:<8.0f} {z.gpu_hit_rate:<8.3f} "
+        pooled = z.mode != "all-resident"
+        host_gb, host_hit = (f"{z.host_cache_gb:.1f}", f"{z.host_hit_rate:.3f}") if pooled else ("-", "-")
+        print(f"{z.mode:<13} {z.concurrency:<5} {z.requests:<5} {host_gb:<8} {z.tok_s:<8.0f} "
+              f"{z.tok_s / resident_tok_s[z.concurrency]:<11.3f} {z.gpu_hit_rate:<8.3f} {host_hit:<9} "
               f"{z.wait_p50_ms:.1f}/{z.wait_p99_ms:<10.1f} {z.cold_wait_p50_ms:.1f}/{z.cold_wait_p99_ms:<16.1f} "
-              f"{z.disk_loads:<11} {z.gpu_evictions}")  # fmt: skip
-    for resident, pooled in zip(zipf[::2], zipf[1::2], strict=True):
-        print(f"concurrency {pooled.concurrency}: pool / all-resident throughput {pooled.tok_s / resident.tok_s:.3f}")
+              f"{z.disk_loads:<11} {z.gpu_evictions:<10} {z.host_evictions}")  # fmt: skip
     if memory:
         print(json.dumps(memory))
 
