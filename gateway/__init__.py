@@ -9,6 +9,7 @@ Modules, one job each:
   middleware.py   one middleware: request ids, every error → JSON, request metrics, one log line per request
   metrics.py      the Prometheus registry of one app (requests, latency, queue depth)
   errors.py       error code → HTTP status, the JSON error body, RequestError (an error naming a field)
+  json_response.py  JSON responses (orjson)
   auth.py         Bearer API key → tenant
   json_body.py    strict JSON decoding of request bodies
   job_request.py  POST /v1/jobs body → JobRequest, field by field

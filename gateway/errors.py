@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from gateway.json_response import json_response
 from shared.errors import ErrorCode, LorafleetError
 
 _STATUS: dict[ErrorCode, int] = {
@@ -83,4 +84,4 @@ def error_response(
     headers = {"WWW-Authenticate": 'Bearer realm="lorafleet"'} if status == 401 else {}
     if retry_after_s is not None:
         headers["Retry-After"] = str(retry_after_s)
-    return web.json_response(error_body(code, message, param=param), status=status, headers=headers)
+    return json_response(error_body(code, message, param=param), status=status, headers=headers)

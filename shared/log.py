@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
+import orjson
 import structlog
 
 
@@ -12,7 +13,14 @@ def configure_logging(service: str, *, level: str = "INFO", json_lines: bool | N
     """Route structlog and the stdlib loggers through one renderer, tagging every line with `service`."""
     if json_lines is None:
         json_lines = not sys.stderr.isatty()
-    renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer()
+    if json_lines:
+        # orjson renders a line in a fraction of the standard library's time (a gateway writes one per
+        # request); non-str keys become strings, as json.dumps made them
+        renderer = structlog.processors.JSONRenderer(serializer=orjson.dumps, option=orjson.OPT_NON_STR_KEYS)
+        logger_factory = structlog.BytesLoggerFactory(file=sys.stderr.buffer)
+    else:
+        renderer = structlog.dev.ConsoleRenderer()
+        logger_factory = structlog.PrintLoggerFactory(file=sys.stderr)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -22,7 +30,7 @@ def configure_logging(service: str, *, level: str = "INFO", json_lines: bool | N
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=logger_factory,
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)

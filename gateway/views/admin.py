@@ -11,6 +11,7 @@ from gateway import admin
 from gateway.errors import RequestError
 from gateway.job_request import boolean, invalid
 from gateway.json_body import parse_json_object
+from gateway.json_response import json_response
 from gateway.state import AUTHENTICATOR, CONFIG, REDIS
 from shared.adapter_registry import list_adapters, unregister_adapter
 from shared.errors import ErrorCode
@@ -44,13 +45,13 @@ async def create_tenant_view(request: web.Request) -> web.Response:
     body = _only(parse_json_object(await request.read()), {"name"})
     name = _string(body, "name")
     api_key = await create_tenant(request.app[REDIS], name)
-    return web.json_response({"tenant": name, "api_key": api_key}, status=201)
+    return json_response({"tenant": name, "api_key": api_key}, status=201)
 
 
 async def list_tenants_view(request: web.Request) -> web.Response:
     admin.require_admin(request)
     tenants = await list_tenants(request.app[REDIS])
-    return web.json_response({"data": [await _tenant_view(request, t.tenant_id, t.disabled) for t in tenants]})
+    return json_response({"data": [await _tenant_view(request, t.tenant_id, t.disabled) for t in tenants]})
 
 
 async def rotate_key_view(request: web.Request) -> web.Response:
@@ -59,7 +60,7 @@ async def rotate_key_view(request: web.Request) -> web.Response:
     tenant_id = request.match_info["tenant"]
     api_key = await rotate_key(request.app[REDIS], tenant_id)
     request.app[AUTHENTICATOR].forget_all()  # this gateway at once; the others within AUTH_CACHE_TTL_S
-    return web.json_response({"tenant": tenant_id, "api_key": api_key})
+    return json_response({"tenant": tenant_id, "api_key": api_key})
 
 
 async def update_tenant_view(request: web.Request) -> web.Response:
@@ -85,7 +86,7 @@ async def update_tenant_view(request: web.Request) -> web.Response:
         await set_disabled(redis, tenant_id, boolean(body, "disabled", False))
         request.app[AUTHENTICATOR].forget_all()  # this gateway at once; the others within AUTH_CACHE_TTL_S
     tenant = await get_tenant(redis, tenant_id)
-    return web.json_response(await _tenant_view(request, tenant_id, tenant.disabled))
+    return json_response(await _tenant_view(request, tenant_id, tenant.disabled))
 
 
 async def register_adapter_view(request: web.Request) -> web.Response:
@@ -105,16 +106,16 @@ async def register_adapter_view(request: web.Request) -> web.Response:
         path=_string(body, "path"),
         model=_string(body, "model", required=False),
     )
-    return web.json_response(record.to_dict(), status=201)
+    return json_response(record.to_dict(), status=201)
 
 
 async def list_adapters_view(request: web.Request) -> web.Response:
     admin.require_admin(request)
-    return web.json_response({"data": [a.to_dict() for a in await list_adapters(request.app[REDIS])]})
+    return json_response({"data": [a.to_dict() for a in await list_adapters(request.app[REDIS])]})
 
 
 async def unregister_adapter_view(request: web.Request) -> web.Response:
     """`DELETE /v1/admin/adapters/{name}` → the removed record."""
     admin.require_admin(request)
     record = await unregister_adapter(request.app[REDIS], request.match_info["name"])
-    return web.json_response(record.to_dict())
+    return json_response(record.to_dict())

@@ -8,6 +8,7 @@ import structlog
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from gateway.json_response import json_response
 from gateway.state import REDIS
 
 READY_TIMEOUT_S = 2.0  # a Redis slower than this to answer PING counts as down
@@ -17,7 +18,7 @@ log = structlog.get_logger(__name__)
 
 async def healthz(request: web.Request) -> web.Response:
     """200 while the process serves HTTP."""
-    return web.json_response({"status": "ok"})
+    return json_response({"status": "ok"})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -26,5 +27,5 @@ async def readyz(request: web.Request) -> web.Response:
         await asyncio.wait_for(request.app[REDIS].ping(), READY_TIMEOUT_S)
     except (RedisError, OSError, TimeoutError) as exc:
         log.warning("not_ready", reason=repr(exc))
-        return web.json_response({"status": "unavailable", "reason": "redis is not answering"}, status=503)
-    return web.json_response({"status": "ready"})
+        return json_response({"status": "unavailable", "reason": "redis is not answering"}, status=503)
+    return json_response({"status": "ready"})

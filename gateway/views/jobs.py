@@ -15,6 +15,7 @@ from gateway.errors import RequestError
 from gateway.job_request import parse_job_request
 from gateway.job_service import Idle, TokenEvent
 from gateway.json_body import parse_json_object
+from gateway.json_response import json_response
 from gateway.sse import open_event_stream, send_event, send_keepalive
 from gateway.state import CONFIG, JOBS, REQUEST_ID
 from shared.errors import ErrorCode
@@ -38,7 +39,7 @@ async def submit_job(request: web.Request) -> web.Response:
         "self": str(request.app.router[JOB_ROUTE].url_for(job_id=record.job_id)),
         "cancel": str(request.app.router[CANCEL_ROUTE].url_for(job_id=record.job_id)),
     }
-    return web.json_response(
+    return json_response(
         {"id": record.job_id, "status": record.status.value, "urls": urls},
         status=202 if created else 200,
         headers={"Location": urls["self"]},
@@ -50,7 +51,7 @@ async def get_job(request: web.Request) -> web.Response:
     the wait (capped at limits.max_wait_s) runs out."""
     tenant = await request_tenant(request)
     record = await request.app[JOBS].wait(tenant, request.match_info["job_id"], _wait_seconds(request))
-    return web.json_response(job_body(record))
+    return json_response(job_body(record))
 
 
 async def cancel_job(request: web.Request) -> web.Response:
@@ -58,7 +59,7 @@ async def cancel_job(request: web.Request) -> web.Response:
     finished keeps its terminal status (the body shows which); cancelling twice is harmless."""
     tenant = await request_tenant(request)
     record = await request.app[JOBS].cancel(tenant, request.match_info["job_id"])
-    return web.json_response(job_body(record))
+    return json_response(job_body(record))
 
 
 def job_body(record: JobRecord) -> dict[str, Any]:

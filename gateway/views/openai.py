@@ -15,6 +15,7 @@ from gateway.errors import error_body
 from gateway.job_request import JobRequest
 from gateway.job_service import EndEvent, Idle, TokenEvent
 from gateway.json_body import parse_json_object
+from gateway.json_response import json_response
 from gateway.openai_request import OpenAIRequest, parse_chat_request, parse_completion_request
 from gateway.sse import open_event_stream, send_event, send_keepalive
 from gateway.state import CONFIG, JOBS, REDIS, REQUEST_ID
@@ -60,7 +61,7 @@ async def models(request: web.Request) -> web.Response:
         }
         for adapter in await list_adapters(redis, visible_to=tenant.tenant_id)
     ]
-    return web.json_response({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
 async def _serve(request: web.Request, tenant: Tenant, parsed: OpenAIRequest, *, chat: bool) -> web.StreamResponse:
@@ -88,7 +89,7 @@ async def _serve(request: web.Request, tenant: Tenant, parsed: OpenAIRequest, *,
     failure = _failure(done)
     if failure is not None:
         code, message = failure
-        return web.json_response(error_body(code, message), status=500 if done.status is JobStatus.FAILED else 409)
+        return json_response(error_body(code, message), status=500 if done.status is JobStatus.FAILED else 409)
     output = done.output
     finish_reason = output.finish_reason.value
     if chat:
@@ -108,7 +109,7 @@ async def _serve(request: web.Request, tenant: Tenant, parsed: OpenAIRequest, *,
         "choices": [choice],
         "usage": _usage(done),
     }
-    return web.json_response(body)
+    return json_response(body)
 
 
 def _failure(record: JobRecord) -> tuple[str, str] | None:

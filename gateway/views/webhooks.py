@@ -6,6 +6,7 @@ from aiohttp import web
 
 from gateway.auth import request_tenant
 from gateway.errors import RequestError
+from gateway.json_response import json_response
 from gateway.state import CONFIG
 from gateway.webhook_signature import DELIVERY_HEADER, SIGNATURE_HEADER, tenant_signing_key
 from shared.errors import ErrorCode
@@ -16,7 +17,7 @@ async def webhook_key(request: web.Request) -> web.Response:
     webhooks = request.app[CONFIG].webhooks
     if not webhooks.enabled or webhooks.secret is None:
         raise RequestError(ErrorCode.WEBHOOK_NOT_ALLOWED, "webhooks are not enabled on this gateway")
-    return web.json_response(
+    return json_response(
         {
             "key": tenant_signing_key(webhooks.secret, tenant.tenant_id),
             "signature_header": SIGNATURE_HEADER,

@@ -112,6 +112,7 @@ def test_a_switch_past_its_grace_hands_running_jobs_back_and_they_still_succeed(
     assert all(r.completion_tokens == 400 for r in records[:4])
     assert all(r.attempts == 1 for r in records[:4])  # a hand-back does not count as a delivery
     log = fleet.log_of("w1").read_text()
-    assert '"handed_back": 4' in log and log.count("job_handed_back") >= 4
+    logged = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert any(line.get("handed_back") == 4 for line in logged) and log.count("job_handed_back") >= 4
     # and no thrashing: over to the burst, back for the handed-back jobs once the burst is served
     assert 2 <= heartbeat(fleet, "w1")["switches"] <= 4  # 2 here; a slow machine may split the burst
