@@ -39,12 +39,18 @@ def _strings(value: Any) -> Iterator[str]:
             pending.extend(item)
 
 
+# built once: json.loads with hooks builds a new decoder (and its scanner) on every call
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_object)
+
+
 def parse_json_object(body: bytes) -> dict[str, Any]:
     """Decode a request body that must be one JSON object; raise INVALID_JSON or INVALID_REQUEST."""
     try:
-        value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_object)
-        for text in _strings(value):
-            text.encode("utf-8")  # raises on a lone surrogate
+        value = _DECODER.decode(body.decode("utf-8"))
+        # strict UTF-8 has no surrogates, so only a \u escape can decode to a lone one
+        if b"\\u" in body:
+            for text in _strings(value):
+                text.encode("utf-8")  # raises on a lone surrogate
     except (ValueError, RecursionError) as exc:  # Unicode{De,En}codeError and JSONDecodeError are ValueErrors
         raise RequestError(ErrorCode.INVALID_JSON, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):

@@ -13,8 +13,8 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics.metrics_view)
     # job API v1
     app.router.add_post("/v1/jobs", jobs.submit_job)
-    app.router.add_get("/v1/jobs/{job_id}", jobs.get_job, name=jobs.JOB_ROUTE)
-    app.router.add_post("/v1/jobs/{job_id}/cancel", jobs.cancel_job, name=jobs.CANCEL_ROUTE)
+    app.router.add_get("/v1/jobs/{job_id}", jobs.get_job)
+    app.router.add_post("/v1/jobs/{job_id}/cancel", jobs.cancel_job)
     app.router.add_get("/v1/jobs/{job_id}/events", jobs.job_events)
     app.router.add_get("/v1/webhooks/key", webhooks.webhook_key)
     # OpenAI-compatible
