@@ -163,3 +163,26 @@ def test_overlapping_matrices_are_refused():
     overlapping = dataclasses.replace(adapter.parts[1], a_offset=first.a_offset + 1)
     with pytest.raises(ValueError, match="overlap"):
         BufferLayout.of(4, (first, overlapping), adapter.buffer.numel())
+
+
+def test_a_write_that_fails_midway_leaves_the_slot_to_be_zeroed_by_the_next(model: CausalLM, monkeypatch):
+    writer = SlotWriter(model)
+    small = synthetic_adapter(4, ("q_proj",), seed=1)
+    writer.write(1, small).wait()
+    copies = []
+
+    def copy_then_fail(destinations, sources):
+        if copies:
+            raise RuntimeError("device error")
+        copies.append(len(destinations))
+        for destination, source in zip(destinations, sources, strict=True):
+            destination.copy_(source)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "_foreach_copy_", copy_then_fail)
+        with pytest.raises(RuntimeError, match="device error"):
+            writer.write(1, synthetic_adapter(8, PROJECTIONS, seed=2))  # A rows copied, Bs not
+    again = synthetic_adapter(4, ("q_proj",), seed=3)  # the shape the slot last held whole
+    writer.write(1, again).wait()
+
+    assert_slot_holds_exactly(model, 1, again)

@@ -112,6 +112,8 @@ class SlotWriter:
         rank, layout = adapter.rank, adapter.layout
         plan = self._plan(slot, adapter)
         written_rank, written_targets = self._written[slot]
+        # fully suspect until this write is queued whole: one failing midway leaves part of it in the slot
+        self._written[slot] = (self._max_rank, None)
         zeroed = plan.untargeted if written_targets != layout.targets else []
         if written_rank > rank:
             zeroed = zeroed + plan.tails
