@@ -218,3 +218,19 @@ def test_capped_sequences_keep_their_place_in_the_queue():
     scheduler.add(make_seq(2, tenant="b", name="b2"))
     assert set(run_step(scheduler)) == {"a1", "b1"}
     assert [s.seq_id for s in scheduler.waiting] == ["a2", "b2"]
+
+
+def test_without_admission_only_running_sequences_advance_and_the_waiting_keep_their_order() -> None:
+    scheduler = make_scheduler()
+    first = make_seq(4, name="first")
+    scheduler.add(first)
+    assert scheduler.schedule().num_admitted == 1
+    first.num_computed_tokens = 4
+    first.output_token_ids.append(7)
+    later = [make_seq(4, name=f"later{i}") for i in range(3)]
+    for seq in later:
+        scheduler.add(seq)
+    held = scheduler.schedule(admit=False)
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in held.scheduled] == [("first", 1)]
+    assert held.num_admitted == 0 and list(scheduler.waiting) == later
+    assert scheduler.schedule().num_admitted == 3

@@ -20,6 +20,7 @@ from shared.config import EngineConfig, ModelSpec
 from shared.errors import ErrorCode, LorafleetError
 from shared.schema import AdapterRef, FinishReason, JobError, JobOutput, JobStatus, SamplingParams, TokenDelta
 from worker.adapter_pool.pool import AdapterPool, LoadFailure
+from worker.engine.admission_pacer import AdmissionPacer
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner
@@ -113,6 +114,8 @@ class LLMEngine:
             adapter_slots=self.adapter_slots,
             max_seqs_per_tenant=config.max_seqs_per_tenant or max(1, config.max_num_seqs // 2),
         )
+        # admitting costs an eager step only where decode-only steps replay graphs (CUDA)
+        self._pacer = AdmissionPacer() if runner.graphs is not None else None
         self._tracked: dict[str, _Tracked] = {}
         self._deltas: list[TokenDelta] = []
         self._in_flight: _InFlight | None = None
@@ -211,7 +214,10 @@ class LLMEngine:
         self.last_step = StepStats()
         results = self._expire_overdue()
         results += self._fail_adapter_loads(self.adapter_pool.poll())
-        plan = self.scheduler.schedule()
+        admit = self._pacer is None or self._pacer.may_admit(running=bool(self.scheduler.running))
+        plan = self.scheduler.schedule(admit=admit)
+        if plan.num_admitted and self._pacer is not None:
+            self._pacer.admitted()
         scheduled = [s for s in plan.scheduled if s.seq.seq_id in self._tracked]
         if not scheduled:
             if idle and self.adapter_pool.loads_in_flight:

@@ -39,6 +39,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_admitted: int = 0  # sequences that started running in this step
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +72,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, admit: bool = True) -> SchedulerOutput:
+        """The next step's work; `admit=False` runs only the running sequences (the engine paces
+        admissions when they cost an eager step: admission_pacer.py)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
@@ -92,7 +95,7 @@ class Scheduler:
         running_per_tenant = Counter(seq.tenant for seq in self.running)
         passed_over: list[Sequence] = []
         over_cap: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             if running_per_tenant[seq.tenant] >= self.max_seqs_per_tenant:
                 over_cap.append(seq)
@@ -107,7 +110,7 @@ class Scheduler:
                 running_per_tenant[seq.tenant] += 1
                 budget -= admitted
         # nobody else could use the room: capped tenants may fill it (the cap never idles the batch)
-        while over_cap and not self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and over_cap and not self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = over_cap.pop(0)
             admitted = self._admit(seq, budget, out)
             if admitted is None:
@@ -134,6 +137,7 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         out.scheduled.append(ScheduledSequence(seq, num_new))
+        out.num_admitted += 1
         return num_new
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
