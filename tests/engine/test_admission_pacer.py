@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.engine.admission_pacer import AdmissionPacer
+from worker.engine.admission_pacer import MAX_HOLD_S, AdmissionPacer
 
 
 class Clock:
@@ -54,3 +54,14 @@ def test_steps_that_admit_nothing_do_not_move_the_pace() -> None:
     assert pacer.may_admit(running=True)  # allowed, but this step found nobody to admit
     clock.now += 0.100
     assert pacer.may_admit(running=True)  # so the next arrival is admitted at once
+
+
+def test_a_slow_admitting_step_holds_arrivals_no_longer_than_the_cap() -> None:
+    clock = Clock()
+    pacer = AdmissionPacer(clock)
+    pacer.may_admit(running=True)
+    pacer.admitted()
+    clock.now += 2.0  # a first use: Triton compiled this step's kernels
+    assert not pacer.may_admit(running=True)
+    clock.now += MAX_HOLD_S + 1e-9
+    assert pacer.may_admit(running=True)

@@ -7,14 +7,18 @@ every step eager (the H200 whole-stack run: ~180 prompt tokens in the average st
 
 The pacer spaces admitting steps: after one, new sequences wait until as much time again has gone
 to steps that admit nothing, so at least about half of the time goes to graph-replayed decode steps,
-and an arrival waits at most about one eager step longer for its first token. It never holds back
-while nothing runs. Sequences already running, prefill chunks included, are never held back.
+and an arrival waits at most about one eager step (MAX_HOLD_S at most) longer for its first token.
+It never holds back while nothing runs. Sequences already running, prefill chunks included, are never held back.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+# The longest an arrival is held: an admitting step that compiled kernels (a first use) or waited on
+# something else must not hold admissions for as long again (eager steps of an 8B model: 20-35 ms).
+MAX_HOLD_S = 0.1
 
 
 class AdmissionPacer:
@@ -33,7 +37,7 @@ class AdmissionPacer:
             self._timing_admit_step = False
         if not running or self._admitted_at is None:
             return True
-        return now - self._admitted_at >= 2 * self._admit_step_s
+        return now - self._admitted_at >= self._admit_step_s + min(self._admit_step_s, MAX_HOLD_S)
 
     def admitted(self) -> None:
         """The step that last asked `may_admit` admitted new sequences."""

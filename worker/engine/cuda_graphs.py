@@ -19,6 +19,7 @@ and the LoRA plan is chosen from shapes (the token count b, the projection shape
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import structlog
@@ -33,6 +34,14 @@ log = structlog.get_logger(__name__)
 
 # Rows of the int64 staging buffer: one host-to-device copy carries a step's per-token inputs.
 _TOKEN, _POSITION, _SLOT, _CONTEXT, _ADAPTER = range(5)
+
+
+@functools.cache
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream decode graphs are captured on, one per device for the process's life: cuBLAS gets a
+    workspace (32 MiB on Hopper) for every stream it runs on and keeps it until the process exits, so
+    a new stream per capture would leak one per model switch. Serving never runs on it."""
+    return torch.cuda.Stream(device)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -120,7 +129,7 @@ class DecodeGraphs:
         This may run on a loader thread while another model of the worker serves from the same KV
         storage (a switch prepared beside it): warm-ups run against a one-block cache of their own,
         never writing the real one, and capture only records kernels (thread-local mode, on a stream
-        of this capture's own), so the serving model's launches go on and are never captured.
+        only captures use), so the serving model's launches go on and are never captured.
 
         A CUDA graph destroyed while another is being captured invalidates that capture (the next
         cuBLAS call fails): an earlier runner's graphs (a test's, a switched-out model's) may wait in
@@ -129,7 +138,7 @@ class DecodeGraphs:
         key = self.kv_cache.key[0]
         layout = KVLayout(len(self.kv_cache.key), self.kv_cache.block_size, key.shape[2], key.shape[3], key.dtype)
         warm_up_cache = KVCache.allocate(layout, 1, key.device)
-        stream = torch.cuda.Stream(key.device)
+        stream = _capture_stream(key.device)
         stream.wait_stream(torch.cuda.current_stream(key.device))  # the static buffers' fills, made there
         gc.collect()
         collecting = gc.isenabled()
