@@ -48,10 +48,13 @@ def create_app(config: GatewayConfig) -> web.Application:
 
 async def _services(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    redis = resilient_redis(config.redis_url, socket_timeout_s=config.limits.max_wait_s + _REDIS_READ_MARGIN_S)
+    redis_timeout_s = config.limits.max_wait_s + _REDIS_READ_MARGIN_S
+    redis = resilient_redis(config.redis_url, socket_timeout_s=redis_timeout_s)
+    # the auto-pipeline's connections are its own: it times each batch itself, not each reply
+    batched_redis = resilient_redis(config.redis_url, socket_timeout_s=None)
     executor = ThreadPoolExecutor(max_workers=_TOKENIZER_THREADS, thread_name_prefix="tokenize")
     app[REDIS] = redis
-    store = JobStore(redis, config.job_ttl_s, batched=AutoPipeline(redis))
+    store = JobStore(redis, config.job_ttl_s, batched=AutoPipeline(batched_redis, timeout_s=redis_timeout_s))
     app[JOBS] = JobService(
         redis,
         store,
@@ -68,4 +71,5 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         webhooks.cancel()
         await asyncio.gather(webhooks, return_exceptions=True)
     executor.shutdown(cancel_futures=True)
+    await batched_redis.aclose()
     await redis.aclose()

@@ -9,6 +9,9 @@ command batched with it. It offers the few methods its users call (`hgetall`, an
 A batch is packed by hiredis's C packer and exchanged on one pooled connection directly, not through
 redis-py's Pipeline: redis-py's asyncio client packs in Python (about 1 µs per argument; a submit's
 script has 25) and its pipeline adds per-call bookkeeping a batch of plain commands does not need.
+The pipeline's client has no socket timeout, and a batch's exchange is timed as a whole: with one,
+redis-py arms a timer for every reply it reads (and a task for every send), which cost about as much
+as the rest of a reply's handling.
 """
 
 from __future__ import annotations
@@ -20,13 +23,17 @@ from hiredis import pack_command
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 _Batch = list[tuple[tuple[Any, ...], asyncio.Future[Any]]]
 
 
 class AutoPipeline:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, *, timeout_s: float) -> None:
+        """`redis`: a client of its own without a socket timeout; a batch's exchange fails (and is retried
+        by the client's retry policy) after `timeout_s`."""
         self._redis = redis
+        self._timeout_s = timeout_s
         self._pending: _Batch = []
         self._flushes: set[asyncio.Task[None]] = set()
 
@@ -60,7 +67,7 @@ class AutoPipeline:
             try:
                 # a connection error or timeout disconnects, then the client's retry policy sends again
                 replies = await connection.retry.call_with_retry(
-                    lambda: _exchange(connection, batch), lambda _error: connection.disconnect()
+                    lambda: _exchange(connection, batch, self._timeout_s), lambda _error: connection.disconnect()
                 )
             finally:
                 await pool.release(connection)
@@ -82,14 +89,19 @@ class AutoPipeline:
                 reply.set_result(result)
 
 
-async def _exchange(connection: AbstractConnection, batch: _Batch) -> list[Any]:
+async def _exchange(connection: AbstractConnection, batch: _Batch, timeout_s: float) -> list[Any]:
     """Send every command of `batch` in one write, then read all their replies (an error reply is
-    returned in its place, so the connection stays in step)."""
-    await connection.send_packed_command(b"".join([pack_command(args) for args, _ in batch]))
+    returned in its place, so the connection stays in step); redis-py's TimeoutError after `timeout_s`
+    (the connection is closed: an interrupted read leaves it out of step)."""
     replies: list[Any] = []
-    for _ in batch:
-        try:
-            replies.append(await connection.read_response())
-        except ResponseError as exc:
-            replies.append(exc)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await connection.send_packed_command(b"".join([pack_command(args) for args, _ in batch]))
+            for _ in batch:
+                try:
+                    replies.append(await connection.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+    except TimeoutError:
+        raise RedisTimeoutError(f"no reply from Redis within {timeout_s:g} s") from None
     return replies
