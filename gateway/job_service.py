@@ -21,7 +21,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-import structlog
 from redis.asyncio import Redis
 
 from gateway.chat import render_chat
@@ -167,10 +166,7 @@ class JobService:
             job_id, created = await self._store.create(record, message, idempotency_key, admission)
         except AdmissionDenied as denied:
             raise _refusal(denied.denial, model, cost_tokens) from None
-        if created:  # the request's log line (gateway/middleware.py) says what was queued
-            structlog.contextvars.bind_contextvars(
-                job_id=job_id, tenant=tenant.tenant_id, model=model.name, adapter=request.adapter
-            )
+        if created:
             return record, True
         return await self.get(tenant, job_id), False
 

@@ -9,6 +9,7 @@ from gateway.authenticator import Authenticator
 from gateway.job_service import JobService
 from gateway.metrics import GatewayMetrics
 from shared.config import GatewayConfig
+from shared.schema import JobRecord
 
 CONFIG = web.AppKey("config", GatewayConfig)
 REDIS = web.AppKey("redis", Redis)
@@ -17,3 +18,4 @@ METRICS = web.AppKey("metrics", GatewayMetrics)
 AUTHENTICATOR = web.AppKey("authenticator", Authenticator)
 
 REQUEST_ID = web.RequestKey("request_id", str)
+QUEUED_JOB = web.RequestKey("queued_job", JobRecord)  # the job a request queued: its log line names it

@@ -17,7 +17,7 @@ from gateway.job_service import Idle, TokenEvent
 from gateway.json_body import parse_json_object
 from gateway.json_response import json_response
 from gateway.sse import open_event_stream, send_event, send_keepalive
-from gateway.state import CONFIG, JOBS, REQUEST_ID
+from gateway.state import CONFIG, JOBS, QUEUED_JOB, REQUEST_ID
 from shared.errors import ErrorCode
 from shared.schema import JobRecord
 
@@ -33,6 +33,8 @@ async def submit_job(request: web.Request) -> web.Response:
     record, created = await request.app[JOBS].submit(
         tenant, job_request, request_id=request[REQUEST_ID], idempotency_key=_idempotency_key(request)
     )
+    if created:
+        request[QUEUED_JOB] = record
     urls = _job_urls(record.job_id)
     return json_response(
         {"id": record.job_id, "status": record.status.value, "urls": urls},

@@ -18,7 +18,7 @@ from gateway.json_body import parse_json_object
 from gateway.json_response import json_response
 from gateway.openai_request import OpenAIRequest, parse_chat_request, parse_completion_request
 from gateway.sse import open_event_stream, send_event, send_keepalive
-from gateway.state import CONFIG, JOBS, REDIS, REQUEST_ID
+from gateway.state import CONFIG, JOBS, QUEUED_JOB, REDIS, REQUEST_ID
 from shared.adapter_registry import list_adapters
 from shared.errors import ErrorCode
 from shared.model_registry import list_models
@@ -81,6 +81,7 @@ async def _serve(request: web.Request, tenant: Tenant, parsed: OpenAIRequest, *,
         stream=parsed.stream,
     )
     record, _ = await jobs.submit(tenant, job_request, request_id=request[REQUEST_ID], idempotency_key=None)
+    request[QUEUED_JOB] = record
     created = record.created_ms // 1000
     if parsed.stream:
         return await _stream(request, tenant, parsed, record.job_id, created, chat=chat)
