@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from gateway.authenticator import Authenticator
+from gateway.job_events import JobEventReader
 from gateway.job_service import JobService
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_middleware
@@ -55,9 +56,12 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     executor = ThreadPoolExecutor(max_workers=_TOKENIZER_THREADS, thread_name_prefix="tokenize")
     app[REDIS] = redis
     store = JobStore(redis, config.job_ttl_s, batched=AutoPipeline(batched_redis, timeout_s=redis_timeout_s))
+    events = JobEventReader(redis, block_ms=int(min(_KEEPALIVE_S, config.limits.max_wait_s) * 1000))
+    events.start()
     app[JOBS] = JobService(
         redis,
         store,
+        events,
         TokenizerCache(redis, executor),
         Admission(config.tenant_limits),
         events_idle_s=min(_KEEPALIVE_S, config.limits.max_wait_s),
@@ -70,6 +74,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     if webhooks is not None:
         webhooks.cancel()
         await asyncio.gather(webhooks, return_exceptions=True)
+    await events.close()
     executor.shutdown(cancel_futures=True)
     await batched_redis.aclose()
     await redis.aclose()

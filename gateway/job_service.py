@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 
 from gateway.chat import render_chat
 from gateway.errors import RequestError
+from gateway.job_events import JobEventReader
 from gateway.job_request import JobRequest
 from gateway.tokenization import TokenizerCache
 from gateway.ttl_cache import TtlCache
@@ -106,6 +107,7 @@ class JobService:
         self,
         redis: Redis,
         store: JobStore,
+        events: JobEventReader,
         tokenizers: TokenizerCache,
         admission: Admission,
         *,
@@ -114,6 +116,7 @@ class JobService:
     ) -> None:
         self._redis = redis
         self._store = store
+        self._events = events
         self._tokenizers = tokenizers
         self._admission = admission
         self._events_idle_s = events_idle_s  # an event stream yields Idle after this long without events
@@ -183,7 +186,14 @@ class JobService:
         record = await self.get(tenant, job_id)
         if record.status.is_terminal or timeout_s <= 0:
             return record
-        waited = await self._store.wait(job_id, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        # from the stream's start: an end event written since the record was read is still seen
+        async with self._events.subscribe(job_id) as events:
+            while (remaining := deadline - time.monotonic()) > 0:
+                entries = await events.next(remaining)
+                if not entries or any(fields.get(b"type") == b"end" for _, fields in entries):
+                    break
+        waited = await self._store.get(job_id)
         if waited is None:  # expired while we waited
             raise _job_not_found()
         return waited
@@ -251,25 +261,26 @@ class JobService:
         """The job's events from stream entry `after` on: token events, then one EndEvent carrying the
         final record; Idle whenever nothing happens for a while. Ownership is checked first."""
         await self.get(tenant, job_id)
-        while True:
-            entries = await self._store.read_events(job_id, after, block_ms=int(self._events_idle_s * 1000))
-            if not entries:
-                if await self._store.get(job_id) is None:  # expired while idle
-                    yield EndEvent(after, None)
-                    return
-                yield Idle()
-                continue
-            for entry_id, fields in entries:
-                after = entry_id.decode()
-                if fields.get(b"type") == b"end":
-                    yield EndEvent(after, await self._store.get(job_id))
-                    return
-                yield TokenEvent(
-                    after,
-                    fields[b"text"].decode(),
-                    tuple(json.loads(fields[b"token_ids"])),
-                    int(fields[b"offset"]),
-                )
+        async with self._events.subscribe(job_id, after) as events:
+            while True:
+                entries = await events.next(self._events_idle_s)
+                if not entries:
+                    if await self._store.get(job_id) is None:  # expired while idle
+                        yield EndEvent(after, None)
+                        return
+                    yield Idle()
+                    continue
+                for entry_id, fields in entries:
+                    after = entry_id.decode()
+                    if fields.get(b"type") == b"end":
+                        yield EndEvent(after, await self._store.get(job_id))
+                        return
+                    yield TokenEvent(
+                        after,
+                        fields[b"text"].decode(),
+                        tuple(json.loads(fields[b"token_ids"])),
+                        int(fields[b"offset"]),
+                    )
 
     async def _model(self, name: str) -> ModelInfo | None:
         """The model's record, from this process's cache when it is fresh (models that are not found are

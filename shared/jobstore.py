@@ -224,30 +224,3 @@ class JobStore:
             keys=[keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS], args=[self._ttl_s, now_ms(), EVENTS_CAP]
         )
         return None if result is None else JobStatus(result.decode())
-
-    async def read_events(self, job_id: str, after: str, *, block_ms: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """The job's events after stream entry `after` (blocking up to `block_ms` for the first one)."""
-        response = await self._redis.xread({keys.job_events(job_id): after}, block=block_ms)
-        return response[0][1] if response else []
-
-    async def wait(self, job_id: str, timeout_s: float) -> JobRecord | None:
-        """Long-poll: return the record once it is terminal or `timeout_s` has passed.
-
-        Blocks on the job's event stream rather than polling the hash. Reading the stream from the
-        start makes it race-free: an end event written between our HGETALL and XREAD is still seen.
-        Token events only move the read position; the hash is read again on an end event.
-        """
-        deadline = time.monotonic() + timeout_s
-        last_event = "0-0"
-        record = await self.get(job_id)
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if record is None or record.status.is_terminal or remaining_ms <= 0:
-                return record
-            events = await self._redis.xread({keys.job_events(job_id): last_event}, block=remaining_ms)
-            if not events:
-                return await self.get(job_id)
-            entries = events[0][1]
-            last_event = entries[-1][0]
-            if any(fields.get(b"type") == b"end" for _, fields in entries):
-                record = await self.get(job_id)

@@ -16,6 +16,7 @@
 | lf:rate:{tenant}              | hash   | the tenant's request and token buckets; TTL               |
 | lf:active:{tenant}            | zset   | the tenant's admitted job ids (queued or running)         |
 | lf:webhooks                   | stream | finished jobs' webhooks to call (group `webhooks`: gateways) |
+| lf:gw-wake:{process}          | stream | wakes one gateway process's event reader; TTL             |
 """
 
 PREFIX = "lf"
@@ -39,6 +40,10 @@ def job(job_id: str) -> str:
 
 def job_events(job_id: str) -> str:
     return f"{PREFIX}:out:{job_id}"
+
+
+def gateway_wake(process_id: str) -> str:
+    return f"{PREFIX}:gw-wake:{process_id}"
 
 
 def model(name: str) -> str:

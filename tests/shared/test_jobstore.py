@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from shared import keys
 from shared.jobstore import JobStore, now_ms
 from shared.schema import (
@@ -84,26 +82,3 @@ async def test_redelivery_counts_attempts(aredis):
     await store.create(*new_job())
     await store.start("job_1", "w1")
     assert await store.start("job_1", "w2") == (JobStatus.RUNNING, 2)
-
-
-async def test_wait_returns_as_soon_as_the_job_finishes(aredis):
-    store = JobStore(aredis, job_ttl_s=60)
-    await store.create(*new_job())
-
-    async def finish_soon() -> None:
-        await asyncio.sleep(0.2)
-        await store.finish("job_1", JobStatus.SUCCEEDED, output=OUTPUT)
-
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    finisher = asyncio.create_task(finish_soon())
-    record = await store.wait("job_1", timeout_s=10)
-    await finisher
-    assert record.status is JobStatus.SUCCEEDED
-    assert loop.time() - started < 5
-
-
-async def test_wait_times_out_on_a_job_that_stays_queued(aredis):
-    store = JobStore(aredis, job_ttl_s=60)
-    await store.create(*new_job())
-    assert (await store.wait("job_1", timeout_s=0.3)).status is JobStatus.QUEUED
