@@ -19,6 +19,14 @@ still waits on one round trip) and Redis commands (server side: INFO commandstat
 Lua scripts run).
 Targets (issue #7): submit >= 0.5x the bare handler's requests/s; <= 3 round trips per submit;
 <= 1 per poll of a finished job.
+
+    python -m bench.gateway --instructions [--rounds 1 --seconds 5 --poll-seconds 5]
+
+runs both servers under callgrind (valgrind must be installed) and reports the instructions each
+executes per request, counted only while a phase's load runs: steady to about 2% from run to run,
+where CPU time per request on a shared machine moves by 15% or more with its load, so it is the
+figure to compare two versions of the gateway by. The servers run ~50x slower there: such a run's
+rates, latencies and ratios mean nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -113,16 +122,24 @@ class Phase:
     latencies_ms: list[float] = field(default_factory=list)  # all rounds
     requests: int = 0
     cpu_s: float = 0.0  # CPU time (user + system) of the server process, all rounds
+    instructions: int = 0  # executed by the server process (--instructions), all rounds
     round_trips: int = 0  # Redis sends the gateway made, all rounds
     commands: int = 0  # Redis commands the server ran, all rounds
 
     def add(
-        self, requests: int, seconds: float, latencies_ms: list[float], cpu_s: float, redis: tuple[int, int]
+        self,
+        requests: int,
+        seconds: float,
+        latencies_ms: list[float],
+        cpu_s: float,
+        redis: tuple[int, int],
+        instructions: int,
     ) -> None:
         self.rates.append(requests / seconds)
         self.latencies_ms += latencies_ms
         self.requests += requests
         self.cpu_s += cpu_s
+        self.instructions += instructions
         self.round_trips += redis[0]
         self.commands += redis[1]
 
@@ -168,6 +185,29 @@ def cpu_seconds(process: subprocess.Popen) -> float:
     else the shared machine runs meanwhile."""
     fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Callgrind:
+    """Instructions a server run under callgrind executes between `start` and `stop` (callgrind_control)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._workdir = workdir
+
+    def command(self) -> list[str]:
+        """The prefix that runs a server under callgrind, counting nothing until `start`."""
+        return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={self._workdir}/cg.%p"]
+
+    def start(self, server: subprocess.Popen) -> None:
+        for option in ("--zero", "--instr=on"):
+            subprocess.run(["callgrind_control", option, str(server.pid)], check=True, capture_output=True)
+
+    def stop(self, server: subprocess.Popen) -> int:
+        for option in ("--instr=off", "--dump"):
+            subprocess.run(["callgrind_control", option, str(server.pid)], check=True, capture_output=True)
+        dump = max(self._workdir.glob(f"cg.{server.pid}*"), key=lambda path: path.stat().st_mtime)
+        totals = re.search(r"^totals:\s+(\d+)", dump.read_text(), re.MULTILINE)
+        assert totals is not None, f"no totals in {dump}"
+        return int(totals.group(1))
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -216,12 +256,17 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Phase]:
         gateway_args = ["--redis-url", server.url, "--port", str(gateway_port), *UNLIMITED]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         logs = (workdir / "gateway.log").open("wb")  # where a deployment's log collector would read them
-        bare = subprocess.Popen([*here, "serve-bare", str(bare_port)], env=env)
-        gateway = subprocess.Popen([*here, "serve-gateway", str(count_file), *gateway_args], env=env, stderr=logs)
+        callgrind = Callgrind(workdir) if args.instructions else None
+        wrapper = callgrind.command() if callgrind else []
+        bare = subprocess.Popen([*wrapper, *here, "serve-bare", str(bare_port)], env=env)
+        gateway = subprocess.Popen(
+            [*wrapper, *here, "serve-gateway", str(count_file), *gateway_args], env=env, stderr=logs
+        )
         try:
             bare_url, gateway_url = f"http://127.0.0.1:{bare_port}", f"http://127.0.0.1:{gateway_port}"
-            wait_ready(f"{gateway_url}/readyz", gateway)
-            wait_ready(f"{bare_url}/", bare)
+            ready_s = 600.0 if callgrind else 60.0  # a start under valgrind takes minutes
+            wait_ready(f"{gateway_url}/readyz", gateway, ready_s)
+            wait_ready(f"{bare_url}/", bare, ready_s)
             auth = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
             body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 16}).encode()
             common = {"concurrency": args.concurrency}
@@ -233,12 +278,15 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Phase]:
                 phase: Phase, server: subprocess.Popen, method: str, urls: list[str], payload: bytes | None, s: float
             ) -> list[str]:
                 before, cpu_before = await work.mark(), cpu_seconds(server)
+                if callgrind:
+                    callgrind.start(server)
                 count, elapsed, latencies, answers = await load(
                     method, urls, headers=auth, body=payload, seconds=s, concurrency=args.concurrency
                 )
+                instructions = callgrind.stop(server) if callgrind else 0
                 cpu = cpu_seconds(server) - cpu_before
                 after = await work.mark()
-                phase.add(count, elapsed, latencies, cpu, (after[0] - before[0], after[1] - before[1]))
+                phase.add(count, elapsed, latencies, cpu, (after[0] - before[0], after[1] - before[1]), instructions)
                 return answers
 
             # warm-up: connections, the gateway's caches and tokenizer
@@ -271,6 +319,20 @@ async def finish_jobs(client: aioredis.Redis, gateway_url: str, answers: list[st
         await store.start(job_id, "bench")
         await store.finish(job_id, JobStatus.SUCCEEDED, output=output, completion_tokens=3)
     return [f"{gateway_url}/v1/jobs/{job_id}" for job_id in job_ids]
+
+
+def instructions_table(phases: list[Phase], args: argparse.Namespace) -> str:
+    lines = [
+        f"gateway instructions per request (callgrind): concurrency {args.concurrency}, {args.rounds} rounds of "
+        f"{args.seconds:g} s per handler ({args.poll_seconds:g} s poll), "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "| phase | requests | instructions/req | Redis round trips/req |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for phase in phases:
+        trips = f"{phase.round_trips / phase.requests:.2f}" if phase is not phases[0] else ""
+        lines.append(f"| {phase.name} | {phase.requests:,} | {phase.instructions / phase.requests:,.0f} | {trips} |")
+    return "\n".join(lines)
 
 
 def table(phases: list[Phase], args: argparse.Namespace) -> str:
@@ -309,6 +371,9 @@ def main() -> None:
     parser.add_argument("--poll-seconds", type=float, default=5.0)
     parser.add_argument("--warmup-seconds", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--instructions", action="store_true", help="count instructions per request under callgrind (see above)"
+    )
     bare = sub.add_parser("serve-bare")
     bare.add_argument("port", type=int)
     gateway = sub.add_parser("serve-gateway")
@@ -322,7 +387,7 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory(prefix="bench-gateway-") as workdir:
             phases = asyncio.run(run(args, Path(workdir)))
-        print(table(phases, args))
+        print(instructions_table(phases, args) if args.instructions else table(phases, args))
 
 
 if __name__ == "__main__":
