@@ -169,7 +169,8 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
         "--max-loras",
         type=cfa.positive_int,
         default=_ENGINE.max_loras,
-        help="adapters resident on the device at once (default: %(default)s)",
+        help="the device's LoRA pool, in adapters of --max-lora-rank; it is paged by 16 ranks, so more adapters "
+        "of lower rank fit (default: %(default)s)",
     )
     engine.add_argument(
         "--max-lora-rank", type=cfa.positive_int, default=_ENGINE.max_lora_rank, help="(default: %(default)s)"
@@ -177,8 +178,8 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
     engine.add_argument(
         "--adapter-host-cache-gb",
         type=cfa.gigabytes,
-        help="pinned host memory for adapters read from disk, at least one max-rank adapter per slot "
-        "(default: two per slot)",
+        help="pinned host memory for adapters read from disk, at least the device pool's --max-loras max-rank "
+        "adapters (default: twice that)",
     )
     engine.add_argument(
         "--adapter-eviction",
@@ -285,7 +286,7 @@ def _run_up(args: argparse.Namespace) -> int:
 def _run_gateway(args: argparse.Namespace) -> int:
     from gateway.main import run_gateway
 
-    configure_logging("gateway", level=args.log_level)
+    configure_logging("gateway", level=args.log_level, batched=True)
     run_gateway(cfa.gateway_config(args))
     return 0
 

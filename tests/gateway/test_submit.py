@@ -6,6 +6,7 @@ import re
 import time
 
 from aiohttp.test_utils import TestClient
+from structlog.testing import capture_logs
 
 from shared import keys
 from shared.schema import JobMessage, JobRecord, JobStatus, SamplingParams, decode_job
@@ -52,6 +53,31 @@ async def test_submit_queues_the_tokenized_prompt_with_default_sampling(client: 
     )
     assert message.prompt_token_ids[0] == BOS_ID
     assert before_ms <= message.created_at * 1000 <= time.time() * 1000
+
+
+async def test_submit_logs_one_access_line_with_the_request_and_the_job(client: TestClient, fleet: Fleet) -> None:
+    with capture_logs() as logs:
+        response = await client.post(
+            "/v1/jobs",
+            json={"model": "tiny", "prompt": "hello", "adapter": "acme-support"},
+            headers={**fleet.auth("acme"), "X-Request-ID": "req-9"},
+        )
+
+    [line] = [entry for entry in logs if entry["event"] == "request"]
+    assert line == {
+        "event": "request",
+        "log_level": "info",
+        "method": "POST",
+        "path": "/v1/jobs",
+        "status": 202,
+        "duration_ms": line["duration_ms"],
+        "request_id": "req-9",
+        "job_id": (await response.json())["id"],
+        "tenant": "acme",
+        "model": "tiny",
+        "adapter": "acme-support",
+    }
+    assert line["duration_ms"] > 0
 
 
 async def test_submit_writes_the_job_record(client: TestClient, fleet: Fleet) -> None:
