@@ -1,6 +1,7 @@
 """Multi-LoRA overhead per Llama-3-8B decoder layer, on a CUDA GPU.
 
-    python -m bench.lora_kernels [--tokens 1 8 32 ...] [--adapters 1 8 16 64] [--ranks 16 64] [--out FILE]
+    python -m bench.lora_kernels [--tokens 1 8 32 ...] [--adapters 1 8 16 64] [--ranks 16 64] [--page-rank 16]
+                                 [--out FILE]
 
 One "layer" is its four adapted projections in bf16: qkv (4096 -> 4096|1024|1024), o (4096 -> 4096),
 gate_up (4096 -> 14336|14336), down (14336 -> 4096). Per case it times, as medians of CUDA-graph
@@ -12,7 +13,9 @@ The LoRA metadata is built once per engine step, outside the layer (its time is 
 
 Token layout: up to 256 tokens are decode tokens, each of its own request, adapters spread evenly
 and shuffled; above, d prefill requests of T/d contiguous tokens, one adapter each. Adapters sit in
-random slots of a 64-slot pool whose max rank is the case's rank.
+random slots of a 64-slot pool whose max rank is the case's rank, stored in pages of --page-rank
+rank rows (default 16, as served) scattered over the page pool in random order (--page-rank 0: the
+unpaged layout, one page of the case's rank per slot).
 
 Byte floor: what LoRA must move beyond the base GEMM if the update rides in the GEMM's epilogue:
 each distinct adapter's A and B once, plus x once for the shrink, at the measured copy bandwidth.
@@ -44,6 +47,7 @@ LLAMA3_8B = (
     ("down", 14336, (4096,)),
 )
 POOL_SLOTS = 64
+PAGE_RANK = 16
 DECODE_MAX_TOKENS = 256
 FUSED_BENCH_MAX_TOKENS = 256  # the fused path re-reads A per token tile: pointless to time above
 
@@ -51,9 +55,10 @@ FUSED_BENCH_MAX_TOKENS = 256  # the fused path re-reads A per token tile: pointl
 @dataclass
 class Projection:
     name: str
+    rank: int  # every adapter's
     weight: torch.Tensor  # [sum N_i, K]
-    lora_a: list[torch.Tensor]  # [S, R, K] per slice
-    lora_b: list[torch.Tensor]  # [S, N_i, R] per slice
+    lora_a: list[torch.Tensor]  # [P, PR, K] per slice
+    lora_b: list[torch.Tensor]  # [P, N_i, PR] per slice
 
     @property
     def k(self) -> int:
@@ -61,20 +66,29 @@ class Projection:
 
     def adapter_bytes(self) -> int:
         """Bytes of one adapter's A and B over all slices."""
-        rank = self.lora_a[0].shape[1]
-        return sum(rank * (a.shape[2] + b.shape[1]) for a, b in zip(self.lora_a, self.lora_b, strict=True)) * 2
+        return sum(self.rank * (a.shape[2] + b.shape[1]) for a, b in zip(self.lora_a, self.lora_b, strict=True)) * 2
 
 
-def make_layer(rank: int, shapes=LLAMA3_8B, slots: int = POOL_SLOTS) -> list[Projection]:
+def pages_per_slot(rank: int, page_rank: int) -> int:
+    """Pages an adapter of this rank takes (page_rank 0: the unpaged layout, one page)."""
+    return math.ceil(rank / page_rank) if page_rank else 1
+
+
+def make_layer(rank: int, shapes=LLAMA3_8B, slots: int = POOL_SLOTS, page_rank: int = PAGE_RANK) -> list[Projection]:
+    """The layer's projections with a pool of `slots` adapters of this rank, in pages of page_rank
+    rows (0: unpaged)."""
+    pages, rows = slots * pages_per_slot(rank, page_rank), page_rank or rank
+
     def rand(*shape: int, scale: float) -> torch.Tensor:
         return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
 
     return [
         Projection(
             name=name,
+            rank=rank,
             weight=rand(sum(widths), k, scale=k**-0.5),
-            lora_a=[rand(slots, rank, k, scale=k**-0.5) for _ in widths],
-            lora_b=[rand(slots, n, rank, scale=rank**-0.5) for n in widths],
+            lora_a=[rand(pages, rows, k, scale=k**-0.5) for _ in widths],
+            lora_b=[rand(pages, n, rows, scale=rank**-0.5) for n in widths],
         )
         for name, k, widths in shapes
     ]
@@ -93,10 +107,15 @@ def token_slots(num_tokens: int, adapters: int, slots: int = POOL_SLOTS, seed: i
     return torch.tensor(per_token, dtype=torch.int32, device="cuda")
 
 
-def make_batch(num_tokens: int, adapters: int, rank: int, slots: int = POOL_SLOTS) -> LoRABatch:
+def make_batch(
+    num_tokens: int, adapters: int, rank: int, slots: int = POOL_SLOTS, page_rank: int = PAGE_RANK
+) -> LoRABatch:
+    """The step's metadata, with every slot's pages drawn at random from the layer's page pool."""
     ranks = torch.full((slots,), rank, dtype=torch.int32, device="cuda")
     scales = torch.full((slots,), 2.0, dtype=torch.float32, device="cuda")
-    return LoRABatch.build(token_slots(num_tokens, adapters, slots), ranks, scales)
+    per_slot = pages_per_slot(rank, page_rank)
+    pages = torch.randperm(slots * per_slot, generator=torch.Generator().manual_seed(1)).reshape(slots, per_slot)
+    return LoRABatch.build(token_slots(num_tokens, adapters, slots), ranks, scales, pages.to("cuda"))
 
 
 def median_us(fn: Callable[[], object], rep_ms: int = 25) -> float:
@@ -116,9 +135,11 @@ def floor_bytes(layer: list[Projection], num_tokens: int, adapters: int) -> int:
     return sum(adapters * p.adapter_bytes() + num_tokens * p.k * 2 for p in layer)
 
 
-def run_case(layer: list[Projection], num_tokens: int, adapters: int, rank: int, bandwidth: float) -> dict:
+def run_case(
+    layer: list[Projection], num_tokens: int, adapters: int, rank: int, page_rank: int, bandwidth: float
+) -> dict:
     xs = [torch.randn(num_tokens, p.k, device="cuda").to(torch.bfloat16) for p in layer]
-    batch = make_batch(num_tokens, adapters, rank)
+    batch = make_batch(num_tokens, adapters, rank, page_rank=page_rank)
 
     def base() -> None:
         for p, x in zip(layer, xs, strict=True):
@@ -130,7 +151,7 @@ def run_case(layer: list[Projection], num_tokens: int, adapters: int, rank: int,
 
     def forced(path: str) -> Callable[[], None]:
         plans = [
-            dataclasses.replace(plan_for_batch(x, p.lora_a, p.lora_b), path=path)
+            dataclasses.replace(plan_for_batch(x, p.lora_a, p.lora_b, batch), path=path)
             for p, x in zip(layer, xs, strict=True)
         ]
 
@@ -147,10 +168,13 @@ def run_case(layer: list[Projection], num_tokens: int, adapters: int, rank: int,
         "tokens": num_tokens,
         "adapters": adapters,
         "rank": rank,
+        "page_rank": page_rank,
         "base_us": (base_before + median_us(base)) / 2,
         "lora_us": lora_us,
-        "paths": [plan_for_batch(x, p.lora_a, p.lora_b).path for p, x in zip(layer, xs, strict=True)],
-        "build_us": median_us(lambda: LoRABatch.build(batch.token_slots, batch.slot_ranks, batch.slot_scales)),
+        "paths": [plan_for_batch(x, p.lora_a, p.lora_b, batch).path for p, x in zip(layer, xs, strict=True)],
+        "build_us": median_us(
+            lambda: LoRABatch.build(batch.token_slots, batch.slot_ranks, batch.slot_scales, batch.slot_pages)
+        ),
         "floor_us": floor_bytes(layer, num_tokens, adapters) / bandwidth * 1e6,
     }
     for path in PATHS:
@@ -179,23 +203,25 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 4096])
     parser.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 16, 64])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--page-rank", type=int, default=PAGE_RANK, help="rank rows per page; 0: unpaged")
     parser.add_argument("--out", help="write all measurements as JSON here")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     device = torch.cuda.get_device_name()
-    print(f"# {device}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    pages = f"pages of {args.page_rank} ranks" if args.page_rank else "unpaged"
+    print(f"# {device}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, {pages}", flush=True)
     print(HEADER, flush=True)
     results = []
     start = time.time()
     for rank in args.ranks:
-        layer = make_layer(rank)
+        layer = make_layer(rank, page_rank=args.page_rank)
         for num_tokens in args.tokens:
             for adapters in args.adapters:
                 if adapters > num_tokens:
                     continue
-                results.append(run_case(layer, num_tokens, adapters, rank, bandwidth))
+                results.append(run_case(layer, num_tokens, adapters, rank, args.page_rank, bandwidth))
                 print(format_row(results[-1]), flush=True)
         del layer
         torch.cuda.empty_cache()

@@ -2,7 +2,9 @@
 
     python -m bench.tune_lora [--tokens 1 8 32 64 256 1024 4096] [--ranks 16 64] [--adapters 16]
 
-For each rank and token bucket T, with min(T, --adapters) adapters laid out as in the benchmark:
+For each rank and token bucket T, with min(T, --adapters) adapters laid out as in the benchmark
+(in scattered pages of bench.lora_kernels.PAGE_RANK rank rows, as served; plans are keyed by the
+padded max rank, so they serve any page size):
   1. per Llama-3-8B projection shape (bench.lora_kernels.LLAMA3_8B), time each kernel's candidate
      configurations alone (fused; shrink; the grouped and the gathering expand on the best shrink's
      z; the epilogue GEMM) and keep the fastest of each, and the faster of the two expands. These
@@ -133,7 +135,7 @@ def best(label: str, candidates: list, timed: Callable[[object], float]) -> obje
 
 def tune_kernels(flushed_us: Flushed, proj: Projection, x: torch.Tensor, batch: LoRABatch) -> Plan:
     """Step 1 for one projection: the fastest configuration of every kernel (path left to step 2)."""
-    num_tokens, rank = x.shape[0], proj.lora_a[0].shape[1]
+    num_tokens, rank = x.shape[0], proj.rank
     (group,) = slice_groups(proj.lora_a, proj.lora_b)
     r_pad = rank_pad(rank)
     y = torch.empty(num_tokens, proj.weight.shape[0], device="cuda", dtype=torch.bfloat16)

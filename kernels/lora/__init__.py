@@ -5,6 +5,12 @@ Semantics (reference.py is the oracle):
         r = slot_ranks[s]
         y[t, col_i : col_i + N_i] += slot_scales[s] * (x[t] @ A_i[s, :r].T) @ B_i[s, :, :r].T
 
+Weights are paged (S-LoRA's unified paging, tiles.py): lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR]
+hold P pages of PR rank rows, and the batch's page table slot_pages [S, pages_per_slot] assembles
+A_i[s] [max_rank, K] and B_i[s] [N_i, max_rank] (max_rank = pages_per_slot * PR): rank row r of
+slot s is row r % PR of page slot_pages[s, r // PR]. One page per slot of PR = max_rank rows with
+slot_pages[s] = [s] is the unpaged layout.
+
 The engine calls `lora_linear` for every adapted projection. CPU tensors take the reference; CUDA
 tensors take one of the Triton paths in paths.py ("fused", "split", "overlap", "epilogue"), chosen
 per GPU model, projection shape and token count by configs.py (tuned by bench/tune_lora.py).
@@ -32,10 +38,14 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def plan_for_batch(x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]) -> Plan:
-    """The path and launch configurations a CUDA batch x [T, K] takes for these slices."""
+def plan_for_batch(
+    x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], batch: LoRABatch
+) -> Plan:
+    """The path and launch configurations a CUDA batch x [T, K] takes for these slices (keyed by the
+    padded max rank, pages_per_slot * PR, whatever the page size)."""
     widths = tuple(b.shape[1] for b in lora_b)
-    return plan_for(_device_name(x.device.index or 0), x.shape[1], widths, rank_pad(lora_a[0].shape[1]), x.shape[0])
+    max_rank = batch.pages_per_slot * lora_a[0].shape[1]
+    return plan_for(_device_name(x.device.index or 0), x.shape[1], widths, rank_pad(max_rank), x.shape[0])
 
 
 def add_lora(
@@ -45,11 +55,11 @@ def add_lora(
     lora_b: Sequence[torch.Tensor],
     batch: LoRABatch,
 ) -> None:
-    """y [T, sum N_i] += per-token LoRA of x [T, K], in place; lora_a[i] [S, R, K], lora_b[i] [S, N_i, R]."""
+    """y [T, sum N_i] += per-token LoRA of x [T, K], in place; lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR]."""
     if not x.is_cuda:
         add_lora_reference(y, x, lora_a, lora_b, batch)
         return
-    add_lora_cuda(plan_for_batch(x, lora_a, lora_b), y, x, lora_a, lora_b, batch)
+    add_lora_cuda(plan_for_batch(x, lora_a, lora_b, batch), y, x, lora_a, lora_b, batch)
 
 
 def lora_linear(
@@ -60,11 +70,12 @@ def lora_linear(
     lora_b: Sequence[torch.Tensor],
     batch: LoRABatch | None,
 ) -> torch.Tensor:
-    """x [T, K] @ weight[N, K].T (+ bias) plus each token's LoRA delta; slices stack along N."""
+    """x [T, K] @ weight[N, K].T (+ bias) plus each token's LoRA delta; slices stack along N
+    (lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR])."""
     if batch is None:
         return F.linear(x, weight, bias)
     if not x.is_cuda:
         y = F.linear(x, weight, bias)
         add_lora_reference(y, x, lora_a, lora_b, batch)
         return y
-    return linear_with_plan(plan_for_batch(x, lora_a, lora_b), x, weight, bias, lora_a, lora_b, batch)
+    return linear_with_plan(plan_for_batch(x, lora_a, lora_b, batch), x, weight, bias, lora_a, lora_b, batch)

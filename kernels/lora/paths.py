@@ -1,6 +1,7 @@
 """The CUDA side of `lora_linear` and `add_lora`: one function per path (configs.py names them).
 
-Semantics (see reference.py):
+Semantics (see reference.py; lora_a[i] [P, PR, K] and lora_b[i] [P, N_i, PR] are pages read through
+the batch's page table, see tiles.py):
     lora_linear: y = x · Wᵀ (+ bias) + per-token LoRA delta;   add_lora: y += per-token LoRA delta
 
     fused     fused.py writes y = bias + delta (z stays on-chip), then y.addmm_(x, Wᵀ): the base
@@ -60,9 +61,9 @@ def add_lora_cuda(
     lora_b: Sequence[torch.Tensor],
     batch: LoRABatch,
 ) -> None:
-    """y [T, sum N_i] += LoRA(x [T, K]) in place; with no base GEMM to hide behind, every path but
-    "fused" is shrink then expand."""
-    _, width = check_slices(x, lora_a, lora_b, batch.num_slots)
+    """y [T, sum N_i] += LoRA(x [T, K]) in place (lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR]); with
+    no base GEMM to hide behind, every path but "fused" is shrink then expand."""
+    _, width = check_slices(x, lora_a, lora_b, batch)
     if y.shape != (x.shape[0], width):
         raise ValueError(f"y {tuple(y.shape)} must be [T={x.shape[0]}, sum N_i={width}]")
     for group in slice_groups(lora_a, lora_b):
@@ -81,8 +82,10 @@ def linear_with_plan(
     lora_b: Sequence[torch.Tensor],
     batch: LoRABatch,
 ) -> torch.Tensor:
-    """`lora_linear` on CUDA along the given plan (the benchmark and tuner force each path here)."""
-    _, width = check_slices(x, lora_a, lora_b, batch.num_slots)
+    """`lora_linear` on CUDA along the given plan (the benchmark and tuner force each path here):
+    x [T, K], weight [sum N_i, K], bias [sum N_i] or None, lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR]
+    → y [T, sum N_i]."""
+    _, width = check_slices(x, lora_a, lora_b, batch)
     if weight.shape != (width, x.shape[1]):
         raise ValueError(f"weight {tuple(weight.shape)} must be [sum N_i={width}, K={x.shape[1]}]")
     groups = slice_groups(lora_a, lora_b)

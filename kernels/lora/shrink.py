@@ -1,13 +1,15 @@
 """Shrink: z = x · Aᵀ for every token with an adapter, all slices of a projection in one launch.
 
-Semantics:
+Semantics (A_i[s] [max_rank, K]: slot s's rank rows of lora_a[i] [P, PR, K], through the page
+table slot_pages, see tiles.py):
     for each token t with s = token_slots[t] >= 0 and r = slot_ranks[s] > 0, for each slice i:
         z[:, i, t, :r] summed over the split axis == x[t] @ A_i[s, :r].T      (fp32, unscaled)
         z[:, i, t, r:] == 0, so readers mask z by token only (whole rows load as vectors)
     rows of other tokens are never written (and never read).
 
 Grid: (SPLIT_K, token tiles). Each program owns one tile of one slot's tokens and one K range and
-computes all slices from a single load of its x tile; the K reduction is split so that decode-sized
+computes all slices from a single load of its x tile (its slot's pages are loaded once, before the
+K loop, and serve every slice); the K reduction is split so that decode-sized
 batches still spread the reads of A over the whole GPU. Partial sums stay separate (no atomics, no
 zero-fill launch): expand adds the SPLIT_K partials when it loads z. A slot's A chunks are read by
 all of its token tiles; tiles of one slot are adjacent in launch order, so the re-reads hit L2.
@@ -21,16 +23,16 @@ import triton.language as tl
 
 from kernels.lora.configs import ShrinkConfig
 from kernels.lora.metadata import LoRABatch
-from kernels.lora.tiles import SliceGroup, group_tile, max_token_tiles, rank_pad
+from kernels.lora.tiles import SliceGroup, a_tile_offsets, check_batch, group_tile, max_token_tiles, page_ids, rank_pad
 
 
 @triton.jit(do_not_specialize=["z_stride_split", "z_stride_slice"])
 def _shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, z_ptr,
-    sorted_tokens_ptr, group_counts_ptr, slot_ranks_ptr,
+    sorted_tokens_ptr, group_counts_ptr, slot_ranks_ptr, slot_pages_ptr,
     num_slots, max_rank, k_size, split_k,
     x_stride, z_stride_split, z_stride_slice,
-    NUM_SLICES: tl.constexpr, R_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr,
+    NUM_SLICES: tl.constexpr, PR: tl.constexpr, R_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     slot, row0, count, start = group_tile(tl.program_id(1), group_counts_ptr, num_slots, SLOTS_PAD, BLOCK_M)
@@ -47,7 +49,8 @@ def _shrink_kernel(
     k_offs = tl.arange(0, BLOCK_K)
 
     x_ptrs = x_ptr + tokens[:, None] * x_stride + k_offs[None, :]  # [BLOCK_M, BLOCK_K]
-    a_offs = slot.to(tl.int64) * max_rank * k_size + r[None, :] * k_size + k_offs[:, None]  # [BLOCK_K, R_PAD]
+    page = page_ids(slot_pages_ptr, slot, r, max_rank, PR)
+    a_offs = a_tile_offsets(page, r, k_offs, k_size, PR)  # [BLOCK_K, R_PAD]
     acc0 = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
@@ -75,22 +78,22 @@ def _shrink_kernel(
 
 
 def lora_shrink(x: torch.Tensor, group: SliceGroup, batch: LoRABatch, config: ShrinkConfig) -> torch.Tensor:
-    """Returns z: float32 [SPLIT_K, num_slices, T, R_PAD] (partial sums; see the module docstring)."""
-    num_tokens, k_size = x.shape  # x: [T, K], unit column stride
-    num_slots, max_rank, _ = group.lora_a[0].shape  # lora_a[i]: [S, R, K] contiguous
+    """z: float32 [SPLIT_K, num_slices, T, R_PAD] (partial sums; see the module docstring) for x [T, K]
+    (unit column stride) and the group's lora_a[i] [P, PR, K] (contiguous), R_PAD = rank_pad(max_rank)."""
+    num_tokens, k_size = x.shape
+    max_rank = check_batch(group, batch, num_tokens)
+    num_slots = batch.num_slots
     r_pad = rank_pad(max_rank)
-    if batch.num_tokens != num_tokens or batch.num_slots != num_slots:
-        raise ValueError(f"batch metadata is for T={batch.num_tokens}, S={batch.num_slots}")
     z = torch.empty((config.split_k, group.num_slices, num_tokens, r_pad), dtype=torch.float32, device=x.device)
     if num_tokens == 0 or num_slots == 0:
         return z
     grid = (config.split_k, max_token_tiles(num_tokens, num_slots, config.block_m))
     _shrink_kernel[grid](
         x, *group.lora_a, z,
-        batch.sorted_tokens, batch.group_counts, batch.slot_ranks,
+        batch.sorted_tokens, batch.group_counts, batch.slot_ranks, batch.slot_pages,
         num_slots, max_rank, k_size, config.split_k,
         x.stride(0), z.stride(0), z.stride(1),
-        NUM_SLICES=group.num_slices, R_PAD=r_pad, SLOTS_PAD=triton.next_power_of_2(num_slots),
+        NUM_SLICES=group.num_slices, PR=group.page_rank, R_PAD=r_pad, SLOTS_PAD=triton.next_power_of_2(num_slots),
         BLOCK_M=config.block_m, BLOCK_K=config.block_k,
         EVEN_K=k_size % (config.block_k * config.split_k) == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,

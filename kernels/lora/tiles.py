@@ -1,4 +1,4 @@
-"""Pieces shared by the LoRA kernels: the token-tile map and the stacked-slice bookkeeping.
+"""Pieces shared by the LoRA kernels: the token-tile map, the page table and the stacked-slice bookkeeping.
 
 Token tiles: a launch covers `max_token_tiles(T, G, BLOCK_M)` programs along its token axis; program
 p finds the group g (metadata.py) and the tile of that group's tokens it owns from the per-group
@@ -9,6 +9,22 @@ the empty ones (the bound is loose) trail behind.
 
 Slices: one launch serves up to MAX_SLICES stacked outputs (q|k|v, gate|up), each with its own A
 and B tensor and width; programs along the output axis are laid out slice after slice.
+
+Pages (S-LoRA's unified paging): slice i's weights are stored as pages of PR rank rows,
+lora_a[i] [P, PR, K] and lora_b[i] [P, N_i, PR], and LoRABatch.slot_pages [S, pages_per_slot] says
+which pages hold each slot's rank rows, in rank order, so that for rank index r < max_rank =
+pages_per_slot * PR of slot s
+
+    A_i[s][r, k] = lora_a[i][slot_pages[s, r // PR], r % PR, k]
+    B_i[s][n, r] = lora_b[i][slot_pages[s, r // PR], n, r % PR]
+
+A program loads the page of each rank index of its tile once (`page_ids`, an [R_PAD]-wide gather
+of at most R_PAD / PR distinct entries) and addresses A and B through it. An A tile stays
+contiguous along K. B is contiguous along the rank axis only within a page, in runs of PR, which
+the gathered page id can hide from Triton's axis analysis (Triton 3.9 still infers it from the
+page-id load's constant address runs; an older one may not): `b_tile_offsets` and `b_row_offsets`
+state it with hints when PR % 16 == 0 (production pages are 16 ranks: tl.dot's minimum and load_ranked's vector
+granularity). The unpaged layout is PR = max_rank, one page per slot, slot_pages[s] = [s].
 """
 
 from __future__ import annotations
@@ -19,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kernels.lora.metadata import LoRABatch
 
 MAX_SLICES = 3
 
@@ -63,6 +81,44 @@ def load_ranked(ptrs, r, rank, max_rank, mask):
 
 
 @triton.jit
+def page_ids(table_ptr, row, r, max_rank, PR: tl.constexpr):
+    """int64 page holding each rank index r (< max_rank; 0 past it) of page table row `row` (a slot of
+    LoRABatch.slot_pages, or a position of sorted_pages: both have max_rank // PR columns). Shapes
+    broadcast: a scalar row and r [R] give [R]; rows [M, 1] and r [1, R] give [M, R]."""
+    ptrs = table_ptr + row * (max_rank // PR) + r // PR
+    return tl.load(ptrs, mask=r < max_rank, other=0).to(tl.int64)
+
+
+@triton.jit
+def a_tile_offsets(page, r, k_offs, k_size, PR: tl.constexpr):
+    """Offsets [BLOCK_K, R] into a slice's A [P, PR, K] of rank indices r [R] (in pages page [R],
+    from page_ids) at columns k_offs [BLOCK_K]: contiguous along K, as Triton sees unaided."""
+    return page[None, :] * PR * k_size + (r % PR)[None, :] * k_size + k_offs[:, None]
+
+
+@triton.jit
+def b_tile_offsets(page, r, n, width, PR: tl.constexpr):
+    """Offsets [R, N] into a slice's B [P, width, PR] of rank indices r [R] (in pages page [R]) at
+    columns n [N]. Along r, runs of PR are contiguous and start at a multiple of PR: for PR % 16 == 0
+    the hints say so (per axis: rank, column), so loads of B stay 16-byte vectors."""
+    offs = page[:, None] * width * PR + n[None, :] * PR + (r % PR)[:, None]
+    if PR % 16 == 0:
+        offs = tl.max_contiguous(tl.multiple_of(offs, [16, 1]), [16, 1])
+    return offs
+
+
+@triton.jit
+def b_row_offsets(page, r, n, width, PR: tl.constexpr):
+    """Offsets [M, N, R] into a slice's B [P, width, PR] for rows that each gather their own
+    adapter: rank indices r [R] in pages page [M, R], columns n [N]. Hinted like b_tile_offsets
+    (per axis: row, column, rank) when PR and R are multiples of 16."""
+    offs = page[:, None, :] * width * PR + n[None, :, None] * PR + (r % PR)[None, None, :]
+    if PR % 16 == 0 and r.shape[0] % 16 == 0:
+        offs = tl.max_contiguous(tl.multiple_of(offs, [1, 1, 16]), [1, 1, 16])
+    return offs
+
+
+@triton.jit
 def slice_of(pid_n, tiles0, tiles1):
     """(slice, program index inside it) for programs laid out slice after slice."""
     slice_id = (pid_n >= tiles0).to(tl.int32) + (pid_n >= tiles0 + tiles1).to(tl.int32)
@@ -91,8 +147,8 @@ def select_ptr(slice_id, p0, p1, p2):
 class SliceGroup:
     """Up to MAX_SLICES consecutive slices, padded by repeating the last so every kernel argument exists."""
 
-    lora_a: tuple[torch.Tensor, ...]  # MAX_SLICES x [S, R, K]
-    lora_b: tuple[torch.Tensor, ...]  # MAX_SLICES x [S, N_i, R]
+    lora_a: tuple[torch.Tensor, ...]  # MAX_SLICES x [P, PR, K]
+    lora_b: tuple[torch.Tensor, ...]  # MAX_SLICES x [P, N_i, PR]
     widths: tuple[int, ...]  # MAX_SLICES x N_i, 0 for padding
     columns: tuple[int, ...]  # MAX_SLICES x first output column of the slice
     num_slices: int
@@ -101,18 +157,35 @@ class SliceGroup:
         """Programs per slice along N when each covers `block` columns."""
         return tuple(triton.cdiv(n, block) for n in self.widths)
 
+    @property
+    def page_rank(self) -> int:
+        """PR: rank rows per page."""
+        return self.lora_a[0].shape[1]
+
+
+def check_batch(group: SliceGroup, batch: LoRABatch, num_tokens: int) -> int:
+    """Check a launch's batch metadata against its T tokens; returns the slots' max rank,
+    pages_per_slot * PR (the weights themselves are checked by check_slices)."""
+    if batch.num_tokens != num_tokens:
+        raise ValueError(f"batch metadata is for T={batch.num_tokens}, the launch for T={num_tokens}")
+    return batch.pages_per_slot * group.page_rank
+
 
 def check_slices(
-    x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], num_slots: int
+    x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], batch: LoRABatch
 ) -> tuple[int, int]:
-    """Validate the stacked LoRA weights against x [T, K]; returns (max_rank, total output width)."""
+    """Validate the paged LoRA weights (lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR]) against x [T, K]
+    and the batch's page table (slot_pages [S, pages_per_slot]); returns (max rank = pages_per_slot *
+    PR, total output width). Page ids themselves are not checked: that would wait on the GPU."""
     if len(lora_a) == 0 or len(lora_a) != len(lora_b):
         raise ValueError(f"need one lora_a and one lora_b per slice, got {len(lora_a)} and {len(lora_b)}")
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, K] with unit column stride, got shape {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x dtype {x.dtype} is not supported (float16, bfloat16, float32)")
-    num_slots_a, max_rank, k = lora_a[0].shape
+    if lora_a[0].dim() != 3:
+        raise ValueError(f"lora_a {tuple(lora_a[0].shape)} must be [P, PR, K]")
+    num_pages, page_rank, k = lora_a[0].shape
     for i, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
         if a.dtype != x.dtype or b.dtype != x.dtype:
             raise ValueError(f"slice {i}: lora weights are {a.dtype}/{b.dtype}, x is {x.dtype}")
@@ -120,13 +193,15 @@ def check_slices(
             raise ValueError(f"slice {i}: lora weights are not on {x.device}")
         if not (a.is_contiguous() and b.is_contiguous()):
             raise ValueError(f"slice {i}: lora_a and lora_b must be contiguous")
-        if a.shape != (num_slots_a, max_rank, k) or a.shape[2] != x.shape[1]:
-            raise ValueError(f"slice {i}: lora_a {tuple(a.shape)} must be [S, R, K={x.shape[1]}] like slice 0")
-        if b.dim() != 3 or b.shape[0] != num_slots_a or b.shape[2] != max_rank:
-            raise ValueError(f"slice {i}: lora_b {tuple(b.shape)} must be [S={num_slots_a}, N_i, R={max_rank}]")
-    if num_slots_a != num_slots:
-        raise ValueError(f"lora weights hold {num_slots_a} slots, the batch metadata {num_slots}")
-    return max_rank, sum(b.shape[1] for b in lora_b)
+        if a.shape != (num_pages, page_rank, k) or k != x.shape[1]:
+            raise ValueError(f"slice {i}: lora_a {tuple(a.shape)} must be [P, PR, K={x.shape[1]}] like slice 0")
+        if b.dim() != 3 or b.shape[0] != num_pages or b.shape[2] != page_rank:
+            raise ValueError(f"slice {i}: lora_b {tuple(b.shape)} must be [P={num_pages}, N_i, PR={page_rank}]")
+    if page_rank == 0:
+        raise ValueError("pages must hold at least one rank row (PR > 0)")
+    if batch.slot_pages.device != x.device:
+        raise ValueError(f"the batch's page table is on {batch.slot_pages.device}, x on {x.device}")
+    return batch.pages_per_slot * page_rank, sum(b.shape[1] for b in lora_b)
 
 
 def slice_groups(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]) -> list[SliceGroup]:

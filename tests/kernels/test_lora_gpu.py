@@ -1,5 +1,6 @@
 """The Triton LoRA paths on a CUDA GPU: bf16 (which the CPU interpreter computes wrongly), the
-dispatcher, CUDA-graph capture and the absence of host syncs and per-batch recompilation."""
+dispatcher, paged weights (16-rank pages, scrambled page tables), CUDA-graph capture and the
+absence of host syncs and per-batch recompilation."""
 
 from __future__ import annotations
 
@@ -20,16 +21,19 @@ pytestmark = [
 ]
 BF16_TOL = 1e-2
 RANKS = [16, 8, 64, 0, 32, 16, 128, 16, 8, 16, 64, 16, 16, 32, 8, 16]
+PAGE_RANK = 16  # production pages: RANKS take 1 to 8 pages, 8 per slot at max rank 128
+PATHS = [("fused", None), ("split", None), ("split", GatherConfig()), ("overlap", None), ("overlap", GatherConfig()),
+         ("epilogue", None)]  # fmt: skip
 
 
+@pytest.mark.parametrize("page_rank", [None, PAGE_RANK], ids=["unpaged", "paged"])
 @pytest.mark.parametrize("num_tokens", [1, 33, 300, 1500])
-@pytest.mark.parametrize(
-    ("path", "expand"),
-    [("fused", None), ("split", None), ("split", GatherConfig()), ("overlap", None), ("overlap", GatherConfig()),
-     ("epilogue", None)],
-)  # fmt: skip
-def test_every_path_matches_the_reference_in_bf16(path: str, expand: GatherConfig | None, num_tokens: int) -> None:
-    case = make_case(num_tokens, 1024, [1024, 256, 256], RANKS, dtype=torch.bfloat16, device="cuda", seed=num_tokens)
+@pytest.mark.parametrize(("path", "expand"), PATHS)
+def test_every_path_matches_the_reference_in_bf16(
+    path: str, expand: GatherConfig | None, num_tokens: int, page_rank: int | None
+) -> None:
+    case = make_case(num_tokens, 1024, [1024, 256, 256], RANKS, dtype=torch.bfloat16, device="cuda",
+                     page_rank=page_rank, seed=num_tokens)  # fmt: skip
     plan = dataclasses.replace(default_plan(num_tokens, 128), path=path, gather=expand)
     y = linear_with_plan(plan, case.x, case.weight, case.bias, case.lora_a, case.lora_b, case.batch)
     assert rel_err(y, case.linear()) < BF16_TOL
@@ -45,11 +49,13 @@ def test_add_lora_accumulates_in_place(num_tokens: int) -> None:
 
 
 def test_building_metadata_and_running_the_kernels_never_syncs_with_the_host() -> None:
-    case = make_case(64, 512, [512], RANKS, dtype=torch.bfloat16, device="cuda")
+    case = make_case(64, 512, [512], RANKS, dtype=torch.bfloat16, device="cuda", page_rank=PAGE_RANK)
     lora_linear(case.x, case.weight, None, case.lora_a, case.lora_b, case.batch)  # compile first
     torch.cuda.set_sync_debug_mode("error")
     try:
-        batch = LoRABatch.build(case.batch.token_slots, case.batch.slot_ranks, case.batch.slot_scales)
+        batch = LoRABatch.build(
+            case.batch.token_slots, case.batch.slot_ranks, case.batch.slot_scales, case.batch.slot_pages
+        )
         lora_linear(case.x, case.weight, None, case.lora_a, case.lora_b, batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -70,12 +76,14 @@ def test_token_counts_share_one_compiled_kernel() -> None:
     assert all(len(cache) - before[kernel] <= 1 for kernel, cache in caches.items())
 
 
-def test_a_captured_step_replays_with_new_slot_assignments() -> None:
-    case = make_case(32, 1024, [1024, 256, 256], RANKS, dtype=torch.bfloat16, device="cuda", seed=5)
+def test_a_captured_step_replays_with_new_slot_assignments_and_moved_pages() -> None:
+    case = make_case(32, 1024, [1024, 256, 256], RANKS, dtype=torch.bfloat16, device="cuda", page_rank=PAGE_RANK,
+                     spare_pages=8, seed=5)  # fmt: skip
     token_slots = case.batch.token_slots.clone()
+    slot_pages = case.batch.slot_pages  # the persistent table the graph reads
 
     def step() -> torch.Tensor:
-        batch = LoRABatch.build(token_slots, case.batch.slot_ranks, case.batch.slot_scales)
+        batch = LoRABatch.build(token_slots, case.batch.slot_ranks, case.batch.slot_scales, slot_pages)
         return lora_linear(case.x, case.weight, case.bias, case.lora_a, case.lora_b, batch)
 
     step()
@@ -83,6 +91,17 @@ def test_a_captured_step_replays_with_new_slot_assignments() -> None:
     with torch.cuda.graph(graph):
         y = step()
     token_slots.copy_(torch.randint(-1, len(RANKS), (32,), device="cuda"))
-    case.batch = LoRABatch.build(token_slots, case.batch.slot_ranks, case.batch.slot_scales)
+    # the rank-128 adapter moves to the pool's 8 spare pages (in decreasing order), and its old
+    # pages are overwritten: the replay must read the page table as it is now
+    slot = RANKS.index(128)
+    old = slot_pages[slot].tolist()
+    owned = {p for s, rank in enumerate(RANKS) for p in slot_pages[s, : -(-rank // PAGE_RANK)].tolist()}
+    new = sorted(set(range(case.lora_a[0].shape[0])) - owned, reverse=True)
+    assert len(new) == 8
+    for a, b in zip(case.lora_a, case.lora_b, strict=True):
+        a[new], b[new] = a[old], b[old]
+        a[old], b[old] = float("nan"), float("nan")
+    slot_pages[slot] = torch.tensor(new, dtype=torch.int32, device="cuda")
+    case.batch = LoRABatch.build(token_slots, case.batch.slot_ranks, case.batch.slot_scales, slot_pages)
     graph.replay()
     assert rel_err(y, case.linear()) < BF16_TOL

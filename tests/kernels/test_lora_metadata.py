@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.lora import LoRABatch
+from tests.kernels.lora_cases import identity_pages
 
 
 def build(slots: list[int], ranks: list[int]) -> LoRABatch:
-    return LoRABatch.build(torch.tensor(slots), torch.tensor(ranks, dtype=torch.int32), torch.ones(len(ranks)))
+    return LoRABatch.build(
+        torch.tensor(slots), torch.tensor(ranks, dtype=torch.int32), torch.ones(len(ranks)), identity_pages(len(ranks))
+    )
 
 
 def test_tokens_are_grouped_by_slot_in_batch_order_with_base_tokens_last() -> None:
@@ -32,7 +36,9 @@ def test_active_slots_list_slots_with_tokens_ascending_then_minus_one() -> None:
 
 
 def test_sorted_positions_carry_slot_rank_and_scale_and_none_without_lora() -> None:
-    batch = LoRABatch.build(torch.tensor([1, -1, 0, 2, 2]), torch.tensor([8, 0, 4]), torch.tensor([0.5, 2.0, 3.0]))
+    batch = LoRABatch.build(
+        torch.tensor([1, -1, 0, 2, 2]), torch.tensor([8, 0, 4]), torch.tensor([0.5, 2.0, 3.0]), identity_pages(3)
+    )
     assert batch.sorted_tokens.tolist() == [2, 3, 4, 0, 1]
     assert batch.sorted_slots.tolist() == [0, 2, 2, -1, -1]
     assert batch.sorted_ranks.tolist() == [8, 4, 4, 0, 0]
@@ -46,10 +52,28 @@ def test_a_batch_without_adapter_tokens_has_no_active_slot() -> None:
 
 
 def test_build_normalises_dtypes() -> None:
-    batch = LoRABatch.build(torch.tensor([0, 1]), torch.tensor([4, 4]), torch.tensor([1.0, 2.0], dtype=torch.float64))
-    assert (batch.token_slots.dtype, batch.slot_ranks.dtype, batch.slot_scales.dtype) == (
-        torch.int32,
-        torch.int32,
-        torch.float32,
-    )
-    assert batch.num_tokens == 2 and batch.num_slots == 2
+    scales = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    batch = LoRABatch.build(torch.tensor([0, 1]), torch.tensor([4, 4]), scales, torch.tensor([[1], [0]]))
+    dtypes = (batch.token_slots.dtype, batch.slot_ranks.dtype, batch.slot_scales.dtype, batch.slot_pages.dtype)
+    assert dtypes == (torch.int32, torch.int32, torch.float32, torch.int32)
+    assert batch.num_tokens == 2 and batch.num_slots == 2 and batch.pages_per_slot == 1
+
+
+def test_sorted_positions_carry_their_slots_page_table_row() -> None:
+    pages = torch.tensor([[5, 2, 0], [7, 0, 0], [1, 3, 4]], dtype=torch.int32)
+    batch = LoRABatch.build(torch.tensor([2, -1, 0, 1]), torch.tensor([40, 16, 48]), torch.ones(3), pages)
+    assert batch.sorted_tokens.tolist() == [2, 3, 0, 1]
+    assert batch.sorted_pages[:3].tolist() == [[5, 2, 0], [7, 0, 0], [1, 3, 4]]
+    assert batch.sorted_pages.shape == (4, 3) and batch.pages_per_slot == 3
+
+
+def test_build_keeps_a_device_page_table_it_need_not_convert() -> None:
+    pages = identity_pages(4)
+    batch = LoRABatch.build(torch.tensor([0, 3]), torch.full((4,), 8), torch.ones(4), pages)
+    assert batch.slot_pages is pages  # a captured graph reads the caller's persistent table
+
+
+@pytest.mark.parametrize("pages", [torch.zeros(3, dtype=torch.int32), torch.zeros(2, 1), torch.zeros(3, 0)])
+def test_a_page_table_must_be_one_row_of_pages_per_slot(pages: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match=r"slot_pages .* must be|at least one page"):
+        LoRABatch.build(torch.tensor([0]), torch.full((3,), 8), torch.ones(3), pages)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from shared import keys
+from shared.auto_pipeline import AutoPipeline
 from shared.jobstore import JobStore, now_ms
 from shared.schema import (
     FinishReason,
@@ -36,6 +39,15 @@ async def test_create_writes_the_record_and_one_queue_entry(aredis):
     assert len(entries) == 1
     assert decode_job(entries[0][1][b"job"]) == message
     assert 0 < await aredis.ttl(keys.job("job_1")) <= 60
+
+
+@pytest.mark.parametrize("batched", [False, True])
+async def test_create_loads_its_script_again_after_a_flush(aredis, batched):
+    store = JobStore(aredis, job_ttl_s=60, batched=AutoPipeline(aredis, timeout_s=5.0) if batched else None)
+    assert await store.create(*new_job("job_1")) == ("job_1", True)
+    await aredis.script_flush()  # as after a Redis restart
+    assert await store.create(*new_job("job_2")) == ("job_2", True)
+    assert await aredis.xlen(keys.queue("m")) == 2
 
 
 async def test_repeated_idempotency_key_returns_the_first_job_and_queues_nothing(aredis):
