@@ -8,6 +8,7 @@ import time
 from aiohttp.test_utils import TestClient
 from structlog.testing import capture_logs
 
+from gateway.job_service import new_job_id
 from shared import keys
 from shared.schema import JobMessage, JobRecord, JobStatus, SamplingParams, decode_job
 from tests.gateway.fleet import BOS_ID, Fleet, submit
@@ -166,6 +167,13 @@ async def test_each_submit_gets_a_new_job_id(client: TestClient, fleet: Fleet) -
     ids = {(await submit(client, fleet))["id"] for _ in range(3)}
 
     assert len(ids) == 3
+
+
+def test_job_ids_are_distinct_across_reads_of_random_bytes() -> None:
+    ids = [new_job_id() for _ in range(3 * 256)]  # three blocks' worth
+
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(r"job_[0-9a-f]{32}", job_id) for job_id in ids)
 
 
 async def test_repeated_idempotency_key_returns_the_same_job(client: TestClient, fleet: Fleet) -> None:
