@@ -21,10 +21,11 @@ pages_per_slot * PR of slot s
 A program loads the page of each rank index of its tile once (`page_ids`, an [R_PAD]-wide gather
 of at most R_PAD / PR distinct entries) and addresses A and B through it. An A tile stays
 contiguous along K. B is contiguous along the rank axis only within a page, in runs of PR, which
-the gathered page id can hide from Triton's axis analysis (Triton 3.9 still infers it from the
-page-id load's constant address runs; an older one may not): `b_tile_offsets` and `b_row_offsets`
-state it with hints when PR % 16 == 0 (production pages are 16 ranks: tl.dot's minimum and load_ranked's vector
-granularity). The unpaged layout is PR = max_rank, one page per slot, slot_pages[s] = [s].
+a gathered page id can hide from Triton's axis analysis (Triton 3.6 and 3.9 still infer it from the
+page-id load's runs of one address: their PTX has the same 16-byte B loads with and without the
+hints); `b_tile_offsets` and `b_row_offsets` state it with hints when PR % 16 == 0 (production
+pages are 16 ranks: tl.dot's minimum and load_ranked's vector granularity), for compilers that do
+not. The unpaged layout is PR = max_rank, one page per slot, slot_pages[s] = [s].
 """
 
 from __future__ import annotations
