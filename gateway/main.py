@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import structlog
 from aiohttp import web
 
@@ -22,6 +24,10 @@ def run_gateway(config: GatewayConfig) -> None:
     Logging is the caller's to configure (shared.log.configure_logging). A client that disconnects
     cancels its handler, so an abandoned long-poll releases its Redis connection at once.
     """
+    # a turn's short prompts are encoded in one call on the event loop (gateway/tokenization.py), which the
+    # tokenizers library would spread over a thread per core: a gateway process is meant to use one core
+    # (it scales out by processes). An operator's own setting wins.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     log.info("gateway_starting", host=config.host, port=config.port)
     web.run_app(
         create_app(config),
