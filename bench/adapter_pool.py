@@ -4,22 +4,24 @@
                                  [--cycles 10000] [--out FILE]
 
 1. Load latency of one adapter, rank 16 and 64 on all seven projections (PEFT files written here):
-   pinned host -> GPU slot (SlotWriter: one H2D copy, device scatters, event) beside the floor
+   pinned host -> GPU pages (SlotWriter: one H2D copy, device scatters, event) beside the floor
    nbytes / measured pinned H2D bandwidth, and the engine-thread (host) time of a write, once the
-   slot's views are built and on the slot's first write of that rank; and disk -> GPU slot with
+   pages' views are built and on the pages' first write of that rank; and disk -> GPU with
    the file's page cache dropped (read + sha256 + validation + packing on the host, then the same
    upload).
 2. 1,000 registered adapters (rank 16; each its own identity, files shared by groups of them), Zipf(1.0)
-   over adapters, 32 GPU slots, closed loop of --concurrency requests through LLMEngine: GPU and host
-   hit rates per request, time a request waits for its adapter (add -> its slot READY) p50/p99, all
-   and cold (not READY when added), and output tok/s beside the same request stream with every
-   adapter resident (adapter i mapped onto preloaded slot i mod 32: the same batch shapes, no loads).
+   over adapters, a GPU pool of 32 max-rank (64) adapters' memory = 128 pages of 16 ranks, so 128
+   rank-16 adapters; closed loop of --concurrency requests through LLMEngine: GPU and host hit
+   rates per request, time a request waits for its adapter (add -> READY) p50/p99, all and cold
+   (not READY when added), and output tok/s beside the same request stream with every adapter
+   resident (adapter i mapped onto preloaded adapter i mod 128: the same batch shapes, no loads).
    The pool runs the stream twice through one engine: "pool cold" starts from an empty host tier (in
    512 requests ~45% name an adapter not seen before, so it measures compulsory first reads from
    disk); "pool steady" runs it again right after, host tier warm (if --adapter-host-cache-gb holds
-   the working set; a worker's default holds ~250 rank-16 8B adapters) and GPU slots as the cold
+   the working set; a worker's default holds ~250 rank-16 8B adapters) and GPU pages as the cold
    pass left them: the pool's serving, what the 0.9x-of-all-resident target is about.
-3. --cycles load/evict cycles through the pool (small model, two slots, a new identity per cycle):
+3. --cycles load/evict cycles through the pool (small model, two max-rank adapters' pages, a new
+   identity per cycle, ranks 8/16/24 so adapters of one and two pages take each other's pages):
    device memory allocated/reserved, host RSS and pinned host memory before and after.
 """
 
@@ -56,15 +58,15 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.peft_adapter import peft_key
 from worker.metrics import EngineMetrics, WorkerMetrics
 
-SLOTS = 32
+MAX_LORAS = 32  # the GPU pool's memory, in adapters of MAX_RANK: 128 pages of 16 ranks
 MAX_RANK = 64
 SMALL = dataclasses.replace(LLAMA3_8B, name="small", hidden_size=1024, intermediate_size=2816, num_layers=2,
                             num_heads=8, num_kv_heads=2, vocab_size=32000)  # fmt: skip
 
 
-def random_model(info: ModelInfo, slots: int) -> CausalLM:
+def random_model(info: ModelInfo, max_loras: int) -> CausalLM:
     torch.manual_seed(0)
-    model = CausalLM(info, max_loras=slots, max_lora_rank=MAX_RANK, dtype=torch.bfloat16, device="cuda")
+    model = CausalLM(info, max_loras=max_loras, max_lora_rank=MAX_RANK, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -138,7 +140,7 @@ class LatencyRow:
     floor_ms: float
     pinned_ms: float
     pinned_host_ms: float  # host time inside SlotWriter.write (launches)
-    first_host_ms: float  # the same for a slot's first write of this rank: the slot's views are built then
+    first_host_ms: float  # the same for the pages' first write of this rank: their views are built then
     disk_ms: float
     disk_read_ms: float  # read + hash + validate + pack, on the host
     cache_drop: str
@@ -153,11 +155,14 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
         ref = AdapterRef(f"latency-r{rank}", 1, directory.name, sha)
 
         adapter = read(ref, model, root)
+        size = model.pages_for_rank(rank)
+        stretches = model.num_pages // size
+        pages = [tuple(range(first, first + size)) for first in range(0, stretches * size, size)]
         pinned, host = [], []
-        for i in range(SLOTS + 20):  # the first write into each slot builds its views: timed apart
+        for i in range(stretches + 20):  # the first write into each page builds its views: timed apart
             torch.cuda.synchronize()
             start = time.perf_counter()
-            upload = writer.write(i % SLOTS, adapter)
+            upload = writer.write(pages[i % stretches], adapter)
             launched = time.perf_counter()
             upload.wait()
             pinned.append(time.perf_counter() - start)
@@ -169,11 +174,11 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
             start = time.perf_counter()
             fresh = read(ref, model, root)
             reads.append(time.perf_counter() - start)
-            writer.write(i % SLOTS, fresh).wait()
+            writer.write(pages[i % stretches], fresh).wait()
             disk.append(time.perf_counter() - start)
         rows.append(LatencyRow(rank, adapter.nbytes / 1e6, adapter.nbytes / bandwidth * 1e3,
-                               statistics.median(pinned[SLOTS:]) * 1e3, statistics.median(host[SLOTS:]) * 1e3,
-                               statistics.median(host[:SLOTS]) * 1e3,
+                               statistics.median(pinned[stretches:]) * 1e3,
+                               statistics.median(host[stretches:]) * 1e3, statistics.median(host[:stretches]) * 1e3,
                                statistics.median(disk) * 1e3, statistics.median(reads) * 1e3, how))  # fmt: skip
         print(rows[-1], flush=True)
     return rows
@@ -186,7 +191,7 @@ class ZipfRow:
     requests: int
     host_cache_gb: float  # the pool's host tier budget (GiB)
     tok_s: float
-    gpu_hit_rate: float  # requests whose adapter had a GPU slot (READY or loading) when added
+    gpu_hit_rate: float  # requests whose adapter had GPU pages (READY or loading) when added
     host_hit_rate: float  # GPU misses (of adapters not already on their way up) found on the host tier
     wait_p50_ms: float
     wait_p99_ms: float
@@ -217,13 +222,17 @@ class ZipfEngine:
         self.refs, self.args, self.all_resident = refs, args, all_resident
         self.token_ids = prompts(64, args.prompt, info.vocab_size)
         self.passes = 0
-        if all_resident:  # write refs[i]'s weights into slot i and mark it READY: no load ever happens
+        # all resident: as many adapters as the pages hold (rank 16: one page each), refs[i]'s weights
+        # in page i and READY, so no load ever happens
+        self.resident = runner.model.num_pages
+        if all_resident:
             writer = SlotWriter(runner.model)
-            copies = {ref.path: read(ref, runner.model, root) for ref in refs[:SLOTS]}
-            for slot in range(SLOTS):
-                writer.write(slot, copies[refs[slot].path]).wait()
-                self.engine.adapter_slots.reserve(refs[slot].uid, evictable=lambda _: False)
-                self.engine.adapter_slots.mark_ready(refs[slot].uid)
+            copies = {ref.path: read(ref, runner.model, root) for ref in refs[: self.resident]}
+            for page in range(self.resident):
+                reservation = self.engine.adapter_slots.reserve(refs[page].uid, 1, evictable=lambda _: False)
+                assert reservation is not None and reservation.pages == (page,)
+                writer.write((page,), copies[refs[page].path]).wait()
+                self.engine.adapter_slots.mark_ready(refs[page].uid)
 
     def counters(self) -> dict[str, float]:
         """The pool's cumulative counters, as "{tier}_{count}" (a pass reports their differences)."""
@@ -251,7 +260,7 @@ class ZipfEngine:
         def add_one() -> None:
             nonlocal next_request
             index = order[next_request]
-            ref = self.refs[index % SLOTS] if self.all_resident else self.refs[index]
+            ref = self.refs[index % self.resident] if self.all_resident else self.refs[index]
             job = f"{prefix}{next_request}"
             ready = engine.adapter_slots.slot_of(ref.uid) is not None
             request = EngineRequest(job, self.token_ids[next_request % 64], params, tenant=job, adapter=ref)
@@ -299,7 +308,7 @@ class ZipfEngine:
 
 def zipf_bench(model: CausalLM, root: Path, args: argparse.Namespace) -> list[ZipfRow]:
     """Per concurrency: the all-resident run, then the pool's cold pass and its steady pass (the same
-    stream again through the same engine, host tier warm, GPU slots as the cold pass left them)."""
+    stream again through the same engine, host tier warm, GPU pages as the cold pass left them)."""
     distinct = [(f"zipf-files-{i}", write_adapter(root / f"zipf-files-{i}", model.info, 16, seed=100 + i))
                 for i in range(args.files)]  # fmt: skip
     refs = [AdapterRef(f"tenant-{i}", 1, *distinct[i % len(distinct)]) for i in range(args.adapters)]
@@ -309,7 +318,7 @@ def zipf_bench(model: CausalLM, root: Path, args: argparse.Namespace) -> list[Zi
     context = args.prompt + args.new_tokens
     for concurrency in args.concurrency:
         config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=concurrency, max_num_batched_tokens=8192,
-                              num_kv_blocks=concurrency * -(-context // 16) + 64, block_size=16, max_loras=SLOTS,
+                              num_kv_blocks=concurrency * -(-context // 16) + 64, block_size=16, max_loras=MAX_LORAS,
                               max_lora_rank=MAX_RANK, adapter_host_cache_gb=args.adapter_host_cache_gb)  # fmt: skip
         runner = ModelRunner.from_model(model, config)  # decode graphs captured once per batch size
         warm_up = ZipfEngine(runner, root, refs, args, all_resident=True)
@@ -344,7 +353,7 @@ def churn(root: Path, cycles: int) -> dict[str, float]:
     model = random_model(info, 2)
     config = EngineConfig(device="cuda", max_loras=2, max_lora_rank=MAX_RANK)
     pool = AdapterPool(model, config, root, EngineMetrics.unregistered("churn").adapters)
-    # ranks 8, 16, 24 in turn: slots are reused by lower and higher ranks
+    # ranks 8, 16, 24 in turn: pages are reused by adapters of one and two pages
     sources = [(f"churn-{i}", write_adapter(root / f"churn-{i}", info, 8 * (i + 1), seed=i)) for i in range(3)]
 
     def cycle(index: int) -> None:
@@ -383,7 +392,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--adapter-host-cache-gb", type=float, default=None,
-                        help="the Zipf runs' host tier (default: a worker's, 2 max-rank adapters a slot)")  # fmt: skip
+                        help="the Zipf runs' host tier (default: a worker's, 2 GPU pools' worth of bytes)")  # fmt: skip
     parser.add_argument("--cycles", type=int, default=10_000)
     parser.add_argument("--skip", nargs="*", default=[], choices=["latency", "zipf", "churn"])
     parser.add_argument("--out", help="write every row as JSON lines here")
@@ -396,7 +405,7 @@ def main() -> None:
     zipf: list[ZipfRow] = []
     memory: dict[str, float] = {}
     if "latency" not in args.skip or "zipf" not in args.skip:
-        model = random_model(LLAMA3_8B, SLOTS)
+        model = random_model(LLAMA3_8B, MAX_LORAS)
         if "latency" not in args.skip:
             latency = load_latency(model, root, bandwidth)
         if "zipf" not in args.skip:
@@ -414,7 +423,7 @@ def main() -> None:
         out.write(json.dumps({"kind": "churn", **memory}) + "\n")
         out.close()
     print(f"\npinned H2D bandwidth {bandwidth / 1e9:.1f} GB/s ({torch.cuda.get_device_name()})")
-    print("rank  MB     floor ms  pinned->GPU ms (x floor)  host launch ms  (first into a slot)  disk->GPU ms  "
+    print("rank  MB     floor ms  pinned->GPU ms (x floor)  host launch ms  (first into pages)  disk->GPU ms  "
           "of which read ms  cache")  # fmt: skip
     for r in latency:
         ratio = r.pinned_ms / r.floor_ms

@@ -173,7 +173,7 @@ class EngineBench:
     def engine(self) -> LLMEngine:
         engine = LLMEngine(self.runner, self.tokenizer, self.config, adapter_root=None)
         for slot, ref in enumerate(self.refs):  # the slots already hold these weights: mark them resident
-            reservation = engine.adapter_slots.reserve(ref.uid, evictable=lambda _: False)
+            reservation = engine.adapter_slots.reserve(ref.uid, 1, evictable=lambda _: False)
             assert reservation is not None and reservation.slot == slot
             engine.adapter_slots.mark_ready(ref.uid)
         return engine

@@ -118,10 +118,10 @@ class EngineConfig:
     # several processes on one GPU under MPS; the KV cache is sized within it. None: no cap
     gpu_memory_fraction: float | None = None
     cpu_kv_cache_gb: float = 0.5
-    max_loras: int = 8  # adapter slots resident on the device at once
+    max_loras: int = 8  # the device's LoRA pool, in adapters of max_lora_rank (paged: more of lower rank fit)
     max_lora_rank: int = 64
     max_adapter_bytes: int = 2 << 30
-    # pinned host tier of the adapter pool; None: room for two max-rank adapters per slot. It must
+    # pinned host tier of the adapter pool; None: room for 2 * max_loras max-rank adapters. It must
     # hold at least max_loras of them (checked when the engine starts, knowing the model's shapes)
     adapter_host_cache_gb: float | None = None
     adapter_eviction: str = "lru"  # or "lfu": frequency-aware (worker/adapter_pool/eviction.py)

@@ -85,7 +85,7 @@ def build_step(
     block_tables = [seq.blocks + [-1] * (max_blocks - len(seq.blocks)) for seq, _ in work]
     lora = None
     if any(slot >= 0 for slot in token_slots):
-        lora = LoRABatch.build(torch.tensor(token_slots), model.slot_ranks, model.slot_scales)
+        lora = LoRABatch.build(torch.tensor(token_slots), model.slot_ranks, model.slot_scales, model.slot_pages)
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),

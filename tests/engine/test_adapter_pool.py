@@ -82,11 +82,11 @@ def test_an_evicted_slot_leaks_nothing_into_a_lower_rank_adapter(llama: TinyChec
     # all_r8: rank 8 on every projection; mlp_k_r4: rank 4 on four of them
     reused, fresh = make_runner(llama, device), make_runner(llama, device)
     writer = SlotWriter(reused.model)
-    writer.write(1, host_adapter(llama, "all_r8", device)).wait()
+    writer.write((1,), host_adapter(llama, "all_r8", device)).wait()
     old = slot_logits(reused, 1)
 
-    writer.write(1, host_adapter(llama, "mlp_k_r4", device)).wait()
-    SlotWriter(fresh.model).write(1, host_adapter(llama, "mlp_k_r4", device)).wait()
+    writer.write((1,), host_adapter(llama, "mlp_k_r4", device)).wait()
+    SlotWriter(fresh.model).write((1,), host_adapter(llama, "mlp_k_r4", device)).wait()
 
     assert torch.equal(slot_logits(reused, 1), slot_logits(fresh, 1))
     assert not torch.allclose(slot_logits(reused, 1), old)
@@ -133,7 +133,7 @@ def test_a_file_whose_tensors_overlap_is_refused(llama: TinyCheckpoint, tmp_path
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_slot_written_by_the_pool_equals_one_set_from_the_peft_files(llama: TinyCheckpoint, device: str):
     pooled, direct = make_runner(llama, device), make_runner(llama, device)
-    SlotWriter(pooled.model).write(0, host_adapter(llama, "attn_r4_rslora", device)).wait()
+    SlotWriter(pooled.model).write((0,), host_adapter(llama, "attn_r4_rslora", device)).wait()
     direct.load_adapter(0, llama.adapters["attn_r4_rslora"])
 
     assert torch.equal(slot_logits(pooled, 0), slot_logits(direct, 0))

@@ -85,8 +85,8 @@ def test_adapter_pool_writes_expert_slots_as_set_adapter_slot_does_and_leaks_not
 
     served = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
     writer = SlotWriter(served)
-    writer.write(1, host("experts_r8")).wait()
-    writer.write(1, host("experts_only_r4")).wait()
+    writer.write((1,), host("experts_r8")).wait()
+    writer.write((1,), host("experts_only_r4")).wait()
     direct = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
     weights = load_adapter_weights(tiny_moe.adapters["experts_only_r4"], tiny_moe.info, max_rank=8, max_bytes=1 << 30)
     direct.set_adapter_slot(1, weights)
@@ -107,7 +107,7 @@ def test_adapter_pool_serves_peft_fused_expert_loras_at_their_doubled_rank(tiny_
         host = read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
                                  max_rank=8, max_bytes=1 << 30, pin=False, hasher=hasher)  # fmt: skip
     served = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
-    SlotWriter(served).write(0, host).wait()
+    SlotWriter(served).write((0,), host).wait()
     direct = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
     direct.set_adapter_slot(0, load_adapter_weights(directory, tiny_moe.info, max_rank=8, max_bytes=1 << 30))
 

@@ -1,5 +1,6 @@
-"""The slot writer's fast path (views built once per slot and adapter shape, sources cut by one split)
-writes exactly the adapter and zeroes everything else of the slot, whatever the slot held before."""
+"""The slot writer's fast path (views built once per page and adapter shape, sources cut by one split)
+writes exactly the adapter into its pages, wherever they are in the pool, and zeroes everything else
+of those pages, whatever they held before."""
 
 from __future__ import annotations
 
@@ -35,7 +36,14 @@ INFO = ModelInfo(
     torch_dtype="float32",
 )
 MAX_RANK = 64
-SLOTS = 3
+MAX_LORAS = 3  # 12 pages of 16 rank rows
+SCRAMBLED = (7, 3, 9, 5)  # where the adapters under test go: pages out of order and apart
+NEIGHBOUR = (0,)
+UNTOUCHED = (10, 11)
+
+
+def pages_for(model: CausalLM, rank: int, pages: tuple[int, ...] = SCRAMBLED) -> tuple[int, ...]:
+    return pages[: model.pages_for_rank(rank)]
 
 
 def synthetic_adapter(rank: int, projections: tuple[str, ...], seed: int, *, gap: int = 0) -> HostAdapter:
@@ -61,21 +69,22 @@ def synthetic_adapter(rank: int, projections: tuple[str, ...], seed: int, *, gap
     return HostAdapter(f"adapter-{seed}", rank, 0.5 + seed, buffer, parts)
 
 
-def slot_matrices(model: CausalLM, slot: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """(layer, projection) → (A [max_rank, in], B [out, max_rank]) of `slot`, copied."""
+def page_matrices(model: CausalLM, pages: tuple[int, ...]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, projection) → (A [pages * 16, in], B [out, pages * 16]) of `pages` in rank order, copied."""
     return {
-        (index, name): (a[slot].clone(), b[slot].clone())
+        (index, name): (torch.cat([a[p] for p in pages]), torch.cat([b[p] for p in pages], dim=1))
         for index, layer in enumerate(model.model.layers)
         for linear in layer.lora_linears()
         for name, a, b in zip(linear.projections, linear.lora_a, linear.lora_b, strict=True)
     }
 
 
-def assert_slot_holds_exactly(model: CausalLM, slot: int, adapter: HostAdapter) -> None:
-    """The adapter's ranks in its projections, zeros everywhere else of the slot."""
+def assert_pages_hold_exactly(model: CausalLM, pages: tuple[int, ...], adapter: HostAdapter) -> None:
+    """The adapter's ranks in its projections, zeros everywhere else of its pages, and its slot (the
+    first page) pointing at them."""
     parts = {(part.layer, part.projection): part for part in adapter.parts}
     rank = adapter.rank
-    for key, (a, b) in slot_matrices(model, slot).items():
+    for key, (a, b) in page_matrices(model, pages).items():
         part = parts.get(key)
         if part is None:
             assert not a.any() and not b.any(), f"{key} is untargeted but not zero"
@@ -83,18 +92,21 @@ def assert_slot_holds_exactly(model: CausalLM, slot: int, adapter: HostAdapter) 
         assert torch.equal(a[:rank], adapter.a(part)), key
         assert torch.equal(b[:, :rank], adapter.b(part)), key
         assert not a[rank:].any() and not b[:, rank:].any(), f"{key} holds entries past rank {rank}"
+    slot = pages[0]
     assert model.slot_ranks[slot] == rank
     assert model.slot_scales[slot] == adapter.scaling
+    assert model.slot_pages[slot].tolist() == [*pages] + [0] * (model.pages_per_slot - len(pages))
 
 
 @pytest.fixture
 def model() -> CausalLM:
-    """Every slot filled with nonzero entries, as if written by other means before the writer."""
-    model = CausalLM(INFO, max_loras=SLOTS, max_lora_rank=MAX_RANK, dtype=torch.float32)
+    """Every page filled with nonzero entries, as if written by other means before the writer."""
+    model = CausalLM(INFO, max_loras=MAX_LORAS, max_lora_rank=MAX_RANK, dtype=torch.float32)
+    assert (model.page_rank, model.num_pages) == (16, 12)
     for layer in model.model.layers:
         for linear in layer.lora_linears():
-            for slots in (*linear.lora_a, *linear.lora_b):
-                slots.fill_(1.0)
+            for pages in (*linear.lora_a, *linear.lora_b):
+                pages.fill_(1.0)
     return model
 
 
@@ -113,38 +125,52 @@ def test_every_write_holds_its_adapter_and_zeros_past_its_rank_and_outside_its_t
         synthetic_adapter(16, PROJECTIONS, seed=8),
     ]
     neighbour = synthetic_adapter(8, PROJECTIONS, seed=9)
-    writer.write(0, neighbour).wait()
-    untouched = slot_matrices(model, 2)
+    writer.write(NEIGHBOUR, neighbour).wait()
+    untouched = page_matrices(model, UNTOUCHED)
 
     for adapter in sequence:
-        writer.write(1, adapter).wait()
-        assert_slot_holds_exactly(model, 1, adapter)
-    assert_slot_holds_exactly(model, 0, neighbour)
+        writer.write(pages_for(model, adapter.rank), adapter).wait()
+        assert_pages_hold_exactly(model, pages_for(model, adapter.rank), adapter)
+    assert_pages_hold_exactly(model, NEIGHBOUR, neighbour)
     assert all(
         torch.equal(a, a2) and torch.equal(b, b2)
-        for (a, b), (a2, b2) in zip(untouched.values(), slot_matrices(model, 2).values(), strict=True)
+        for (a, b), (a2, b2) in zip(untouched.values(), page_matrices(model, UNTOUCHED).values(), strict=True)
     )
+
+
+def test_the_pages_of_one_adapter_become_the_first_pages_of_others(model: CausalLM):
+    writer = SlotWriter(model)
+    writer.write(SCRAMBLED, synthetic_adapter(64, PROJECTIONS, seed=1)).wait()
+    # its second and fourth pages, each now a whole lower-rank adapter of other targets
+    small = synthetic_adapter(12, ("q_proj", "down_proj"), seed=2)
+    wide = synthetic_adapter(20, ("o_proj",), seed=3)
+    writer.write((3,), small).wait()
+    writer.write((5, 0), wide).wait()
+
+    assert_pages_hold_exactly(model, (3,), small)
+    assert_pages_hold_exactly(model, (5, 0), wide)
 
 
 def test_a_lower_rank_adapter_leaves_zeros_past_its_rank_in_every_projection(model: CausalLM):
     writer = SlotWriter(model)
-    writer.write(1, synthetic_adapter(64, PROJECTIONS, seed=1)).wait()
-    lower = synthetic_adapter(16, PROJECTIONS, seed=2)
+    writer.write(SCRAMBLED, synthetic_adapter(64, PROJECTIONS, seed=1)).wait()
+    lower = synthetic_adapter(9, PROJECTIONS, seed=2)
 
-    writer.write(1, lower).wait()
+    writer.write(pages_for(model, 9), lower).wait()
 
-    for key, (a, b) in slot_matrices(model, 1).items():
-        assert not a[16:].any() and not b[:, 16:].any(), key
-    assert_slot_holds_exactly(model, 1, lower)
+    for key, (a, b) in page_matrices(model, pages_for(model, 9)).items():
+        assert not a[9:].any() and not b[:, 9:].any(), key
+    assert_pages_hold_exactly(model, pages_for(model, 9), lower)
 
 
-def test_the_writer_keeps_a_bounded_number_of_slot_plans(model: CausalLM):
+def test_the_writer_keeps_a_bounded_number_of_page_plans(model: CausalLM):
     writer = SlotWriter(model)
+    stretches = [(0, 1, 2, 3), (4, 5, 6, 7), (11, 10, 9, 8)]
     for rank in range(1, MAX_RANK + 1):
-        for slot in range(SLOTS):
-            writer.write(slot, synthetic_adapter(rank, PROJECTIONS, seed=rank)).wait()
-    assert writer.bookkeeping_size() <= 4 * SLOTS
-    assert_slot_holds_exactly(model, 2, synthetic_adapter(MAX_RANK, PROJECTIONS, seed=MAX_RANK))
+        for pages in stretches:
+            writer.write(pages_for(model, rank, pages), synthetic_adapter(rank, PROJECTIONS, seed=rank)).wait()
+    assert writer.bookkeeping_size() <= 2 * model.num_pages
+    assert_pages_hold_exactly(model, stretches[2], synthetic_adapter(MAX_RANK, PROJECTIONS, seed=MAX_RANK))
 
 
 def test_a_buffer_layout_cuts_every_part_where_its_views_are():
@@ -165,10 +191,10 @@ def test_overlapping_matrices_are_refused():
         BufferLayout.of(4, (first, overlapping), adapter.buffer.numel())
 
 
-def test_a_write_that_fails_midway_leaves_the_slot_to_be_zeroed_by_the_next(model: CausalLM, monkeypatch):
+def test_a_write_that_fails_midway_leaves_its_pages_to_be_zeroed_by_the_next(model: CausalLM, monkeypatch):
     writer = SlotWriter(model)
     small = synthetic_adapter(4, ("q_proj",), seed=1)
-    writer.write(1, small).wait()
+    writer.write((7,), small).wait()
     copies = []
 
     def copy_then_fail(destinations, sources):
@@ -181,8 +207,13 @@ def test_a_write_that_fails_midway_leaves_the_slot_to_be_zeroed_by_the_next(mode
     with monkeypatch.context() as patched:
         patched.setattr(torch, "_foreach_copy_", copy_then_fail)
         with pytest.raises(RuntimeError, match="device error"):
-            writer.write(1, synthetic_adapter(8, PROJECTIONS, seed=2))  # A rows copied, Bs not
-    again = synthetic_adapter(4, ("q_proj",), seed=3)  # the shape the slot last held whole
-    writer.write(1, again).wait()
+            writer.write((7,), synthetic_adapter(8, PROJECTIONS, seed=2))  # A rows copied, Bs not
+    again = synthetic_adapter(4, ("q_proj",), seed=3)  # the shape the page last held whole
+    writer.write((7,), again).wait()
 
-    assert_slot_holds_exactly(model, 1, again)
+    assert_pages_hold_exactly(model, (7,), again)
+
+
+def test_a_write_into_the_wrong_number_of_pages_is_refused(model: CausalLM):
+    with pytest.raises(ValueError, match="rank 20 cannot take pages"):
+        SlotWriter(model).write((1,), synthetic_adapter(20, PROJECTIONS, seed=1))

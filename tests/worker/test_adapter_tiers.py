@@ -1,4 +1,4 @@
-"""The adapter pool's torch-free bookkeeping: GPU slots, the host cache and the eviction policies."""
+"""The adapter pool's torch-free bookkeeping: GPU pages and slots, the host cache and the eviction policies."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def anything(_: str) -> bool:
 
 
 def loaded(slots: GpuSlots, uid: str) -> int:
-    reservation = slots.reserve(uid, evictable=anything)
+    reservation = slots.reserve(uid, 1, evictable=anything)
     assert reservation is not None
     slots.mark_ready(uid)
     return reservation.slot
@@ -29,7 +29,7 @@ class Blob:
 
 def test_a_loading_slot_is_not_usable_until_marked_ready():
     slots = GpuSlots(2, LRUPolicy())
-    slot = slots.reserve("a", evictable=anything).slot
+    slot = slots.reserve("a", 1, evictable=anything).slot
     assert slots.holds("a") and slots.slot_of("a") is None and slots.acquire("a") is None
     slots.mark_ready("a")
     assert slots.acquire("a") == slot == slots.slot_of("a")
@@ -40,8 +40,8 @@ def test_gpu_slots_evict_the_least_recently_used_idle_adapter():
     slot_a, slot_b = loaded(slots, "a"), loaded(slots, "b")
     slots.acquire("a")
     slots.release("a")  # a used after b
-    reservation = slots.reserve("c", evictable=anything)
-    assert (reservation.slot, reservation.evicted_uid) == (slot_b, "b")
+    reservation = slots.reserve("c", 1, evictable=anything)
+    assert (reservation.slot, reservation.evicted_uids) == (slot_b, ("b",))
     assert slots.slot_of("b") is None and slots.slot_of("a") == slot_a
 
 
@@ -49,10 +49,10 @@ def test_gpu_slots_never_evict_pinned_loading_or_protected_adapters():
     slots = GpuSlots(3, LRUPolicy())
     loaded(slots, "pinned")
     slots.acquire("pinned")
-    slots.reserve("loading", evictable=anything)
+    slots.reserve("loading", 1, evictable=anything)
     loaded(slots, "wanted")
-    assert slots.reserve("new", evictable=lambda uid: uid != "wanted") is None
-    assert slots.reserve("new", evictable=anything).evicted_uid == "wanted"
+    assert slots.reserve("new", 1, evictable=lambda uid: uid != "wanted") is None
+    assert slots.reserve("new", 1, evictable=anything).evicted_uids == ("wanted",)
 
 
 def test_a_released_adapter_stays_resident_and_is_reused_without_a_load():
@@ -61,16 +61,64 @@ def test_a_released_adapter_stays_resident_and_is_reused_without_a_load():
     slots.acquire("a")
     slots.release("a")
     assert slots.acquire("a") == slot
-    with pytest.raises(RuntimeError, match="already has a slot"):
-        slots.reserve("a", evictable=anything)
+    with pytest.raises(RuntimeError, match="already has pages"):
+        slots.reserve("a", 1, evictable=anything)
 
 
 def test_discard_frees_the_slot_of_a_failed_load():
     slots = GpuSlots(1, LRUPolicy())
-    slots.reserve("bad", evictable=anything)
+    slots.reserve("bad", 1, evictable=anything)
     slots.discard("bad")
-    assert slots.reserve("good", evictable=anything).slot == 0
+    assert slots.reserve("good", 1, evictable=anything).slot == 0
     assert slots.bookkeeping_size() == 1  # the slot map only: the policy tracks READY adapters
+
+
+def test_adapters_of_several_pages_take_free_pages_anywhere_and_their_first_is_the_slot():
+    slots = GpuSlots(6, LRUPolicy())
+    for uid in "abcdef":
+        loaded(slots, uid)
+    reservation = slots.reserve("big", 2, evictable=lambda uid: uid in ("b", "e"))  # pages 1 and 4
+    assert reservation is not None and reservation.evicted_uids == ("b", "e")
+    assert sorted(reservation.pages) == [1, 4] and reservation.slot == reservation.pages[0]
+    slots.mark_ready("big")
+    assert slots.slot_of("big") == reservation.pages[0] and slots.free_pages == 0
+    assert {slots.slot_of(uid) for uid in "acdf"} == {0, 2, 3, 5}
+
+
+def test_a_large_adapter_evicts_as_many_idle_small_ones_as_it_needs_in_policy_order():
+    slots = GpuSlots(4, LRUPolicy())
+    for uid in ("a", "b", "c", "d"):
+        loaded(slots, uid)
+    for uid in ("a", "c"):  # a and c used last: b and d go first
+        slots.acquire(uid)
+        slots.release(uid)
+    reservation = slots.reserve("big", 2, evictable=anything)
+    assert reservation is not None and reservation.evicted_uids == ("b", "d")
+    assert slots.slot_of("a") is not None and slots.slot_of("c") is not None
+
+
+def test_a_reservation_that_cannot_be_met_evicts_nothing():
+    slots = GpuSlots(4, LRUPolicy())
+    loaded(slots, "idle")
+    loaded(slots, "pinned")
+    slots.acquire("pinned")
+    loaded(slots, "other-pinned")
+    slots.acquire("other-pinned")
+    assert slots.reserve("big", 3, evictable=anything) is None  # 1 free + 1 idle page < 3
+    assert slots.slot_of("idle") is not None and slots.free_pages == 1
+    with pytest.raises(ValueError, match="cannot take 5 of 4 pages"):
+        slots.reserve("huge", 5, evictable=anything)
+
+
+def test_page_bookkeeping_stays_bounded_over_many_mixed_rank_loads():
+    slots = GpuSlots(8, LRUPolicy())
+    for index in range(2_000):
+        reservation = slots.reserve(f"adapter-{index}", 1 + index % 4, evictable=anything)
+        assert reservation is not None
+        slots.mark_ready(f"adapter-{index}")
+        resident_pages = [p for uid in slots.resident for p in slots._occupants[uid].pages]
+        assert len(resident_pages) == len(set(resident_pages)) == 8 - slots.free_pages
+    assert slots.bookkeeping_size() <= 8 + 8 + 8
 
 
 def test_frequency_policy_keeps_a_popular_adapter_that_lru_would_evict():
@@ -81,8 +129,8 @@ def test_frequency_policy_keeps_a_popular_adapter_that_lru_would_evict():
             slots.acquire("hot")
             slots.release("hot")
         loaded(slots, "tail-1")
-    assert lru.reserve("tail-2", evictable=anything).evicted_uid == "hot"
-    assert lfu.reserve("tail-2", evictable=anything).evicted_uid == "tail-1"
+    assert lru.reserve("tail-2", 1, evictable=anything).evicted_uids == ("hot",)
+    assert lfu.reserve("tail-2", 1, evictable=anything).evicted_uids == ("tail-1",)
 
 
 def test_frequency_policy_forgets_old_popularity():

@@ -47,7 +47,7 @@ def make_scheduler(
 
 def make_resident(scheduler: Scheduler, uid: str) -> None:
     """What the adapter pool does once an adapter's weights have landed in a slot."""
-    assert scheduler.adapters.reserve(uid, evictable=lambda _: True) is not None
+    assert scheduler.adapters.reserve(uid, 1, evictable=lambda _: True) is not None
     scheduler.adapters.mark_ready(uid)
 
 
@@ -169,9 +169,9 @@ def test_running_sequences_pin_their_adapter_until_they_finish():
     scheduler.add(second)
     run_step(scheduler)
     scheduler.finish(first)
-    assert scheduler.adapters.reserve("b", evictable=lambda _: True) is None  # second still pins it
+    assert scheduler.adapters.reserve("b", 1, evictable=lambda _: True) is None  # second still pins it
     scheduler.finish(second)
-    assert scheduler.adapters.reserve("b", evictable=lambda _: True).evicted_uid == "a"
+    assert scheduler.adapters.reserve("b", 1, evictable=lambda _: True).evicted_uids == ("a",)
 
 
 def test_a_sequence_refused_for_kv_room_gives_its_adapter_pin_back():
@@ -180,7 +180,7 @@ def test_a_sequence_refused_for_kv_room_gives_its_adapter_pin_back():
     scheduler.add(make_seq(8, name="big"))
     scheduler.add(make_seq(4, adapter="a", name="late"))
     assert run_step(scheduler) == {"big": 8}
-    assert scheduler.adapters.reserve("b", evictable=lambda _: True).evicted_uid == "a"
+    assert scheduler.adapters.reserve("b", 1, evictable=lambda _: True).evicted_uids == ("a",)
 
 
 def test_block_manager_slots_follow_the_block_table():

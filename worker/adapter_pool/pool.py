@@ -1,24 +1,26 @@
 """The adapter pool: every adapter a request names is brought to the device before the request is
 admitted, through three tiers, without the engine step ever waiting on a disk.
 
-    disk (PEFT dirs) ──loader threads──► pinned host cache ──side CUDA stream──► GPU slots
+    disk (PEFT dirs) ──loader threads──► pinned host cache ──side CUDA stream──► GPU pages
                      read, hash, validate,   (host_cache.py,       (slot_writer.py)     (gpu_slots.py)
                      pack (host_adapter.py)   byte budget)
 
 `request(ref)` is called for every request the engine accepts (the worker hands over every job it
 has read at once), so the pool sees the whole backlog. Each `poll()` (once per engine step) moves
 adapters one tier up: it collects finished disk reads into the host cache, starts copies into GPU
-slots for adapters already on the host, and marks slots READY once their copy has landed. Only the
-first adapters waiting, in arrival order, as many as the host budget holds at their largest, are
-prefetched (the prefetch window, never fewer than the GPU slots), so a backlog of a thousand
-adapters never thrashes the tiers. The scheduler admits a request only when
-its adapter's slot is READY; others run meanwhile. A load that fails is reported by `poll()` and
-fails only the requests naming that adapter.
+pages for adapters already on the host, and marks them READY once their copy has landed. Only the first
+adapters waiting, in arrival order, as many as the host budget holds at their largest, are
+prefetched (the prefetch window, never fewer than max_loras), so a backlog of a thousand adapters
+never thrashes the tiers. Copies to the device start in that order too: an adapter whose pages
+cannot be found yet holds back those behind it, so a high-rank adapter is not starved by small ones.
+The scheduler admits a request only when its adapter is READY; others run meanwhile. A load that
+fails is reported by `poll()` and fails only the requests naming that adapter.
 
-Eviction (the policy in eviction.py ranks; the tiers below say what is evictable): a GPU slot is
+Eviction (the policy in eviction.py ranks; the tiers below say what is evictable): GPU pages are
 given up only by an adapter no running or waiting request names; a host entry only by one outside
-the prefetch window. The host budget holds at least one largest adapter per GPU slot (checked at
-start-up), and the window is sized to what it holds, so the window always fits.
+the prefetch window. The GPU pool is max_loras adapters of max_lora_rank, in pages (more adapters of
+lower rank fit); the host budget holds at least that many bytes (checked at start-up), and the
+window is sized to what it holds, so the window always fits.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ log = structlog.get_logger(__name__)
 
 # Disk reads in parallel: reading and hashing release the GIL, so a few threads overlap well.
 _LOADER_THREADS = 4
-# Default host budget, in largest adapters per GPU slot, when the config leaves it open.
+# Default host budget, in GPU pools' worth of bytes (max_loras largest adapters), when the config leaves it open.
 _DEFAULT_HOST_ADAPTERS_PER_SLOT = 2
 
 
@@ -89,7 +91,8 @@ class AdapterPool:
                     f"adapter_host_cache_gb={config.adapter_host_cache_gb} holds fewer adapters than max_loras="
                     f"{config.max_loras}: at max_lora_rank={config.max_lora_rank} it needs >= {needed / (1 << 30):.2f}"
                 )
-        self.gpu = GpuSlots(config.max_loras, make_policy(config.adapter_eviction))
+        self.gpu = GpuSlots(model.num_pages, make_policy(config.adapter_eviction))
+        self._pages_for_rank = model.pages_for_rank
         self.host: HostCache[HostAdapter] = HostCache(budget, make_policy(config.adapter_eviction))
         self._window = budget // largest  # adapters prefetched ahead: >= max_loras, and sure to fit the host
         self._writer = SlotWriter(model)
@@ -98,7 +101,7 @@ class AdapterPool:
         self._hasher = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="adapter-hash")
         self._demand: Counter[str] = Counter()  # uid → unfinished requests naming it
         self._refs: dict[str, AdapterRef] = {}  # for every uid with demand
-        self._pending: dict[str, None] = {}  # uids with demand whose slot is not READY, in arrival order
+        self._pending: dict[str, None] = {}  # uids with demand not READY on the device, in arrival order
         self._reads: dict[str, _Read] = {}
         self._copies: dict[str, _Copy] = {}
         # (gpu uids, host uids) as of the last poll: read by the worker's heartbeat from another thread
@@ -140,25 +143,27 @@ class AdapterPool:
         self._land_copies()
         window = list(islice(self._pending, self._window))
         failures = self._collect_reads(set(window))
-        slots_full = False
+        pages_short = False
         for uid in window:
             if uid in self._copies or uid in self._reads or self.gpu.holds(uid):
                 continue
             if uid not in self.host:
                 self._reads[uid] = _Read(self._executor.submit(self._read, self._refs[uid]))
                 continue
-            if slots_full:
+            if pages_short:
                 continue  # reads for the rest of the window still go on
-            reservation = self.gpu.reserve(uid, evictable=lambda other: self._demand[other] == 0)
-            if reservation is None:
-                slots_full = True  # every slot is in use: nothing later in the window can get one either
-                continue
             adapter = self.host.get(uid)
-            if reservation.evicted_uid is not None:
+            reservation = self.gpu.reserve(
+                uid, self._pages_for_rank(adapter.rank), evictable=lambda other: self._demand[other] == 0
+            )
+            if reservation is None:
+                pages_short = True  # first waiting, first copied: later adapters wait for this one
+                continue
+            for _ in reservation.evicted_uids:
                 self._metrics.evicted(AdapterTier.GPU)
             try:
-                upload = self._writer.write(reservation.slot, adapter)
-            except Exception as exc:  # a slot write failing fails this adapter, not the engine
+                upload = self._writer.write(reservation.pages, adapter)
+            except Exception as exc:  # a write failing fails this adapter, not the engine
                 log.exception("adapter_upload_failed", adapter=uid)
                 self.gpu.discard(uid)
                 self._pending.pop(uid)

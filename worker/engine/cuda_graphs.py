@@ -9,7 +9,7 @@ with context length 1, writing and reading only the scratch KV block (one block 
 manager hands out), so padding never touches a real sequence's cache.
 
 Two graphs per size: base-only (lora None) and with LoRA. The LoRA graph builds its `LoRABatch` from
-the static token-slot buffer inside the capture, over the model's slot_ranks / slot_scales tensors,
+the static token-slot buffer inside the capture, over the model's slot_ranks / slot_scales / slot_pages tensors,
 which adapter loads update in place: replays see whichever adapters the slots hold now.
 
 Nothing a captured kernel's grid or host-side branch depends on varies between replays: the grids
@@ -177,7 +177,9 @@ class DecodeGraphs:
         staged = self._staging[:, :size]
         lora = None
         if with_lora:
-            lora = LoRABatch.build(staged[_ADAPTER].to(torch.int32), self.model.slot_ranks, self.model.slot_scales)
+            lora = LoRABatch.build(
+                staged[_ADAPTER].to(torch.int32), self.model.slot_ranks, self.model.slot_scales, self.model.slot_pages
+            )
         batch = ForwardBatch(
             input_ids=staged[_TOKEN],
             positions=staged[_POSITION],

@@ -16,7 +16,7 @@ from kernels.lora import LoRABatch
 from shared.model_info import ModelInfo
 from worker.engine.attention import paged_attention
 from worker.engine.forward_batch import ForwardBatch
-from worker.engine.lora_linear import LoRALinear, LoRASlotShape
+from worker.engine.lora_linear import LoRALinear, LoRAPages
 from worker.engine.moe import MoEBlock
 
 
@@ -61,7 +61,7 @@ class VocabEmbedding(nn.Module):
 
 class SelfAttention(nn.Module):
     def __init__(
-        self, info: ModelInfo, *, slots: LoRASlotShape, dtype: torch.dtype, device: torch.device | str
+        self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         super().__init__()
         self.num_heads = info.num_heads
@@ -74,14 +74,14 @@ class SelfAttention(nn.Module):
             info.hidden_size,
             {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width},
             bias=info.attention_bias,
-            slots=slots,
+            pages=pages,
             dtype=dtype,
             device=device,
         )
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v
         o_bias = info.attention_bias and info.architecture != "Qwen2ForCausalLM"
         self.o_proj = LoRALinear(
-            q_width, {"o_proj": info.hidden_size}, bias=o_bias, slots=slots, dtype=dtype, device=device
+            q_width, {"o_proj": info.hidden_size}, bias=o_bias, pages=pages, dtype=dtype, device=device
         )
         # Qwen3 RMS-normalises every q and k head before RoPE
         self.q_norm = RMSNorm(info.head_dim, info.rms_norm_eps, dtype=dtype, device=device) if info.qk_norm else None
@@ -117,7 +117,7 @@ class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x))."""
 
     def __init__(
-        self, info: ModelInfo, *, slots: LoRASlotShape, dtype: torch.dtype, device: torch.device | str
+        self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         super().__init__()
         width = info.intermediate_size
@@ -125,12 +125,12 @@ class GatedMLP(nn.Module):
             info.hidden_size,
             {"gate_proj": width, "up_proj": width},
             bias=False,
-            slots=slots,
+            pages=pages,
             dtype=dtype,
             device=device,
         )
         self.down_proj = LoRALinear(
-            width, {"down_proj": info.hidden_size}, bias=False, slots=slots, dtype=dtype, device=device
+            width, {"down_proj": info.hidden_size}, bias=False, pages=pages, dtype=dtype, device=device
         )
 
     def forward(self, hidden: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
@@ -144,18 +144,18 @@ class DecoderLayer(nn.Module):
         info: ModelInfo,
         *,
         layer_index: int,
-        slots: LoRASlotShape,
+        pages: LoRAPages,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = SelfAttention(info, slots=slots, dtype=dtype, device=device)
+        self.self_attn = SelfAttention(info, pages=pages, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype=dtype, device=device)
         self.mlp: GatedMLP | MoEBlock = (
-            MoEBlock(info, slots=slots, dtype=dtype, device=device)
+            MoEBlock(info, pages=pages, dtype=dtype, device=device)
             if layer_index in info.moe_layers
-            else GatedMLP(info, slots=slots, dtype=dtype, device=device)
+            else GatedMLP(info, pages=pages, dtype=dtype, device=device)
         )
 
     def lora_linears(self) -> tuple[LoRALinear, ...]:

@@ -21,12 +21,18 @@ from worker.engine.weights import copy_weight
 LoRAPair = tuple[torch.Tensor, torch.Tensor]  # (A [rank, in_features], B [out_features, rank])
 
 
-@dataclass(frozen=True, slots=True)
-class LoRASlotShape:
-    """How many adapters a layer holds at once, and the rank every slot is padded to."""
+# Rank rows per page of a paged pool: tl.dot's minimum tile, and the LoRA kernels' vector width.
+PAGE_RANK = 16
 
-    max_loras: int
-    max_lora_rank: int
+
+@dataclass(frozen=True, slots=True)
+class LoRAPages:
+    """The device memory every adapted projection keeps for adapters: `num_pages` pages of `page_rank`
+    rank rows each (S-LoRA's unified paging). An adapter of rank r takes cdiv(r, page_rank) pages,
+    anywhere in the pool; the model's page table (`CausalLM.slot_pages`) says which."""
+
+    num_pages: int
+    page_rank: int
 
 
 class LoRALinear(nn.Module):
@@ -35,9 +41,9 @@ class LoRALinear(nn.Module):
         y[t, off_i : off_i + N_i] += scale[s] * (x[t] @ A_i[s].T) @ B_i[s].T    with s = token_slots[t] >= 0
 
     weight [sum N_i, K] (K = in_features); bias [sum N_i] or None;
-    lora_a[i] [max_loras, max_lora_rank, K]; lora_b[i] [max_loras, N_i, max_lora_rank].
-    An adapter of rank r < max_lora_rank fills the first r rows of A and columns of B; the rest of
-    the slot stays zero, so padding adds nothing.
+    lora_a[i] [num_pages, page_rank, K]; lora_b[i] [num_pages, N_i, page_rank]. Rank row r of an
+    adapter lives in its page r // page_rank, at row (of A) / column (of B) r % page_rank; the rows
+    past its rank in its last page stay zero, so padding adds nothing.
     """
 
     def __init__(
@@ -46,7 +52,7 @@ class LoRALinear(nn.Module):
         projections: Mapping[str, int],
         *,
         bias: bool,
-        slots: LoRASlotShape,
+        pages: LoRAPages,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
@@ -55,29 +61,30 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.projections = tuple(projections)
         self.out_features = tuple(projections.values())
-        self.max_lora_rank = slots.max_lora_rank
+        self.page_rank = pages.page_rank
         total = sum(self.out_features)
         # empty: every element is overwritten by the checkpoint, and the loader checks that it was
         self.weight = nn.Parameter(torch.empty(total, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(total, dtype=dtype, device=device), requires_grad=False) if bias else None
         for name, width in projections.items():
-            a = torch.zeros(slots.max_loras, slots.max_lora_rank, in_features, dtype=dtype, device=device)
-            b = torch.zeros(slots.max_loras, width, slots.max_lora_rank, dtype=dtype, device=device)
+            a = torch.zeros(pages.num_pages, pages.page_rank, in_features, dtype=dtype, device=device)
+            b = torch.zeros(pages.num_pages, width, pages.page_rank, dtype=dtype, device=device)
             self.register_buffer(f"lora_a_{name}", a, persistent=False)
             self.register_buffer(f"lora_b_{name}", b, persistent=False)
 
     @property
     def lora_a(self) -> tuple[torch.Tensor, ...]:
-        """Per slice: [max_loras, max_lora_rank, in_features]."""
+        """Per slice: [num_pages, page_rank, in_features]."""
         return tuple(self.get_buffer(f"lora_a_{name}") for name in self.projections)
 
     @property
     def lora_b(self) -> tuple[torch.Tensor, ...]:
-        """Per slice: [max_loras, out_features_i, max_lora_rank]."""
+        """Per slice: [num_pages, out_features_i, page_rank]."""
         return tuple(self.get_buffer(f"lora_b_{name}") for name in self.projections)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        """x [T, in_features] → [T, sum out_features]; `lora` None when no token uses an adapter."""
+        """x [T, in_features] → [T, sum out_features]; `lora` None when no token uses an adapter
+        (its page table addresses this layer's pages)."""
         return lora_linear(x, self.weight, self.bias, self.lora_a, self.lora_b, lora)
 
     def checkpoint_loaders(self, parent: str) -> dict[str, Callable[[torch.Tensor], None]]:
@@ -95,31 +102,38 @@ class LoRALinear(nn.Module):
             offset += width
         return loaders
 
-    def set_lora(self, slot: int, pairs: Sequence[LoRAPair | None]) -> None:
-        """Overwrite `slot` with one (A, B) pair per slice, None for a slice the adapter leaves alone."""
+    def set_lora(self, pages: Sequence[int], pairs: Sequence[LoRAPair | None]) -> None:
+        """Overwrite `pages` (an adapter's, in rank order) with one (A, B) pair per slice, None for a
+        slice the adapter leaves alone; everything else in those pages is zeroed."""
         if len(pairs) != len(self.projections):
             raise ValueError(f"expected {len(self.projections)} LoRA pairs ({', '.join(self.projections)})")
-        for name, width, a_slots, b_slots, pair in zip(
+        self.clear_lora(pages)
+        capacity = len(pages) * self.page_rank
+        for name, width, a_pages, b_pages, pair in zip(
             self.projections, self.out_features, self.lora_a, self.lora_b, pairs, strict=True
         ):
-            a_slots[slot].zero_()
-            b_slots[slot].zero_()
             if pair is None:
                 continue
             a, b = pair
             rank = a.shape[0]
-            if rank > self.max_lora_rank:
-                raise ValueError(f"{name}: LoRA rank {rank} exceeds the slot rank {self.max_lora_rank}")
+            if rank > capacity:
+                raise ValueError(f"{name}: LoRA rank {rank} exceeds the {capacity} rows of its {len(pages)} page(s)")
             if tuple(a.shape) != (rank, self.in_features) or tuple(b.shape) != (width, rank):
                 raise ValueError(
                     f"{name}: LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
                     f"A [r, {self.in_features}] / B [{width}, r]"
                 )
-            a_slots[slot, :rank].copy_(a)
-            b_slots[slot, :, :rank].copy_(b)
+            for index, page in enumerate(pages):
+                first = index * self.page_rank
+                rows = min(rank - first, self.page_rank)
+                if rows <= 0:
+                    break
+                a_pages[page, :rows].copy_(a[first : first + rows])
+                b_pages[page, :, :rows].copy_(b[:, first : first + rows])
 
-    def clear_lora(self, slot: int) -> None:
-        """Zero `slot` in every slice, so nothing of its last adapter survives."""
-        for a_slots, b_slots in zip(self.lora_a, self.lora_b, strict=True):
-            a_slots[slot].zero_()
-            b_slots[slot].zero_()
+    def clear_lora(self, pages: Sequence[int]) -> None:
+        """Zero `pages` in every slice, so nothing of their last adapter survives."""
+        for a_pages, b_pages in zip(self.lora_a, self.lora_b, strict=True):
+            for page in pages:
+                a_pages[page].zero_()
+                b_pages[page].zero_()

@@ -162,11 +162,12 @@ class ModelRunner:
             )
         log.info("model_loaded", model=name, dtype=str(self.dtype), device=str(self.device), kv_blocks=self.num_blocks)
 
-    def load_adapter(self, slot: int, adapter_dir: Path) -> None:
+    def load_adapter(self, index: int, adapter_dir: Path) -> int:
+        """Load an adapter directly as the `index`-th of max_loras (CausalLM.set_adapter_slot); returns its slot."""
         weights = load_adapter_weights(
             adapter_dir, self.info, max_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes
         )
-        self.model.set_adapter_slot(slot, weights)
+        return self.model.set_adapter_slot(index, weights)
 
     def execute(
         self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int
@@ -245,7 +246,9 @@ class ModelRunner:
 
         lora = None
         if any(s >= 0 for s in token_slots):
-            lora = LoRABatch.build(tensor(token_slots, torch.int32), self.model.slot_ranks, self.model.slot_scales)
+            lora = LoRABatch.build(
+                tensor(token_slots, torch.int32), self.model.slot_ranks, self.model.slot_scales, self.model.slot_pages
+            )
         token_ids = tensor(input_ids, torch.int64)
         if min(input_ids) < 0:  # tokens the previous step sampled: read where they are, on the device
             token_ids = torch.where(token_ids < 0, self._last_sampled[(-token_ids - 1).clamp(min=0)], token_ids)

@@ -20,19 +20,21 @@ from torch import nn
 from kernels.lora import LoRABatch
 from kernels.moe import ExpertLoRA, moe_forward, route
 from shared.model_info import EXPERT_PROJECTIONS, MOE_BLOCK, ModelInfo
-from worker.engine.lora_linear import LoRASlotShape
+from worker.engine.lora_linear import LoRAPages
 from worker.engine.moe_adapter import ExpertLoRAPair
 from worker.engine.weights import copy_weight
 
 
 class MoEBlock(nn.Module):
     def __init__(
-        self, info: ModelInfo, *, slots: LoRASlotShape, dtype: torch.dtype, device: torch.device | str
+        self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str
     ) -> None:
+        """Expert LoRA is not paged: the model gives an MoE model pages of its whole max rank, one per
+        adapter, and the expert buffers below are indexed by that page (the adapter's slot)."""
         super().__init__()
         self.info = info
         experts, hidden, width = info.num_experts, info.hidden_size, info.moe_intermediate_size
-        rank, num_slots = slots.max_lora_rank, slots.max_loras
+        rank, num_slots = pages.page_rank, pages.num_pages
         self.top_k = info.num_experts_per_tok
         self.renormalize = info.norm_topk_prob
         self.width = width
