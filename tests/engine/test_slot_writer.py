@@ -217,3 +217,19 @@ def test_a_write_that_fails_midway_leaves_its_pages_to_be_zeroed_by_the_next(mod
 def test_a_write_into_the_wrong_number_of_pages_is_refused(model: CausalLM):
     with pytest.raises(ValueError, match="rank 20 cannot take pages"):
         SlotWriter(model).write((1,), synthetic_adapter(20, PROJECTIONS, seed=1))
+
+
+@pytest.mark.parametrize("rank", [16, 8, 40])  # one page exactly, one page padded, three pages
+def test_adapters_of_one_layout_share_cached_source_views_and_each_lands_whole(model: CausalLM, rank: int):
+    writer = SlotWriter(model)
+    first = synthetic_adapter(rank, PROJECTIONS, seed=1, gap=2)
+    # the same layout (files saved alike), other weights
+    second = HostAdapter("adapter-other", rank, 3.0, torch.randn_like(first.buffer), first.parts)
+    assert second.layout == first.layout
+
+    writer.write(pages_for(model, rank), first).wait()
+    writer.write(pages_for(model, rank, UNTOUCHED + NEIGHBOUR), second).wait()
+    writer.write(pages_for(model, rank), second).wait()
+
+    assert_pages_hold_exactly(model, pages_for(model, rank), second)
+    assert_pages_hold_exactly(model, pages_for(model, rank, UNTOUCHED + NEIGHBOUR), second)
