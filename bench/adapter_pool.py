@@ -1,7 +1,7 @@
 """The adapter pool on a CUDA GPU, Llama-3-8B shapes (random bf16 weights built in memory).
 
-    python -m bench.adapter_pool [--requests 512] [--concurrency 32 64] [--adapter-host-cache-gb G]
-                                 [--cycles 10000] [--out FILE]
+    python -m bench.adapter_pool [--requests 512] [--concurrency 32 64] [--backlogs 0 32]
+                                 [--adapter-host-cache-gb G] [--cycles 10000] [--out FILE]
 
 1. Load latency of one adapter, rank 16 and 64 on all seven projections (PEFT files written here):
    pinned host -> GPU pages (SlotWriter: one H2D copy, device scatters, event) beside the floor
@@ -11,10 +11,15 @@
    upload).
 2. 1,000 registered adapters (rank 16; each its own identity, files shared by groups of them), Zipf(1.0)
    over adapters, a GPU pool of 32 max-rank (64) adapters' memory = 128 pages of 16 ranks, so 128
-   rank-16 adapters; closed loop of --concurrency requests through LLMEngine: GPU and host hit
-   rates per request, time a request waits for its adapter (add -> READY) p50/p99, all and cold
-   (not READY when added), and output tok/s beside the same request stream with every adapter
-   resident (adapter i mapped onto preloaded adapter i mod 128: the same batch shapes, no loads).
+   rank-16 adapters; closed loop through LLMEngine of --concurrency running requests (max_num_seqs)
+   plus a backlog of requests the engine holds beyond them (--backlogs; a loaded worker hands the
+   engine every job it has read, and the pool prefetches their adapters; 0: a request arrives only
+   when one finishes, so nothing can be prefetched): GPU and host hit rates per request, time a
+   request waits for its adapter (add -> READY) p50/p99, all and cold (not READY when added), TTFT
+   p50 of requests whose adapter was READY when added and of the others (the issue's "a cold
+   adapter's first request waits <= 50 ms more"), and output tok/s beside the same request stream
+   with every adapter resident (adapter i mapped onto preloaded adapter i mod 128: the same batch
+   shapes, no loads).
    The pool runs the stream twice through one engine: "pool cold" starts from an empty host tier (in
    512 requests ~45% name an adapter not seen before, so it measures compulsory first reads from
    disk); "pool steady" runs it again right after, host tier warm (if --adapter-host-cache-gb holds
@@ -188,6 +193,7 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
 class ZipfRow:
     mode: str  # all-resident, pool cold (host tier empty at the start), pool steady (the same stream again)
     concurrency: int
+    backlog: int  # requests held by the engine beyond the running ones
     requests: int
     host_cache_gb: float  # the pool's host tier budget (GiB)
     tok_s: float
@@ -197,6 +203,8 @@ class ZipfRow:
     wait_p99_ms: float
     cold_wait_p50_ms: float  # requests whose adapter was not READY when added
     cold_wait_p99_ms: float
+    warm_ttft_p50_ms: float  # requests whose adapter was READY when added
+    cold_ttft_p50_ms: float  # the others
     disk_loads: int
     gpu_evictions: int
     host_evictions: int
@@ -246,14 +254,16 @@ class ZipfEngine:
             for tier in ("gpu", "cpu", "disk")
         }
 
-    def run(self, order: list[int], mode: str) -> ZipfRow:
-        """One closed-loop pass of `order` (adapter indices) with `concurrency` requests in flight."""
+    def run(self, order: list[int], mode: str, backlog: int) -> ZipfRow:
+        """One closed-loop pass of `order` (adapter indices) with max_num_seqs + `backlog` requests in flight."""
         engine, concurrency = self.engine, self.engine.config.max_num_seqs
         params = SamplingParams(max_tokens=self.args.new_tokens, temperature=0.0, ignore_eos=True)
         prefix = f"p{self.passes}-"
         self.passes += 1
         waits: dict[str, float] = {}  # job → seconds from add to its adapter READY
         cold_jobs: list[str] = []  # whose adapter was not READY when added
+        added_ms: dict[str, float] = {}  # job → unix ms it was added
+        ttft_ms: dict[str, float] = {}
         waiting: dict[str, tuple[float, str]] = {}  # job → (time added, adapter uid), until its adapter is READY
         next_request, done, tokens = 0, 0, 0
 
@@ -264,6 +274,7 @@ class ZipfEngine:
             job = f"{prefix}{next_request}"
             ready = engine.adapter_slots.slot_of(ref.uid) is not None
             request = EngineRequest(job, self.token_ids[next_request % 64], params, tenant=job, adapter=ref)
+            added_ms[job] = time.time() * 1000
             engine.add(request)
             if ready:
                 waits[job] = 0.0
@@ -275,7 +286,7 @@ class ZipfEngine:
         before = self.counters()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        while next_request < min(concurrency, len(order)):
+        while next_request < min(concurrency + backlog, len(order)):
             add_one()
         while done < len(order):
             results = engine.step()
@@ -287,6 +298,7 @@ class ZipfEngine:
             for result in results:
                 done += 1
                 tokens += result.completion_tokens
+                ttft_ms[result.job_id] = result.first_token_ms - added_ms[result.job_id]
                 if next_request < len(order):
                     add_one()
         wall = time.perf_counter() - start
@@ -295,11 +307,14 @@ class ZipfEngine:
         count = {key: after[key] - before[key] for key in after}
         every = [w * 1e3 for w in waits.values()]
         cold = [waits[job] * 1e3 for job in cold_jobs]
+        cold_ttft = [ttft_ms[job] for job in cold_jobs]
+        warm_ttft = [ttft_ms[job] for job in ttft_ms.keys() - set(cold_jobs)]
         gpu_lookups = count["gpu_hits"] + count["gpu_misses"]
         host_lookups = count["cpu_hits"] + count["cpu_misses"]
-        return ZipfRow(mode, concurrency, len(order), engine.adapter_pool.host.budget_bytes / (1 << 30), tokens / wall,
-                       count["gpu_hits"] / max(gpu_lookups, 1), count["cpu_hits"] / max(host_lookups, 1),
+        return ZipfRow(mode, concurrency, backlog, len(order), engine.adapter_pool.host.budget_bytes / (1 << 30),
+                       tokens / wall, count["gpu_hits"] / max(gpu_lookups, 1), count["cpu_hits"] / max(host_lookups, 1),
                        percentile(every, 0.5), percentile(every, 0.99), percentile(cold, 0.5), percentile(cold, 0.99),
+                       percentile(warm_ttft, 0.5), percentile(cold_ttft, 0.5),
                        int(count["disk_loads"]), int(count["gpu_evictions"]), int(count["cpu_evictions"]))  # fmt: skip
 
     def close(self) -> None:
@@ -307,8 +322,9 @@ class ZipfEngine:
 
 
 def zipf_bench(model: CausalLM, root: Path, args: argparse.Namespace) -> list[ZipfRow]:
-    """Per concurrency: the all-resident run, then the pool's cold pass and its steady pass (the same
-    stream again through the same engine, host tier warm, GPU pages as the cold pass left them)."""
+    """Per concurrency and backlog: the all-resident run, then the pool's cold pass and its steady pass
+    (the same stream again through the same engine, host tier warm, GPU pages as the cold pass left
+    them)."""
     distinct = [(f"zipf-files-{i}", write_adapter(root / f"zipf-files-{i}", model.info, 16, seed=100 + i))
                 for i in range(args.files)]  # fmt: skip
     refs = [AdapterRef(f"tenant-{i}", 1, *distinct[i % len(distinct)]) for i in range(args.adapters)]
@@ -322,17 +338,18 @@ def zipf_bench(model: CausalLM, root: Path, args: argparse.Namespace) -> list[Zi
                               max_lora_rank=MAX_RANK, adapter_host_cache_gb=args.adapter_host_cache_gb)  # fmt: skip
         runner = ModelRunner.from_model(model, config)  # decode graphs captured once per batch size
         warm_up = ZipfEngine(runner, root, refs, args, all_resident=True)
-        warm_up.run(order[: 2 * concurrency], "warm-up")  # Triton JIT
+        warm_up.run(order[: 2 * concurrency], "warm-up", 0)  # Triton JIT
         warm_up.close()
-        resident = ZipfEngine(runner, root, refs, args, all_resident=True)
-        rows.append(resident.run(order, "all-resident"))
-        resident.close()
-        print(rows[-1], flush=True)
-        pool = ZipfEngine(runner, root, refs, args, all_resident=False)
-        for mode in ("pool cold", "pool steady"):
-            rows.append(pool.run(order, mode))
+        for backlog in args.backlogs:
+            resident = ZipfEngine(runner, root, refs, args, all_resident=True)
+            rows.append(resident.run(order, "all-resident", backlog))
+            resident.close()
             print(rows[-1], flush=True)
-        pool.close()
+            pool = ZipfEngine(runner, root, refs, args, all_resident=False)
+            for mode in ("pool cold", "pool steady"):
+                rows.append(pool.run(order, mode, backlog))
+                print(rows[-1], flush=True)
+            pool.close()
         del runner, warm_up, resident, pool
         gc.collect()  # the runner's KV cache and decode graphs, the pool's pinned host tier
         torch.cuda.empty_cache()
@@ -388,7 +405,9 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=1000)
     parser.add_argument("--files", type=int, default=8, help="distinct adapter files behind the identities")
     parser.add_argument("--requests", type=int, default=512)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 64], help="requests kept in flight")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 64], help="requests running (max_num_seqs)")
+    parser.add_argument("--backlogs", type=int, nargs="+", default=[0, 32],
+                        help="requests the engine holds beyond the running ones, each a run of its own")  # fmt: skip
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--adapter-host-cache-gb", type=float, default=None,
@@ -430,15 +449,16 @@ def main() -> None:
         print(f"{r.rank:<5} {r.mbytes:<6.0f} {r.floor_ms:<9.2f} {r.pinned_ms:<6.2f} ({ratio:.2f}x){'':<11} "
               f"{r.pinned_host_ms:<15.2f} {r.first_host_ms:<20.2f} {r.disk_ms:<13.1f} {r.disk_read_ms:<17.1f} "
               f"{r.cache_drop}")  # fmt: skip
-    print("mode          conc  req   host GB  tok/s    x resident  gpu hit  host hit  wait p50/p99 ms  "
-          "cold wait p50/p99 ms  disk loads  gpu evict  host evict")  # fmt: skip
-    resident_tok_s = {z.concurrency: z.tok_s for z in zipf if z.mode == "all-resident"}
+    print("mode          conc  backlog  req   host GB  tok/s    x resident  gpu hit  host hit  wait p50/p99 ms  "
+          "cold wait p50/p99 ms  TTFT p50 warm/cold ms  disk loads  gpu evict  host evict")  # fmt: skip
+    resident_tok_s = {(z.concurrency, z.backlog): z.tok_s for z in zipf if z.mode == "all-resident"}
     for z in zipf:
         pooled = z.mode != "all-resident"
         host_gb, host_hit = (f"{z.host_cache_gb:.1f}", f"{z.host_hit_rate:.3f}") if pooled else ("-", "-")
-        print(f"{z.mode:<13} {z.concurrency:<5} {z.requests:<5} {host_gb:<8} {z.tok_s:<8.0f} "
-              f"{z.tok_s / resident_tok_s[z.concurrency]:<11.3f} {z.gpu_hit_rate:<8.3f} {host_hit:<9} "
+        print(f"{z.mode:<13} {z.concurrency:<5} {z.backlog:<8} {z.requests:<5} {host_gb:<8} {z.tok_s:<8.0f} "
+              f"{z.tok_s / resident_tok_s[(z.concurrency, z.backlog)]:<11.3f} {z.gpu_hit_rate:<8.3f} {host_hit:<9} "
               f"{z.wait_p50_ms:.1f}/{z.wait_p99_ms:<10.1f} {z.cold_wait_p50_ms:.1f}/{z.cold_wait_p99_ms:<16.1f} "
+              f"{z.warm_ttft_p50_ms:.1f}/{z.cold_ttft_p50_ms:<17.1f} "
               f"{z.disk_loads:<11} {z.gpu_evictions:<10} {z.host_evictions}")  # fmt: skip
     if memory:
         print(json.dumps(memory))
