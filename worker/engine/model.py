@@ -133,13 +133,15 @@ class CausalLM(nn.Module):
         step on. Queued on the current stream, like the page writes before it."""
         if len(pages) != self.pages_for_rank(rank) or slot != pages[0]:
             raise ValueError(f"slot {slot} of rank {rank} cannot take pages {list(pages)}")
-        # scalar fills, not a copy of a host row: an H2D copy from pageable memory may wait for the
-        # stream, and the adapter pool queues this behind an upload on its side stream
-        self.slot_pages[slot].zero_()
+        # fill kernels only: `cuda_tensor[i] = number` copies a host scalar (pageable memory) and
+        # waits for the stream, and the adapter pool queues this behind an upload on its side stream
+        # (on the H200 that wait made a slot write's engine-thread time its whole load time)
+        row = self.slot_pages[slot]
+        row.zero_()
         for index, page in enumerate(pages):
-            self.slot_pages[slot, index] = page
-        self.slot_ranks[slot] = rank
-        self.slot_scales[slot] = scale
+            row[index : index + 1].fill_(page)
+        self.slot_ranks[slot : slot + 1].fill_(rank)
+        self.slot_scales[slot : slot + 1].fill_(scale)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache, out: torch.Tensor | None = None) -> torch.Tensor:
