@@ -29,9 +29,10 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "In the beginning"]
 
 @pytest.fixture
 def stack(fleet: Fleet):
-    """A gateway and a CPU worker with two adapter slots (three tenants' adapters: slots get evicted)."""
+    """A gateway and a CPU worker whose LoRA pool is one rank-32 adapter's memory: two pages of 16 ranks,
+    so two of the three tenants' adapters (ranks 8, 16, 4: a page each) fit and pages get evicted."""
     fleet.start_gateway()
-    worker = fleet.start_worker("w1", "--max-loras", "2")
+    worker = fleet.start_worker("w1", "--max-loras", "1", "--max-lora-rank", "32")
     yield fleet.url, fleet.api_keys, worker
 
 
@@ -100,7 +101,7 @@ def test_jobs_of_several_tenants_and_adapters_match_the_engine(stack, fleet, dem
     for index in range(0, len(finished), 2):
         assert finished[index]["output"]["token_ids"] != finished[index + 1]["output"]["token_ids"]
 
-    # the heartbeat lists the adapter pool's tiers: two adapters in the two device slots, all three on the host
+    # the heartbeat lists the adapter pool's tiers: two adapters in the two device pages, all three on the host
     def resident() -> dict[str, list[str]]:
         with fleet.redis() as client:
             raw = client.hget(keys.worker("w1"), "adapters")
