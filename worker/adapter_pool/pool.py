@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from itertools import islice
 from pathlib import Path
 
 import structlog
+import torch
 
 from shared.config import EngineConfig
 from shared.errors import ErrorCode, LorafleetError
@@ -104,6 +106,8 @@ class AdapterPool:
         self._pending: dict[str, None] = {}  # uids with demand not READY on the device, in arrival order
         self._reads: dict[str, _Read] = {}
         self._copies: dict[str, _Copy] = {}
+        # uid → event after the last step launched with it (CUDA): uploads into its pages wait for it
+        self._last_reads: dict[str, torch.cuda.Event] = {}
         # (gpu uids, host uids) as of the last poll: read by the worker's heartbeat from another thread
         self.resident: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
@@ -161,8 +165,9 @@ class AdapterPool:
                 continue
             for _ in reservation.evicted_uids:
                 self._metrics.evicted(AdapterTier.GPU)
+            readers = [self._last_reads.pop(v) for v in reservation.evicted_uids if v in self._last_reads]
             try:
-                upload = self._writer.write(reservation.pages, adapter)
+                upload = self._writer.write(reservation.pages, adapter, after=readers)
             except Exception as exc:  # a write failing fails this adapter, not the engine
                 log.exception("adapter_upload_failed", adapter=uid)
                 self.gpu.discard(uid)
@@ -174,6 +179,14 @@ class AdapterPool:
         self._metrics.set_resident(AdapterTier.GPU, len(self.resident[0]))
         self._metrics.set_resident(AdapterTier.CPU, len(self.resident[1]))
         return failures
+
+    def launched(self, uids: Iterable[str]) -> None:
+        """A step reading the pages of the adapters `uids` has just been launched: an upload into their
+        pages, once they are evicted, must wait for it (and only for it and earlier steps)."""
+        marker = self._writer.read_marker()
+        if marker is not None:
+            for uid in uids:
+                self._last_reads[uid] = marker
 
     def wait(self, timeout_s: float) -> None:
         """Block until some load in flight finishes, at most `timeout_s`: for an engine with nothing
@@ -201,6 +214,7 @@ class AdapterPool:
             + len(self._pending)
             + len(self._reads)
             + len(self._copies)
+            + len(self._last_reads)
             + self._writer.bookkeeping_size()
         )
 

@@ -6,8 +6,11 @@ host-to-device transfer of the packed buffer into the writer's staging buffer (o
 grown to the largest adapter; uploads follow each other on the side stream, so a write never
 overwrites what an earlier one has yet to scatter), then device-side scatters into the pages' rows, then
 the slot's page table, rank and scale, then an event the pool polls before it lets any request use
-the slot. Before writing, the side stream waits for the work already queued on the main stream,
-which may still read the evicted adapters. On CPU the same code runs synchronously.
+the slot. Before writing, the side stream waits for the steps that may still read the pages'
+evicted adapters: the pool hands over, per evicted adapter, the event recorded after the last step
+launched with it (`read_marker`), so an upload into pages nobody read lately starts at once rather
+than behind every step queued on the main stream (two steps, with the engine's host/device
+overlap). On CPU the same code runs synchronously.
 
 A write runs on the engine thread, so its host cost is kept to a few calls whatever the number of
 projections: the views it copies into are built once per page and adapter shape (`_PagePlan`), the
@@ -25,6 +28,7 @@ page's contents past its current adapter are always zero, whatever path reads th
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,15 +110,26 @@ class SlotWriter:
         self._relaid = torch.empty(0, dtype=model.dtype, device=self.device)
         self._sources: OrderedDict[tuple[BufferLayout, int], _Sources] = OrderedDict()
 
-    def write(self, pages: tuple[int, ...], adapter: HostAdapter) -> Upload:
+    def read_marker(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far on the current stream (None on CPU): recorded after a
+        step is launched, it is what an upload into pages that step reads must wait for."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def write(self, pages: tuple[int, ...], adapter: HostAdapter, after: Sequence[torch.cuda.Event] = ()) -> Upload:
         """Queue the copy of `adapter` into `pages` (its own, in rank order; no request may read its
-        slot, pages[0], until the upload is done)."""
+        slot, pages[0], until the upload is done), once the work marked by `after` is done: every
+        step that may still read those pages (read_marker events of their previous occupants)."""
         if len(pages) != self._model.pages_for_rank(adapter.rank):
             raise ValueError(f"an adapter of rank {adapter.rank} cannot take pages {list(pages)}")
         if self._stream is None:
             self._copy(pages, adapter)
             return Upload(pages[0], adapter, None)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for event in after:
+            self._stream.wait_event(event)
         with torch.cuda.stream(self._stream):
             self._copy(pages, adapter)
             event = torch.cuda.Event()

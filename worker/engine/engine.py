@@ -223,6 +223,7 @@ class LLMEngine:
             if idle and self.adapter_pool.loads_in_flight:
                 self.adapter_pool.wait(_IDLE_WAIT_S)  # only adapter loads can unblock the queue
             return results
+        readers = {s.seq.adapter_uid for s in scheduled if s.seq.adapter_uid is not None}
         try:
             scheduled, sampled = self._run_within_memory(scheduled)
         except torch.OutOfMemoryError:
@@ -234,6 +235,9 @@ class LLMEngine:
             log.exception("engine_step_failed", num_seqs=len(scheduled))
             error = JobError(ErrorCode.INTERNAL_ERROR, f"engine step failed: {type(exc).__name__}")
             return results + [self._fail(s.seq.seq_id, error) for s in scheduled]
+        finally:  # whatever was launched, a step halved for memory or one that failed midway included
+            if readers:
+                self.adapter_pool.launched(readers)
         self.last_step = StepStats(
             len(scheduled), sum(s.num_new_tokens for s in scheduled), sum(s.completes_prompt for s in scheduled)
         )
