@@ -335,7 +335,8 @@ def zipf_bench(model: CausalLM, root: Path, args: argparse.Namespace) -> list[Zi
     for concurrency in args.concurrency:
         config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=concurrency, max_num_batched_tokens=8192,
                               num_kv_blocks=concurrency * -(-context // 16) + 64, block_size=16, max_loras=MAX_LORAS,
-                              max_lora_rank=MAX_RANK, adapter_host_cache_gb=args.adapter_host_cache_gb)  # fmt: skip
+                              max_lora_rank=MAX_RANK, adapter_host_cache_gb=args.adapter_host_cache_gb,
+                              adapter_eviction=args.adapter_eviction)  # fmt: skip
         runner = ModelRunner.from_model(model, config)  # decode graphs captured once per batch size
         warm_up = ZipfEngine(runner, root, refs, args, all_resident=True)
         warm_up.run(order[: 2 * concurrency], "warm-up", 0)  # Triton JIT
@@ -412,6 +413,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--adapter-host-cache-gb", type=float, default=None,
                         help="the Zipf runs' host tier (default: a worker's, 2 GPU pools' worth of bytes)")  # fmt: skip
+    parser.add_argument("--adapter-eviction", choices=("lru", "lfu"), default="lru", help="the Zipf runs' policy")
     parser.add_argument("--cycles", type=int, default=10_000)
     parser.add_argument("--skip", nargs="*", default=[], choices=["latency", "zipf", "churn"])
     parser.add_argument("--out", help="write every row as JSON lines here")
@@ -419,7 +421,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="adapter-pool-bench-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None))
     out = open(args.out, "w") if args.out else None  # noqa: SIM115 - kept open for the whole run
     bandwidth = pinned_h2d_bandwidth()
-    print(f"device {torch.cuda.get_device_name()}  pinned H2D {bandwidth / 1e9:.1f} GB/s", flush=True)
+    print(f"device {torch.cuda.get_device_name()}  pinned H2D {bandwidth / 1e9:.1f} GB/s  "
+          f"eviction {args.adapter_eviction}", flush=True)  # fmt: skip
     latency: list[LatencyRow] = []
     zipf: list[ZipfRow] = []
     memory: dict[str, float] = {}
