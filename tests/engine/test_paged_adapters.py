@@ -16,6 +16,7 @@ from shared.config import EngineConfig, ModelSpec
 from shared.model_info import ModelInfo
 from shared.schema import AdapterRef, JobStatus, SamplingParams
 from tests.engine.engine_driver import BlockPool, PagedSequence, make_kv_cache, prefill
+from tests.engine.test_adapter_pool import DEVICES
 from tests.engine.test_engine_generation import run_to_completion, word_tokenizer
 from tests.engine.tiny_hf import (
     ALL_PROJECTIONS,
@@ -31,13 +32,6 @@ from worker.engine.model import CausalLM
 from worker.engine.model_runner import ModelRunner
 from worker.engine.peft_adapter import load_adapter_weights
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
-    ),
-]
 MAX_RANK = 48  # three pages of 16 rank rows per max-rank adapter
 TOLERANCE = 1e-4
 ADAPTERS = {
