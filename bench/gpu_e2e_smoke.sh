@@ -16,6 +16,6 @@ for tenant in acme globex initech; do
     --adapter "$adapter" --max-tokens 24 --seed 1 --json "Once upon a time" \
     | python3 -c "import json,sys; j=json.load(sys.stdin); print('$tenant', j['status'], j['usage'], j['timings'])"
 done
-grep -o '"device": "[a-z:0-9]*"' "${OUT:-/tmp}/up.err" | sort | uniq -c
+grep -oE '"device": ?"[a-z:0-9]*"' "${OUT:-/tmp}/up.err" | sort | uniq -c
 kill -INT $up
 wait $up && echo "up exited 0"
