@@ -6,7 +6,7 @@ short prompt (up to INLINE_CHARS) is encoded on the loop: that takes tens of mic
 than handing it to a thread and back (measured with bench/gateway.py).
 
 The short prompts a model's tokenizer is asked for in one event-loop turn are encoded together, in
-one call at the end of the turn: alone between two requests' other work, an encode finds its
+one call at the end of the turn (shared/turn_batch.py): alone between two requests' other work, an encode finds its
 tokenizer's tables out of the CPU caches and cost ~2.5x its time in a loop of encodes (a 26-character
 prompt: ~20-29 µs against 8; bench/gateway.py measured ~30 µs of gateway CPU per submit for it);
 a batch pays that once.
@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_registry import get_tokenizer_json
+from shared.turn_batch import Batch, TurnBatch, settle
 
 INLINE_CHARS = 1024
 
@@ -69,33 +70,22 @@ class TurnBatchEncoder:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._pending: dict[bool, list[tuple[str, asyncio.Future[list[int]]]]] = {}
+        self._texts: dict[bool, TurnBatch[str, list[int]]] = {
+            add_special_tokens: TurnBatch(lambda batch, add=add_special_tokens: self._flush(batch, add))
+            for add_special_tokens in (True, False)
+        }
 
     def encode(self, text: str, add_special_tokens: bool) -> asyncio.Future[list[int]]:
-        loop = asyncio.get_running_loop()
-        ids = loop.create_future()
-        if not self._pending:
-            loop.call_soon(self._flush)  # after every request of this turn has had its say
-        self._pending.setdefault(add_special_tokens, []).append((text, ids))
-        return ids
+        return self._texts[add_special_tokens].add(text)
 
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, {}
-        for add_special_tokens, batch in pending.items():
-            try:
-                encodings = self.tokenizer.encode_batch_fast(
-                    [text for text, _ in batch], add_special_tokens=add_special_tokens
-                )
-                results: list[list[int] | Exception] = [encoding.ids for encoding in encodings]
-            except Exception:  # one of them: each again on its own, so only that one fails
-                results = [_token_ids_or_error(self.tokenizer, text, add_special_tokens) for text, _ in batch]
-            for (_, ids), result in zip(batch, results, strict=True):
-                if ids.done():  # its request went away
-                    continue
-                if isinstance(result, Exception):
-                    ids.set_exception(result)
-                else:
-                    ids.set_result(result)
+    def _flush(self, batch: Batch[str, list[int]], add_special_tokens: bool) -> None:
+        texts = [text for text, _ in batch]
+        try:
+            encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+            results: list[list[int] | Exception] = [encoding.ids for encoding in encodings]
+        except Exception:  # one of them: each again on its own, so only that one fails
+            results = [_token_ids_or_error(self.tokenizer, text, add_special_tokens) for text in texts]
+        settle(batch, results)
 
 
 def _token_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:

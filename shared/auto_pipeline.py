@@ -1,5 +1,6 @@
 """Auto-pipelining: the commands that coroutines issue in one event-loop turn go to Redis as one
-pipeline, so concurrent requests share one send, one read and the per-round-trip work.
+pipeline (shared/turn_batch.py), so concurrent requests share one send, one read and the
+per-round-trip work.
 
 Each caller still waits for its own reply, and a command's error (e.g. NOSCRIPT) goes to its caller
 alone. Only non-blocking commands belong here: a blocking read (XREAD BLOCK) would hold up every
@@ -25,7 +26,9 @@ from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-_Batch = list[tuple[tuple[Any, ...], asyncio.Future[Any]]]
+from shared.turn_batch import TurnBatch, settle
+
+_Batch = list[tuple[tuple[Any, ...], asyncio.Future[Any]]]  # (command arguments, the caller's reply)
 
 
 class AutoPipeline:
@@ -34,7 +37,7 @@ class AutoPipeline:
         by the client's retry policy) after `timeout_s`."""
         self._redis = redis
         self._timeout_s = timeout_s
-        self._pending: _Batch = []
+        self._commands: TurnBatch[tuple[Any, ...], Any] = TurnBatch(self._flush)
         self._flushes: set[asyncio.Task[None]] = set()
 
     async def hgetall(self, key: str) -> dict[bytes, bytes]:
@@ -47,15 +50,9 @@ class AutoPipeline:
         return await self._redis.script_load(script)
 
     def _execute(self, *args: Any) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        reply = loop.create_future()
-        if not self._pending:
-            loop.call_soon(self._flush)  # after every coroutine that runs in this turn has had its say
-        self._pending.append((args, reply))
-        return reply
+        return self._commands.add(args)
 
-    def _flush(self) -> None:
-        batch, self._pending = self._pending, []
+    def _flush(self, batch: _Batch) -> None:
         task = asyncio.ensure_future(self._send(batch))
         self._flushes.add(task)  # held, so the task is not collected mid-flight
         task.add_done_callback(self._flushes.discard)
@@ -80,13 +77,7 @@ class AutoPipeline:
                 if not reply.done():
                     reply.set_exception(exc)
             return
-        for (_, reply), result in zip(batch, replies, strict=True):
-            if reply.done():  # its caller went away
-                continue
-            if isinstance(result, Exception):
-                reply.set_exception(result)
-            else:
-                reply.set_result(result)
+        settle(batch, replies)
 
 
 async def _exchange(connection: AbstractConnection, batch: _Batch, timeout_s: float) -> list[Any]:
