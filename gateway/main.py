@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import structlog
@@ -14,6 +15,13 @@ from shared.config import GatewayConfig
 # long-poll still waiting after that is cut, and its client polls again (another gateway, or this
 # one restarted).
 SHUTDOWN_GRACE_S = 10.0
+# Allocations (less frees) of container objects between two young-generation collections; Python's
+# default is 700. A request's short-lived objects (its task, coroutines, futures, dicts) are freed by
+# reference counting, but the requests in flight hold ~3,000 of them at concurrency 64: at 700 a young
+# collection ran every ~100 submits, traversed them and moved them to older generations, whose
+# collections followed (a full one over the start-up heap, ~70,000 objects: 20-30 ms). At 10,000 the
+# collector runs when cyclic garbage builds up, not for every hundred requests.
+GC_YOUNG_THRESHOLD = 10_000
 
 log = structlog.get_logger(__name__)
 
@@ -29,8 +37,10 @@ def run_gateway(config: GatewayConfig) -> None:
     # (it scales out by processes). An operator's own setting wins.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     log.info("gateway_starting", host=config.host, port=config.port)
+    app = create_app(config)
+    _tune_gc()
     web.run_app(
-        create_app(config),
+        app,
         host=config.host,
         port=config.port,
         shutdown_timeout=SHUTDOWN_GRACE_S,
@@ -40,3 +50,12 @@ def run_gateway(config: GatewayConfig) -> None:
         print=None,
     )
     log.info("gateway_stopped")
+
+
+def _tune_gc() -> None:
+    """Leave what start-up built (modules, the app) out of every later collection (it lives as long as
+    the process), and collect the young generation less often (GC_YOUNG_THRESHOLD)."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
