@@ -25,21 +25,23 @@ from shared.schema import JobError, JobMessage, JobOutput, JobRecord, JobStatus,
 _CREATE = (
     ADMIT_LUA
     + """
--- KEYS: job hash, model queue, idempotency key, then the admit function's keys when ARGV[5] is '1'
--- ARGV: use_idem, ttl_s, payload, job_id, admit, record (msgpack [field, value, ...]), then admit's args
-if ARGV[1] == '1' then
+-- KEYS: job hash, model queue, idempotency key, then the admit function's keys when admitting
+-- ARGV: payload, then one msgpack array: use_idem, ttl_s, job_id, record [field, value, ...], admit's
+-- args (nil: no admission)
+local use_idem, ttl_s, job_id, record, admit_args = unpack(cmsgpack.unpack(ARGV[2]), 1, 5)
+if use_idem then
   local existing = redis.call('GET', KEYS[3])
   if existing then return {0, existing} end
 end
-if ARGV[5] == '1' then
-  local verdict = admit({unpack(KEYS, 4)}, {unpack(ARGV, 7)})
+if admit_args then
+  local verdict = admit({unpack(KEYS, 4)}, admit_args)
   if verdict[1] ~= 'ok' then return {2, verdict[1], verdict[2], verdict[3]} end
 end
-redis.call('HSET', KEYS[1], unpack(cmsgpack.unpack(ARGV[6])))
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[2], '*', 'job', ARGV[3])
-if ARGV[1] == '1' then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[2]) end
-return {1, ARGV[4]}
+redis.call('HSET', KEYS[1], unpack(record))
+redis.call('EXPIRE', KEYS[1], ttl_s)
+redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
+if use_idem then redis.call('SET', KEYS[3], job_id, 'EX', ttl_s) end
+return {1, job_id}
 """
 )
 
@@ -149,21 +151,17 @@ class JobStore:
         nothing (nor is admitted again). With `admission`, the job is admitted first in the same script,
         and AdmissionDenied is raised, with nothing written, when it is not."""
         idem_key = keys.idempotency(record.tenant, idempotency_key) if idempotency_key else keys.job(record.job_id)
-        # the record travels as one msgpack argument: each argument costs redis-py's encoder more than msgpack
+        # everything but the message travels as one msgpack argument: hiredis formats each argument's length
+        # with sprintf, which cost more than msgpack's packing (bench/gateway.py: this commit)
         flat = [item for field in record.to_hash().items() for item in field]
+        packed = msgpack.packb(
+            [bool(idempotency_key), self._ttl_s, record.job_id, flat, admission.args if admission else None]
+        )
         reply = await _run_script(
             self._batched,
             self._create,
             [keys.job(record.job_id), keys.queue(record.model), idem_key, *(admission.keys if admission else ())],
-            [
-                "1" if idempotency_key else "0",
-                self._ttl_s,
-                encode_job(message),
-                record.job_id,
-                "1" if admission else "0",
-                msgpack.packb(flat),
-                *(admission.args if admission else ()),
-            ],
+            [encode_job(message), packed],
         )
         if reply[0] == 2:
             raise AdmissionDenied(denial(*reply[1:]))
