@@ -41,11 +41,12 @@ def add_rms_norm(
     return add_rms_norm_reference(x, residual, weight, eps)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate columns, then up columns) → silu(gate) * up [T, I]."""
+def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, 2I] (gate columns, then up columns) → silu(gate) * up [T, I]; with delta [T, 2I] (a LoRA
+    delta computed beside the gate_up projection) of gate_up + delta."""
     if gate_up.is_cuda:
-        return silu_and_mul_triton(gate_up)
-    return silu_and_mul_reference(gate_up)
+        return silu_and_mul_triton(gate_up, delta)
+    return silu_and_mul_reference(gate_up, delta)
 
 
 def rope_and_cache_kv(
@@ -56,9 +57,11 @@ def rope_and_cache_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     num_heads: int,
+    delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q (in place in qkv [T, (H + 2 H_kv) * D]) and k by cos/sin [T, D], and write k and v
-    into the caches [num_blocks, block_size, H_kv, D] at int64 flat slots [T]. Returns q [T, H, D]."""
+    into the caches [num_blocks, block_size, H_kv, D] at int64 flat slots [T]; with delta (a LoRA
+    delta computed beside the qkv projection, qkv's shape), of qkv + delta. Returns q [T, H, D]."""
     if qkv.is_cuda:
-        return rope_and_cache_kv_triton(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads)
-    return rope_and_cache_kv_reference(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads)
+        return rope_and_cache_kv_triton(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, delta)
+    return rope_and_cache_kv_reference(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, delta)

@@ -26,8 +26,11 @@ def add_rms_norm_reference(
     return rms_norm_reference(summed, weight, eps), summed
 
 
-def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate columns, then up columns) → silu(gate) * up [T, I]."""
+def silu_and_mul_reference(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, 2I] (gate columns, then up columns), plus delta [T, 2I] when given (rounded to the dtype,
+    as HF adds a LoRA's output) → silu(gate) * up [T, I]."""
+    if delta is not None:
+        gate_up = gate_up + delta
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -52,9 +55,13 @@ def rope_and_cache_kv_reference(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     num_heads: int,
+    delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate the q heads of qkv [T, (H + 2 H_kv) * D] in place and write rotated k and v into the
-    caches [num_blocks, block_size, H_kv, D] at int64 flat slots [T]. Returns q, a [T, H, D] view of qkv."""
+    caches [num_blocks, block_size, H_kv, D] at int64 flat slots [T]; with delta [T, (H + 2 H_kv) * D]
+    (a LoRA delta), qkv + delta is what is rotated and cached. Returns q, a [T, H, D] view of qkv."""
+    if delta is not None:
+        qkv.add_(delta)
     num_tokens = qkv.shape[0]
     num_kv_heads, head_dim = key_cache.shape[2:]
     q, k, v = qkv.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=-1)

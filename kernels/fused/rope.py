@@ -1,7 +1,9 @@
 """Rotary embedding of q and k plus the KV-cache write, as one Triton kernel over the packed qkv
 projection output (HF "rotate half" layout: dimension i pairs with i + D/2).
 
-    for each token t, with c, s = cos[t], sin[t] (the step's angles, in the dtype) and p = slot_mapping[t]:
+    qkv here is qkv + delta (rounded to the dtype) when a LoRA delta computed beside the projection
+    is given; for each token t, with c, s = cos[t], sin[t] (the step's angles, in the dtype) and
+    p = slot_mapping[t]:
         q heads:   qkv[t, q_h] = rotate(q_h)                      in place
         k heads:   key_cache[p, h]   = rotate(k_h)
         v heads:   value_cache[p, h] = v_h
@@ -21,6 +23,7 @@ import triton.language as tl
 @triton.jit
 def _rope_and_cache_kernel(
     qkv_ptr,  # [T, (H + 2 H_kv) * D]
+    delta_ptr,  # [T, (H + 2 H_kv) * D], read when HAS_DELTA
     cos_ptr,  # [T, D]
     sin_ptr,  # [T, D]
     key_cache_ptr,  # [num_blocks, block_size, H_kv, D], contiguous
@@ -29,8 +32,10 @@ def _rope_and_cache_kernel(
     num_heads,
     num_kv_heads,
     stride_qkv,
+    stride_delta,
     stride_cos,
     stride_sin,
+    HAS_DELTA: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # HEAD_DIM // 2
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two
@@ -43,6 +48,10 @@ def _rope_and_cache_kernel(
     src = qkv_ptr + token * stride_qkv + head * HEAD_DIM + d
     first = tl.load(src, mask=d_ok, other=0.0)
     second = tl.load(src + HALF, mask=d_ok, other=0.0)
+    if HAS_DELTA:
+        delta_src = delta_ptr + token * stride_delta + head * HEAD_DIM + d
+        first = (first.to(tl.float32) + tl.load(delta_src, mask=d_ok, other=0.0).to(tl.float32)).to(dtype)
+        second = (second.to(tl.float32) + tl.load(delta_src + HALF, mask=d_ok, other=0.0).to(tl.float32)).to(dtype)
     if head >= num_heads + num_kv_heads:  # v: copied into the cache as it is
         slot = tl.load(slot_mapping_ptr + token)
         dst = value_cache_ptr + (slot * num_kv_heads + head - num_heads - num_kv_heads) * HEAD_DIM + d
@@ -73,9 +82,10 @@ def rope_and_cache_kv_triton(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     num_heads: int,
+    delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as reference.rope_and_cache_kv_reference: rotates q in place in qkv, writes
-    rotated k and v at slot_mapping. Returns q, a [T, H, D] view of qkv."""
+    """Same contract as reference.rope_and_cache_kv_reference: rotates q (+ delta) in place in qkv,
+    writes rotated k and v (+ delta) at slot_mapping. Returns q, a [T, H, D] view of qkv."""
     num_tokens, width = qkv.shape
     num_kv_heads, head_dim = key_cache.shape[2:]
     if head_dim % 2 or width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -84,9 +94,12 @@ def rope_and_cache_kv_triton(
         raise ValueError("rope_and_cache_kv: the caches must be contiguous and of qkv's dtype")
     if cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride(1) != 1:
         raise ValueError(f"rope_and_cache_kv: cos/sin {tuple(cos.shape)} are not [{num_tokens}, {head_dim}]")
+    if delta is not None and (delta.shape != qkv.shape or delta.stride(1) != 1 or delta.dtype != qkv.dtype):
+        raise ValueError(f"rope_and_cache_kv: delta {tuple(delta.shape)} {delta.dtype} does not match qkv")
     if num_tokens:
         _rope_and_cache_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
             qkv,
+            qkv if delta is None else delta,
             cos,
             sin,
             key_cache,
@@ -95,8 +108,10 @@ def rope_and_cache_kv_triton(
             num_heads,
             num_kv_heads,
             qkv.stride(0),
+            qkv.stride(0) if delta is None else delta.stride(0),
             cos.stride(0),
             sin.stride(0),
+            HAS_DELTA=delta is not None,
             HEAD_DIM=head_dim,
             HALF=head_dim // 2,
             HALF_PAD=triton.next_power_of_2(head_dim // 2),

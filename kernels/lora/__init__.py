@@ -11,7 +11,8 @@ A_i[s] [max_rank, K] and B_i[s] [N_i, max_rank] (max_rank = pages_per_slot * PR)
 slot s is row r % PR of page slot_pages[s, r // PR]. One page per slot of PR = max_rank rows with
 slot_pages[s] = [s] is the unpaged layout.
 
-The engine calls `lora_linear` for every adapted projection. CPU tensors take the reference; CUDA
+The engine calls `lora_linear` (or `lora_linear_deferred`, where the next fused kernel adds the
+delta) for every adapted projection. CPU tensors take the reference; CUDA
 tensors take one of the Triton paths in paths.py ("fused", "split", "overlap", "epilogue"), chosen
 per GPU model, projection shape and token count by configs.py (tuned by bench/tune_lora.py).
 """
@@ -26,11 +27,20 @@ import torch.nn.functional as F
 
 from kernels.lora.configs import Plan, plan_for
 from kernels.lora.metadata import LoRABatch
-from kernels.lora.paths import add_lora_cuda, linear_with_plan
+from kernels.lora.paths import add_lora_cuda, linear_deferred_with_plan, linear_with_plan
 from kernels.lora.reference import add_lora_reference
 from kernels.lora.tiles import rank_pad
 
-__all__ = ["LoRABatch", "Plan", "add_lora", "linear_with_plan", "lora_linear", "plan_for_batch"]
+__all__ = [
+    "LoRABatch",
+    "Plan",
+    "add_lora",
+    "linear_deferred_with_plan",
+    "linear_with_plan",
+    "lora_linear",
+    "lora_linear_deferred",
+    "plan_for_batch",
+]
 
 
 @functools.cache
@@ -69,13 +79,39 @@ def lora_linear(
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
     batch: LoRABatch | None,
+    *,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, K] @ weight[N, K].T (+ bias) plus each token's LoRA delta; slices stack along N
-    (lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR])."""
+    (lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR]).
+
+    residual [T, N]: a tensor the caller adds the result to next (the residual stream). Where the
+    path computes the delta beside the base GEMM (decode sizes on CUDA), it adds the delta into
+    `residual` rather than into the result; the sum of the two is the same either way.
+    """
     if batch is None:
         return F.linear(x, weight, bias)
     if not x.is_cuda:
         y = F.linear(x, weight, bias)
         add_lora_reference(y, x, lora_a, lora_b, batch)
         return y
-    return linear_with_plan(plan_for_batch(x, lora_a, lora_b, batch), x, weight, bias, lora_a, lora_b, batch)
+    plan = plan_for_batch(x, lora_a, lora_b, batch)
+    return linear_with_plan(plan, x, weight, bias, lora_a, lora_b, batch, residual=residual)
+
+
+def lora_linear_deferred(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    batch: LoRABatch | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`lora_linear` for a caller whose next kernel adds the LoRA delta itself: (y, delta), both
+    [T, N], with y + delta the projection. Where the path computes the delta beside the base GEMM
+    (decode sizes on CUDA), y is the base projection and delta the LoRA delta; elsewhere delta is
+    None and y is the whole projection."""
+    if batch is None or not x.is_cuda:
+        return lora_linear(x, weight, bias, lora_a, lora_b, batch), None
+    plan = plan_for_batch(x, lora_a, lora_b, batch)
+    return linear_deferred_with_plan(plan, x, weight, bias, lora_a, lora_b, batch)

@@ -9,6 +9,10 @@ the batch's page table, see tiles.py):
     split     shrink.py writes z, expand writes y = bias + delta, then the same addmm_
     overlap   shrink.py runs on a second stream while the base GEMM runs; expand then adds into y
     epilogue  shrink.py writes z, then linear.py's Triton GEMM adds the delta in its own epilogue
+
+A caller that adds the delta itself (`linear_deferred_with_plan`, or `residual=` for a sum the
+caller takes next) moves the overlap path's expand onto the second stream too: the whole LoRA
+update then runs beside the base GEMM, and no LoRA kernel is left on the critical path at decode.
 """
 
 from __future__ import annotations
@@ -81,14 +85,19 @@ def linear_with_plan(
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
     batch: LoRABatch,
+    *,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`lora_linear` on CUDA along the given plan (the benchmark and tuner force each path here):
     x [T, K], weight [sum N_i, K], bias [sum N_i] or None, lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR]
-    → y [T, sum N_i]."""
-    _, width = check_slices(x, lora_a, lora_b, batch)
-    if weight.shape != (width, x.shape[1]):
-        raise ValueError(f"weight {tuple(weight.shape)} must be [sum N_i={width}, K={x.shape[1]}]")
+    → y [T, sum N_i]. `residual` [T, sum N_i]: a tensor the caller adds y to next; the overlap path
+    adds the delta into it, beside the base GEMM, instead of into y."""
+    width = _check_weight(x, weight, lora_a, lora_b, batch)
     groups = slice_groups(lora_a, lora_b)
+    if plan.path == "overlap" and residual is not None:
+        if residual.shape != (x.shape[0], width) or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must be y's shape and dtype")
+        return _beside(plan, x, weight, bias, groups, batch, residual)[0]
     if plan.path == "overlap":
         return _overlap(plan, x, weight, bias, groups, batch)
     if plan.path == "epilogue" and len(groups) == 1:
@@ -104,6 +113,62 @@ def linear_with_plan(
             z = lora_shrink(x, group, batch, plan.shrink)
             _expand(plan, y, z, group, batch, bias=bias, accumulate=False)
     return y.addmm_(x, weight.t())
+
+
+def linear_deferred_with_plan(
+    plan: Plan,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    batch: LoRABatch,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`lora_linear_deferred` on CUDA along the given plan: (y, delta), both [T, sum N_i]. On the
+    overlap path y = x · Wᵀ (+ bias) and delta is the LoRA delta, computed beside the base GEMM, for
+    the consumer to add; on the others the delta is in y and delta is None."""
+    if plan.path != "overlap":
+        return linear_with_plan(plan, x, weight, bias, lora_a, lora_b, batch), None
+    _check_weight(x, weight, lora_a, lora_b, batch)
+    return _beside(plan, x, weight, bias, slice_groups(lora_a, lora_b), batch, None)
+
+
+def _check_weight(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    batch: LoRABatch,
+) -> int:
+    """The total output width, after checking the slices and the weight [sum N_i, K] against x [T, K]."""
+    _, width = check_slices(x, lora_a, lora_b, batch)
+    if weight.shape != (width, x.shape[1]):
+        raise ValueError(f"weight {tuple(weight.shape)} must be [sum N_i={width}, K={x.shape[1]}]")
+    return width
+
+
+def _beside(
+    plan: Plan,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    groups: list[SliceGroup],
+    batch: LoRABatch,
+    target: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shrink and expand on the side stream while the base GEMM runs: the expand adds into `target`
+    or, when it is None, writes a new delta tensor. Returns (y, the tensor holding the delta)."""
+    main = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device, threading.get_ident())
+    # allocated on the main stream, where its consumer runs and frees it after the join
+    delta = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device) if target is None else target
+    side.wait_stream(main)  # x, the target and the batch metadata are ready
+    with torch.cuda.stream(side):
+        for group in groups:
+            _expand(plan, delta, lora_shrink(x, group, batch, plan.shrink), group, batch, accumulate=target is not None)
+    y = F.linear(x, weight, bias)
+    main.wait_stream(side)
+    return y, delta
 
 
 def _overlap(

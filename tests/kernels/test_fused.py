@@ -50,12 +50,17 @@ def test_add_rms_norm_writes_the_sum_into_the_residual(dtype: torch.dtype, num_t
     assert rel_err(out, ref_out) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("with_delta", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_tokens", "width"), [(1, 24), (6, 1000), (3, 2304)])
-def test_silu_and_mul_matches_the_reference(dtype: torch.dtype, num_tokens: int, width: int):
+def test_silu_and_mul_matches_the_reference(dtype: torch.dtype, num_tokens: int, width: int, with_delta: bool):
     gate_up = randn(num_tokens, 2 * width, dtype=dtype, seed=width) * 3
-    out = silu_and_mul_triton(gate_up)
-    assert rel_err(out, silu_and_mul_reference(gate_up)) < TOLERANCE[dtype]
+    # a LoRA delta beside the projection: a strided view, as a wider buffer's columns would be
+    delta = randn(num_tokens, 2 * width + 8, dtype=dtype, seed=width + 1)[:, : 2 * width] if with_delta else None
+    out = silu_and_mul_triton(gate_up, delta)
+    assert rel_err(out, silu_and_mul_reference(gate_up, delta)) < TOLERANCE[dtype]
+    if with_delta:  # the delta moved the result: it was read, not ignored
+        assert rel_err(out, silu_and_mul_reference(gate_up)) > 0.1
 
 
 def rope_case(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
@@ -72,16 +77,21 @@ def rope_case(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
     return qkv, cos, sin, cache, cache.clone(), slots
 
 
+@pytest.mark.parametrize("with_delta", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (3, 1, 48), (2, 2, 128)])
-def test_rope_and_cache_kv_matches_the_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
+def test_rope_and_cache_kv_matches_the_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, with_delta: bool
+):
     qkv, cos, sin, key_cache, value_cache, slots = rope_case(5, num_heads, num_kv_heads, head_dim, dtype, seed=head_dim)
+    delta = randn(*qkv.shape, dtype=dtype, seed=head_dim + 1) if with_delta else None
     ref_qkv, ref_keys, ref_values = qkv.clone(), key_cache.clone(), value_cache.clone()
-    ref_q = rope_and_cache_kv_reference(ref_qkv, cos, sin, ref_keys, ref_values, slots, num_heads)
-    q = rope_and_cache_kv_triton(qkv, cos, sin, key_cache, value_cache, slots, num_heads)
+    ref_q = rope_and_cache_kv_reference(ref_qkv, cos, sin, ref_keys, ref_values, slots, num_heads, delta)
+    untouched = qkv.clone()
+    q = rope_and_cache_kv_triton(qkv, cos, sin, key_cache, value_cache, slots, num_heads, delta)
     assert q.data_ptr() == qkv.data_ptr()  # q rotated in place
     assert rel_err(q, ref_q) < TOLERANCE[dtype]
-    assert torch.equal(qkv[:, q[0].numel() :], ref_qkv[:, q[0].numel() :])  # k and v left as they were
+    assert torch.equal(qkv[:, q[0].numel() :], untouched[:, q[0].numel() :])  # k and v left as they were
     written = torch.zeros(24, dtype=torch.bool, device=DEVICE)
     written[slots] = True
     for cache, ref in ((key_cache, ref_keys), (value_cache, ref_values)):

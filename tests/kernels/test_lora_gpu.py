@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kernels.lora import LoRABatch, add_lora, linear_with_plan, lora_linear
+from kernels.lora import LoRABatch, add_lora, linear_deferred_with_plan, linear_with_plan, lora_linear
 from kernels.lora.configs import GatherConfig, default_plan
 from kernels.lora.fused import _fused_kernel
 from kernels.lora.shrink import _shrink_kernel
@@ -105,3 +106,60 @@ def test_a_captured_step_replays_with_new_slot_assignments_and_moved_pages() -> 
     case.batch = LoRABatch.build(token_slots, case.batch.slot_ranks, case.batch.slot_scales, slot_pages)
     graph.replay()
     assert rel_err(y, case.linear()) < BF16_TOL
+
+
+@pytest.mark.parametrize("num_tokens", [1, 33, 1500])
+@pytest.mark.parametrize(("path", "expand"), PATHS)
+def test_a_deferred_delta_or_one_into_the_residual_sums_to_the_projection(
+    path: str, expand: GatherConfig | None, num_tokens: int
+) -> None:
+    """The overlap path leaves the delta to the caller (beside the GEMM); every other path puts it in
+    y. Either way y + delta, and y + the residual's increase, are the projection."""
+    case = make_case(num_tokens, 1024, [1024, 256, 256], RANKS, dtype=torch.bfloat16, device="cuda",
+                     page_rank=PAGE_RANK, seed=num_tokens + 1)  # fmt: skip
+    plan = dataclasses.replace(default_plan(num_tokens, 128), path=path, gather=expand)
+    args = (case.x, case.weight, case.bias, case.lora_a, case.lora_b, case.batch)
+    expected = case.linear()
+
+    y, delta = linear_deferred_with_plan(plan, *args)
+    assert (delta is not None) == (path == "overlap")
+    if delta is not None:
+        assert rel_err(y, F.linear(case.x, case.weight, case.bias)) < BF16_TOL  # the base projection alone
+        y = y + delta
+    assert rel_err(y, expected) < BF16_TOL
+
+    before = torch.randn(num_tokens, case.width, device="cuda", dtype=torch.bfloat16)
+    residual = before.clone()
+    y = linear_with_plan(plan, *args, residual=residual)
+    assert torch.equal(residual, before) == (path != "overlap")
+    assert rel_err(y.float() + residual.float() - before.float(), expected) < BF16_TOL
+
+
+def test_a_captured_layer_replays_its_deferred_deltas() -> None:
+    """The side stream's shrink and expand join the capture: replayed with new inputs and slots, the
+    deferred delta and the residual's are those of the new batch."""
+    case = make_case(32, 1024, [1024, 256, 256], RANKS, dtype=torch.bfloat16, device="cuda", page_rank=PAGE_RANK,
+                     seed=9)  # fmt: skip
+    plan = dataclasses.replace(default_plan(32, 128), path="overlap")
+    token_slots = case.batch.token_slots.clone()
+    residual = torch.zeros(32, case.width, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        residual.zero_()
+        batch = LoRABatch.build(token_slots, case.batch.slot_ranks, case.batch.slot_scales, case.batch.slot_pages)
+        args = (case.x, case.weight, case.bias, case.lora_a, case.lora_b, batch)
+        y, delta = linear_deferred_with_plan(plan, *args)
+        return y, delta, linear_with_plan(plan, *args, residual=residual)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, delta, y_again = step()
+    assert delta is not None
+    token_slots.copy_(torch.randint(-1, len(RANKS), (32,), device="cuda"))
+    case.x.copy_(torch.randn_like(case.x))
+    case.batch = LoRABatch.build(token_slots, case.batch.slot_ranks, case.batch.slot_scales, case.batch.slot_pages)
+    graph.replay()
+    expected = case.linear()
+    assert rel_err(y + delta, expected) < BF16_TOL
+    assert rel_err(y_again + residual, expected) < BF16_TOL

@@ -94,17 +94,23 @@ class SelfAttention(nn.Module):
         batch: ForwardBatch,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
+        residual: torch.Tensor,
     ) -> torch.Tensor:
         """hidden [T, hidden_size] → [T, hidden_size]; writes this step's K/V into this layer's cache.
 
-        rope: (cos, sin) [T, head_dim] for the step's positions.
+        rope: (cos, sin) [T, head_dim] for the step's positions. residual [T, hidden_size]: the
+        stream the output is added to next, which may take o_proj's LoRA delta (LoRALinear.forward).
         """
-        qkv = self.qkv_proj(hidden, batch.lora)
+        # the LoRA deltas of qkv (decode sizes, CUDA) are computed beside its GEMM and added by RoPE
+        qkv, delta = self.qkv_proj.forward_deferred(hidden, batch.lora)
         if self.q_norm is not None and self.k_norm is not None:
+            if delta is not None:
+                qkv.add_(delta)
+                delta = None
             self._norm_heads(qkv, self.q_norm, self.k_norm)
-        q = rope_and_cache_kv(qkv, *rope, key_cache, value_cache, batch.slot_mapping, self.num_heads)
+        q = rope_and_cache_kv(qkv, *rope, key_cache, value_cache, batch.slot_mapping, self.num_heads, delta)
         attended = paged_attention(q, key_cache, value_cache, batch, self.scale)
-        return self.o_proj(attended.reshape(hidden.shape[0], -1), batch.lora)
+        return self.o_proj(attended.reshape(hidden.shape[0], -1), batch.lora, residual)
 
     def _norm_heads(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
         """RMS-normalise each q and k head of qkv [T, (H + 2 H_kv) * D] in place."""
@@ -133,9 +139,10 @@ class GatedMLP(nn.Module):
             width, {"down_proj": info.hidden_size}, bias=False, pages=pages, dtype=dtype, device=device
         )
 
-    def forward(self, hidden: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        """[T, hidden_size] → [T, hidden_size]."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden, lora)), lora)
+    def forward(self, hidden: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor) -> torch.Tensor:
+        """[T, hidden_size] → [T, hidden_size]; residual [T, hidden_size] as in SelfAttention.forward."""
+        gate_up, delta = self.gate_up_proj.forward_deferred(hidden, lora)
+        return self.down_proj(silu_and_mul(gate_up, delta), lora, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -183,6 +190,8 @@ class DecoderLayer(nn.Module):
             residual, normed = hidden, self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attended = self.self_attn(normed, rope, batch, key_cache, value_cache)
+        attended = self.self_attn(normed, rope, batch, key_cache, value_cache, residual)
         normed, residual = self.post_attention_layernorm.add_and_norm(attended, residual)
-        return self.mlp(normed, batch.lora), residual
+        if isinstance(self.mlp, MoEBlock):
+            return self.mlp(normed, batch.lora), residual
+        return self.mlp(normed, batch.lora, residual), residual

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from kernels.lora import LoRABatch, lora_linear
+from kernels.lora import LoRABatch, lora_linear, lora_linear_deferred
 from worker.engine.weights import copy_weight
 
 LoRAPair = tuple[torch.Tensor, torch.Tensor]  # (A [rank, in_features], B [out_features, rank])
@@ -82,10 +82,17 @@ class LoRALinear(nn.Module):
         """Per slice: [num_pages, out_features_i, page_rank]."""
         return tuple(self.get_buffer(f"lora_b_{name}") for name in self.projections)
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in_features] → [T, sum out_features]; `lora` None when no token uses an adapter
-        (its page table addresses this layer's pages)."""
-        return lora_linear(x, self.weight, self.bias, self.lora_a, self.lora_b, lora)
+        (its page table addresses this layer's pages). `residual` [T, sum out_features]: the stream
+        the caller adds the result to next, which may take the LoRA delta instead (at decode sizes
+        on CUDA, where the delta is computed beside the base GEMM)."""
+        return lora_linear(x, self.weight, self.bias, self.lora_a, self.lora_b, lora, residual=residual)
+
+    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y, delta) for a caller whose next fused kernel adds the LoRA delta: y + delta is the
+        projection of x [T, in_features]; delta [T, sum out_features] is None when it is in y."""
+        return lora_linear_deferred(x, self.weight, self.bias, self.lora_a, self.lora_b, lora)
 
     def checkpoint_loaders(self, parent: str) -> dict[str, Callable[[torch.Tensor], None]]:
         """Checkpoint tensor name → loader, for each slice's weight (and bias): `q_proj.weight` of a
