@@ -91,6 +91,10 @@ def tune(num_tokens: int, args: argparse.Namespace) -> tuple[dict[tuple[str, int
             z = moe_lora_shrink(a, lora_a, blocks, rows_div, shrink)
             out = torch.zeros(num_pairs, lora_b.shape[2], device="cuda", dtype=torch.bfloat16)
             expands = [dataclasses.replace(e, block_m=block_m) for e in EXPANDS]
+            # or one program over a whole gate / up half (gate_up) or all of down, z loaded once
+            columns = lora_b.shape[2] // 2 if name == "gu" else lora_b.shape[2]
+            expands += [GemmConfig(block_m=block_m, block_n=128, n_tiles=columns // 128, num_warps=w, num_stages=s)
+                        for w, s in ((4, 2), (8, 3)) if columns % 128 == 0]  # fmt: skip
             t_expand, expand = fastest(
                 [(partial(moe_lora_expand, out, z, lora_b, case.slot_scales, blocks, c, mul), c) for c in expands]
             )

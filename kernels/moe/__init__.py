@@ -6,8 +6,9 @@ Semantics (reference.py is the oracle):
     each of gate_up and down carrying token t's adapter delta (if it has one) for expert e.
 
 `route` and `moe_forward` dispatch: CPU tensors take the torch reference, CUDA tensors the Triton
-kernels (routing.py, align.py / align_small.py, gemm.py, lora_shrink.py, lora_expand.py, composed in fused.py) with
-launch configurations from configs.py (tuned by bench/tune_moe.py).
+kernels (routing.py, align.py with align_small.py / align_large.py, gemm.py, lora_shrink.py,
+lora_expand.py, topk_sum.py, composed in fused.py, the LoRA kernels on a side stream beside the grouped
+GEMMs) with launch configurations from configs.py (tuned by bench/tune_moe.py).
 """
 
 from __future__ import annotations

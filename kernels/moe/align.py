@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import torch
 
+from kernels.moe.align_large import align_pairs_large
 from kernels.moe.align_small import SMALL_PAIRS, align_pairs_small
 from kernels.moe.pair_blocks import PairBlocks, max_blocks
 
 
 def align_pairs(groups: torch.Tensor, num_groups: int, block_m: int) -> PairBlocks:
-    """Pairs grouped and block-padded. groups: int [P], the group of each pair in 0..num_groups-1,
-    or num_groups (or more) for a pair no kernel should see (a token without an adapter).
-    On CUDA, up to SMALL_PAIRS pairs take the one-launch kernel of align_small.py."""
+    """Pairs grouped and block-padded, in torch (the CPU path and the Triton kernels' reference).
+    groups: int [P], the group of each pair in 0..num_groups-1, or num_groups (or more) for a pair
+    no kernel should see (a token without an adapter)."""
     num_pairs = groups.shape[0]
-    if groups.is_cuda and num_pairs <= SMALL_PAIRS:
-        return align_pairs_small(groups, num_groups, block_m)
     device = groups.device
     groups = groups.long().clamp(max=num_groups)  # one "skipped" group past the real ones
     counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=device)
@@ -50,8 +49,19 @@ def align_pairs(groups: torch.Tensor, num_groups: int, block_m: int) -> PairBloc
     return PairBlocks(sorted_pairs[:rows], block_groups, block_m, num_pairs)
 
 
+def _align_triton(
+    ids: torch.Tensor, num_experts: int, num_groups: int, block_m: int, token_slots: torch.Tensor | None = None
+) -> PairBlocks:
+    """On CUDA: one launch up to SMALL_PAIRS pairs (align_small.py), three past that (align_large.py);
+    both form the groups from ids and token_slots themselves."""
+    align = align_pairs_small if ids.numel() <= SMALL_PAIRS else align_pairs_large
+    return align(ids.contiguous(), num_experts, num_groups, block_m, token_slots)
+
+
 def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> PairBlocks:
     """Pairs of ids int [T, K] grouped by expert."""
+    if ids.is_cuda:
+        return _align_triton(ids, num_experts, num_experts, block_m)
     return align_pairs(ids.reshape(-1), num_experts, block_m)
 
 
@@ -60,6 +70,8 @@ def adapter_expert_blocks(
 ) -> PairBlocks:
     """Pairs grouped by (adapter slot, expert), group = slot * E + expert; tokens whose slot is -1
     are left out. ids int [T, K], token_slots int [T]."""
+    if ids.is_cuda:
+        return _align_triton(ids, num_experts, num_slots * num_experts, block_m, token_slots.contiguous())
     top_k = ids.shape[1]
     slots = token_slots.to(torch.int32).repeat_interleave(top_k)
     groups = torch.where(slots >= 0, slots * num_experts + ids.reshape(-1), num_slots * num_experts)

@@ -27,7 +27,8 @@ KernelName = Literal["gemm", "shrink", "expand"]
 
 @dataclass(frozen=True, slots=True)
 class GemmConfig:
-    """The base grouped GEMM and the LoRA expand (BLOCK_K unused by the expand: K is the rank)."""
+    """The base grouped GEMM and the LoRA expand (BLOCK_K unused by the expand: K is the rank;
+    n_tiles unused by the GEMM)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -35,6 +36,7 @@ class GemmConfig:
     group_m: int = 8  # L2 swizzle: this many row blocks walk the N tiles together
     num_warps: int = 4
     num_stages: int = 3
+    n_tiles: int = 1  # the expand's column tiles per program (lora_expand.py)
 
 
 @dataclass(frozen=True, slots=True)

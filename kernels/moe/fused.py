@@ -1,16 +1,23 @@
 """The MoE forward on CUDA (or the Triton interpreter): routing → pair blocks → grouped GEMMs with
-the LoRA shrink/expand of every active (adapter, expert) added into their outputs.
+the LoRA shrink/expand of every active (adapter, expert) added to their outputs.
 
     gate_up = moe_gemm(x, W13)                                  [P, 2I]   P = T * top_k pairs
-    gate_up += expand(shrink(x, A13), B13)                      adapters' gate_up, in place
+    gate_up += expand(shrink(x, A13), B13)                      adapters' gate_up
     h = silu(gate_up[:, :I]) * gate_up[:, I:]                   [P, I]    (kernels.fused.silu_and_mul)
     y = moe_gemm(h, W2) * w                                     [P, H]    routing weight in the epilogue
-    y += expand(shrink(h, A2), B2) * w                          adapters' down, in place
+    y += expand(shrink(h, A2), B2) * w                          adapters' down
     out = y.view(T, top_k, H).sum(1)
 
-Per layer: the router GEMM, top-k, one alignment by expert (align_small.py: one launch at decode
-sizes), two grouped GEMMs, SiLU·up and the top-k sum; with adapters in the batch, a second alignment
-by (adapter, expert) after ~5 small ops that build its groups, and the four LoRA kernels.
+Per layer: the router GEMM, top-k, one alignment by expert (one launch at decode sizes,
+align_small.py; three for prefills, align_large.py), two grouped GEMMs, SiLU·up and the top-k sum.
+With adapters in the batch, the alignment by (adapter, expert) and the four LoRA kernels run on a
+side stream (kernels/streams.py) beside the grouped GEMMs, whose inputs are theirs:
+
+    up to BESIDE_PAIRS pairs   the whole LoRA update beside each GEMM, into zeroed delta buffers
+                               that the consumers add: silu_and_mul(gate_up, delta_up) and
+                               topk_sum(y, delta_down); no LoRA kernel is on the critical path
+    past BESIDE_PAIRS          the shrinks beside the GEMMs, the expands after them, in place
+                               (delta buffers would cost two more passes over [P, 2I + H])
 """
 
 from __future__ import annotations
@@ -25,7 +32,15 @@ from kernels.moe.configs import MoEPlan, plan_for
 from kernels.moe.gemm import moe_gemm
 from kernels.moe.lora_expand import moe_lora_expand
 from kernels.moe.lora_shrink import moe_lora_shrink
+from kernels.moe.pair_blocks import PairBlocks
 from kernels.moe.reference import ExpertLoRA
+from kernels.moe.topk_sum import topk_sum
+from kernels.streams import beside, join
+
+# One Qwen3-30B-A3B layer with 8 adapters in a CUDA graph on the H200 (2026-11-24): beside / inline
+# 0.158 / 0.168 ms at 64 pairs (base 0.143), 0.333 / 0.339 at 256, 0.502 / 0.501 at 2,048; eager at
+# 12,800 pairs 1.13 / 0.78 and at 102,400 4.21 / 4.07 (the delta buffers' zeroing and extra passes).
+BESIDE_PAIRS = 2048
 
 
 @functools.cache
@@ -63,17 +78,91 @@ def moe_triton(
         if plan.gemm_down.block_m == plan.gemm_up.block_m
         else expert_blocks(ids, num_experts, plan.gemm_down.block_m)
     )
+    if lora is None:
+        gate_up = moe_gemm(x, w13, up_blocks, top_k, plan.gemm_up)
+        y = moe_gemm(silu_and_mul(gate_up), w2, down_blocks, 1, plan.gemm_down, weights=pair_weights)
+        return y.view(num_tokens, top_k, hidden).sum(dim=1)
+    if token_slots is None or slot_scales is None:
+        raise ValueError("moe_triton with lora needs token_slots and slot_scales")
+    lora_path = _lora_beside if num_pairs <= BESIDE_PAIRS else _lora_inline
+    return lora_path(x, pair_weights, ids, w13, w2, lora, token_slots, slot_scales, plan, up_blocks, down_blocks)
+
+
+def _lora_beside(
+    x: torch.Tensor,
+    pair_weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    lora: ExpertLoRA,
+    token_slots: torch.Tensor,
+    slot_scales: torch.Tensor,
+    plan: MoEPlan,
+    up_blocks: PairBlocks,
+    down_blocks: PairBlocks,
+) -> torch.Tensor:
+    """The layer with each projection's LoRA delta computed on the side stream into a zeroed buffer
+    while its base GEMM runs, and added by the GEMM's consumer. Arguments as moe_triton's, with
+    pair_weights float32 [P] and the base GEMMs' pair blocks."""
+    top_k = ids.shape[1]
+    num_experts, two_width, hidden = w13.shape
+    device = x.device
+    # allocated on the main stream, where their consumers read and free them after the joins
+    delta_up = torch.empty(ids.numel(), two_width, dtype=x.dtype, device=device)
+    delta_down = torch.empty(ids.numel(), hidden, dtype=x.dtype, device=device)
+    with beside(device):  # x, the routing and the adapters' metadata are ready
+        lora_blocks = adapter_expert_blocks(ids, token_slots, lora.a13.shape[0], num_experts, plan.lora_block_m)
+        delta_up.zero_()
+        delta_down.zero_()
+        z = moe_lora_shrink(x, lora.a13, lora_blocks, top_k, plan.shrink_up)
+        moe_lora_expand(delta_up, z, lora.b13, slot_scales, lora_blocks, plan.expand_up,
+                        block_diagonal=_halves(two_width, plan))  # fmt: skip
     gate_up = moe_gemm(x, w13, up_blocks, top_k, plan.gemm_up)
-    if lora is not None:
+    join(device)
+    hidden_act = silu_and_mul(gate_up, delta_up)  # [P, I]
+    with beside(device):
+        z = moe_lora_shrink(hidden_act, lora.a2, lora_blocks, 1, plan.shrink_down)
+        moe_lora_expand(delta_down, z, lora.b2, slot_scales, lora_blocks, plan.expand_down, weights=pair_weights)
+    y = moe_gemm(hidden_act, w2, down_blocks, 1, plan.gemm_down, weights=pair_weights)
+    join(device)
+    return topk_sum(y, delta_down, top_k)
+
+
+def _lora_inline(
+    x: torch.Tensor,
+    pair_weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    lora: ExpertLoRA,
+    token_slots: torch.Tensor,
+    slot_scales: torch.Tensor,
+    plan: MoEPlan,
+    up_blocks: PairBlocks,
+    down_blocks: PairBlocks,
+) -> torch.Tensor:
+    """The layer with each projection's LoRA shrink on the side stream while its base GEMM runs and
+    the expand adding into the GEMM's output after it. Arguments as _lora_beside's."""
+    num_tokens, top_k = ids.shape
+    num_experts, two_width, hidden = w13.shape
+    device = x.device
+    with beside(device):
         lora_blocks = adapter_expert_blocks(ids, token_slots, lora.a13.shape[0], num_experts, plan.lora_block_m)
         z = moe_lora_shrink(x, lora.a13, lora_blocks, top_k, plan.shrink_up)
-        # the slots hold gate and up LoRAs block-diagonally (worker/engine/moe.py): column tiles that
-        # stay inside one half read only its ranks; the whole B gives the same sum otherwise
-        halves = width % plan.expand_up.block_n == 0
-        moe_lora_expand(gate_up, z, lora.b13, slot_scales, lora_blocks, plan.expand_up, block_diagonal=halves)
+    gate_up = moe_gemm(x, w13, up_blocks, top_k, plan.gemm_up)
+    join(device, z, lora_blocks.sorted_pairs, lora_blocks.block_groups)  # the expands read them here
+    moe_lora_expand(gate_up, z, lora.b13, slot_scales, lora_blocks, plan.expand_up,
+                    block_diagonal=_halves(two_width, plan))  # fmt: skip
     hidden_act = silu_and_mul(gate_up)  # [P, I]
-    y = moe_gemm(hidden_act, w2, down_blocks, 1, plan.gemm_down, weights=pair_weights)
-    if lora is not None:
+    with beside(device):
         z = moe_lora_shrink(hidden_act, lora.a2, lora_blocks, 1, plan.shrink_down)
-        moe_lora_expand(y, z, lora.b2, slot_scales, lora_blocks, plan.expand_down, weights=pair_weights)
+    y = moe_gemm(hidden_act, w2, down_blocks, 1, plan.gemm_down, weights=pair_weights)
+    join(device, z)
+    moe_lora_expand(y, z, lora.b2, slot_scales, lora_blocks, plan.expand_down, weights=pair_weights)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _halves(two_width: int, plan: MoEPlan) -> bool:
+    """The slots hold gate and up LoRAs block-diagonally (worker/engine/moe.py): expand programs whose
+    columns stay inside one half read only its ranks; the whole B gives the same sum otherwise."""
+    return (two_width // 2) % (plan.expand_up.block_n * plan.expand_up.n_tiles) == 0

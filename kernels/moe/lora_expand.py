@@ -8,11 +8,14 @@ Semantics:
 `out` is the base grouped GEMM's output, so the LoRA delta lands in the same buffer with no extra
 pass: each (pair, column) belongs to exactly one block and one column tile, so the read-add-write
 needs no atomics. With the down projection the routing weight the base GEMM applied is applied to
-the delta too. Grid and block ordering as in gemm.py (B[s, e] plays the expert weight).
+the delta too. Grid and block ordering as in gemm.py (B[s, e] plays the expert weight), except that a program
+walks config.n_tiles column tiles of BLOCK_N with z loaded once: at prefill sizes (~100 pairs a
+group) one program over a whole half of gate_up or all of down is 20% faster than a program per tile
+(H200, 102,400 pairs: 0.24 / 0.31 ms against 0.30 / 0.37); at decode sizes the tile per program wins.
 
 block_diagonal: B [N, R] is [[B_0, 0], [0, B_1]] (gate and up LoRAs stacked, rank R/2 each), so a
-column tile in the first N/2 columns reads only ranks [0, R/2) of z and B, one in the second half only
-[R/2, R): half the B bytes and half the dot. Column tiles must not straddle N/2.
+program in the first N/2 columns reads only ranks [0, R/2) of z and B, one in the second half only
+[R/2, R): half the B bytes and half the dot. A program's columns must not straddle N/2.
 """
 
 from __future__ import annotations
@@ -33,17 +36,18 @@ def _moe_expand_kernel(
     num_pairs, num_blocks, num_experts, n_size, rank, split_k,
     z_stride_split, z_stride_pair, out_stride,
     MUL_WEIGHT: tl.constexpr, BLOCK_DIAGONAL: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, N_TILES: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = swizzle(tl.program_id(0), num_blocks, tl.cdiv(n_size, BLOCK_N), GROUP_M)
+    pid_m, pid_n = swizzle(tl.program_id(0), num_blocks, tl.cdiv(n_size, BLOCK_N * N_TILES), GROUP_M)
     group = tl.load(block_groups_ptr + pid_m)
     if group < 0:
         return
     pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
+    n_start = pid_n * BLOCK_N * N_TILES
     if BLOCK_DIAGONAL:
         used = rank // 2
-        r0 = tl.where(pid_n * BLOCK_N >= n_size // 2, used, 0)
+        r0 = tl.where(n_start >= n_size // 2, used, 0)
     else:
         used = rank
         r0 = 0
@@ -53,17 +57,20 @@ def _moe_expand_kernel(
     z = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for split in range(split_k):
         z += tl.load(z_ptrs + split * z_stride_split, mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < n_size
-    b_ptrs = lora_b_ptr + group.to(tl.int64) * n_size * rank + n[None, :] * rank + r[:, None]  # [R_PAD, BLOCK_N]
-    b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-    delta = tl.dot(z.to(b.dtype), b) * tl.load(scales_ptr + group // num_experts)
+    z = z.to(lora_b_ptr.dtype.element_ty)
+    row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(scales_ptr + group // num_experts)
     if MUL_WEIGHT:
-        delta *= tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
-    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * out_stride + n[None, :]
-    mask = pair_ok[:, None] & n_ok[None, :]
-    base = tl.load(out_ptrs, mask=mask, other=0.0)
-    tl.store(out_ptrs, (base.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)
+        row_scale *= tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)
+    b_ptrs = lora_b_ptr + group.to(tl.int64) * n_size * rank + r[:, None]  # [R_PAD, 1]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * out_stride  # [BLOCK_M, 1]
+    for tile in range(N_TILES):  # z stays in registers across the program's column tiles
+        n = n_start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < n_size
+        b = tl.load(b_ptrs + n[None, :] * rank, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [R_PAD, BLOCK_N]
+        delta = tl.dot(z, b) * row_scale[:, None]
+        mask = pair_ok[:, None] & n_ok[None, :]
+        base = tl.load(out_ptrs + n[None, :], mask=mask, other=0.0)
+        tl.store(out_ptrs + n[None, :], (base.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def moe_lora_expand(
@@ -86,16 +93,17 @@ def moe_lora_expand(
         raise ValueError(f"out {tuple(out.shape)} does not match LoRA B {tuple(lora_b.shape)} over {blocks.num_pairs}")
     if z.shape[1:] != (blocks.num_pairs, rank_pad(rank)) or not z.is_contiguous():
         raise ValueError(f"z {tuple(z.shape)} is not the shrink output for rank {rank}")
-    if block_diagonal and (rank % 2 or (n_size // 2) % config.block_n):
-        raise ValueError(f"block-diagonal B {tuple(lora_b.shape)} needs an even rank and tiles of N/2")
+    columns = config.block_n * config.n_tiles  # one program's
+    if block_diagonal and (rank % 2 or (n_size // 2) % columns):
+        raise ValueError(f"block-diagonal B {tuple(lora_b.shape)} needs an even rank and programs within N/2")
     if blocks.num_pairs == 0:
         return
-    grid = (blocks.max_blocks * triton.cdiv(n_size, config.block_n),)
+    grid = (blocks.max_blocks * triton.cdiv(n_size, columns),)
     _moe_expand_kernel[grid](
         z, lora_b, out, slot_scales, out if weights is None else weights, blocks.sorted_pairs, blocks.block_groups,
         blocks.num_pairs, blocks.max_blocks, num_experts, n_size, rank, z.shape[0],
         z.stride(0), z.stride(1), out.stride(0),
         MUL_WEIGHT=weights is not None, BLOCK_DIAGONAL=block_diagonal,
         R_PAD=rank_pad(rank // 2 if block_diagonal else rank), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        N_TILES=config.n_tiles, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The block-padded pair metadata every MoE kernel tiles over (built by align.py / align_small.py)."""
+"""The block-padded pair metadata every MoE kernel tiles over (built by align.py, align_small.py, align_large.py)."""
 
 from __future__ import annotations
 

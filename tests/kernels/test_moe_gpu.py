@@ -13,6 +13,7 @@ from kernels.moe.gemm import _moe_gemm_kernel
 from kernels.moe.lora_expand import _moe_expand_kernel
 from kernels.moe.lora_shrink import _moe_shrink_kernel
 from kernels.moe.reference import moe_reference, route_reference
+from kernels.moe.topk_sum import _topk_sum_kernel
 from tests.kernels.moe_cases import make_moe_case, rel_err
 
 pytestmark = [
@@ -64,7 +65,7 @@ def test_captured_graph_replays_new_routing_without_recompiling() -> None:
         expected = moe_reference(case.x, weights, ids, case.w13, case.w2, case.lora, case.token_slots, case.slot_scales)
         assert rel_err(out, expected) < BF16_TOL
     device = torch.cuda.current_device()
-    kernels = (_moe_gemm_kernel, _moe_shrink_kernel, _moe_expand_kernel, _align_small_kernel)
+    kernels = (_moe_gemm_kernel, _moe_shrink_kernel, _moe_expand_kernel, _align_small_kernel, _topk_sum_kernel)
     compiled = {kernel: len(kernel.device_caches[device][0]) for kernel in kernels}
     for num_tokens in (3, 5, 9, 13):  # same bucket of launch configurations, other token counts
         other = make_moe_case(num_tokens, **A3B, slot_ranks=SLOT_RANKS, dtype=torch.bfloat16, device="cuda", seed=4)

@@ -6,13 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.moe import fused
 from kernels.moe.align import adapter_expert_blocks, align_pairs, expert_blocks
+from kernels.moe.align_large import align_pairs_large
 from kernels.moe.align_small import align_pairs_small
 from kernels.moe.configs import GemmConfig, MoEPlan, ShrinkConfig
 from kernels.moe.fused import moe_triton
 from kernels.moe.gemm import moe_gemm
 from kernels.moe.reference import moe_reference, route_reference
 from kernels.moe.routing import topk_softmax
+from kernels.moe.topk_sum import topk_sum
 from tests.kernels.moe_cases import make_moe_case, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,13 +48,27 @@ def test_adapter_expert_blocks_leave_out_tokens_without_adapter() -> None:
     assert sorted(p for p in blocks.sorted_pairs.tolist() if p < 6) == [0, 1, 4, 5]
 
 
+@pytest.mark.parametrize("align", [align_pairs_small, align_pairs_large])
 @pytest.mark.parametrize(
-    ("num_pairs", "num_groups", "block_m"), [(5, 3, 2), (64, 1024, 16), (300, 128, 16), (2100, 9, 64)]
+    ("num_tokens", "top_k", "num_experts", "num_slots", "block_m"),
+    [(5, 1, 3, 0, 2), (8, 8, 128, 8, 16), (300, 1, 128, 0, 16), (680, 3, 3, 3, 64), (250, 8, 16, 0, 16)],
 )
-def test_one_launch_alignment_matches_the_torch_one(num_pairs: int, num_groups: int, block_m: int) -> None:
-    groups = torch.randint(0, num_groups + 1, (num_pairs,), generator=torch.Generator().manual_seed(num_pairs))
+def test_triton_alignment_matches_the_torch_one(
+    align, num_tokens: int, top_k: int, num_experts: int, num_slots: int, block_m: int
+) -> None:
+    """num_slots 0: by expert; else by (slot, expert), tokens of slot -1 left out. 680 x 3 and
+    250 x 8 pairs span several programs of align_large.py's count and place launches."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen, dtype=torch.int32)
+    slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen, dtype=torch.int32) if num_slots else None
+    if slots is None:
+        num_groups, groups = num_experts, ids.reshape(-1)
+    else:
+        num_groups = num_slots * num_experts
+        pair_slots = slots.repeat_interleave(top_k)
+        groups = torch.where(pair_slots >= 0, pair_slots * num_experts + ids.reshape(-1), num_groups)
     expected = align_pairs(groups, num_groups, block_m)  # CPU tensors: the torch version
-    got = align_pairs_small(groups.to(DEVICE), num_groups, block_m)
+    got = align(ids.to(DEVICE), num_experts, num_groups, block_m, None if slots is None else slots.to(DEVICE))
     assert torch.equal(got.block_groups.cpu(), expected.block_groups)
     # each group's blocks hold the same pairs (their order inside a group is the atomics' order),
     # padding included, and the rows past the last block are padding alone
@@ -59,6 +76,13 @@ def test_one_launch_alignment_matches_the_torch_one(num_pairs: int, num_groups: 
     for group in range(-1, num_groups):
         got_pairs = got.sorted_pairs.cpu()[rows_group == group].sort().values
         assert torch.equal(got_pairs, expected.sorted_pairs[rows_group == group].sort().values), group
+
+
+def test_topk_sum_adds_the_delta_to_each_tokens_pairs() -> None:
+    gen = torch.Generator().manual_seed(0)
+    y, delta = (torch.randn(7 * 3, 40, generator=gen).to(DEVICE) for _ in range(2))
+    expected = (y + delta).view(7, 3, 40).sum(dim=1)
+    torch.testing.assert_close(topk_sum(y, delta, 3), expected)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -83,14 +107,20 @@ def test_grouped_gemm_applies_each_pairs_expert_and_weight(dtype: torch.dtype, n
     assert rel_err(out, expected * weights.reshape(-1, 1)) < (FP32_TOL if dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize("beside_pairs", [fused.BESIDE_PAIRS, 0], ids=["beside", "inline"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("num_tokens", "split_k"), [(1, 1), (9, 2), (50, 4)])
-def test_moe_with_lora_matches_reference(dtype: torch.dtype, num_tokens: int, split_k: int) -> None:
+@pytest.mark.parametrize(("num_tokens", "split_k", "n_tiles"), [(1, 1, 3), (9, 2, 1), (50, 4, 3)])
+def test_moe_with_lora_matches_reference(
+    dtype: torch.dtype, num_tokens: int, split_k: int, n_tiles: int, beside_pairs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both LoRA paths of fused.py: deltas beside the GEMMs, and expands in place after them; expand
+    programs of one column tile, or of three (a whole gate or up half; down's 64 columns in 48 + 16)."""
+    monkeypatch.setattr(fused, "BESIDE_PAIRS", beside_pairs)
     case = make_moe_case(num_tokens, **SHAPE, slot_ranks=[8, 0, 4, 16], dtype=dtype, device=DEVICE, seed=7)
     weights, ids = route_reference(case.x.float() @ case.router.float().T, 3, False)
     args = (case.x, weights, ids, case.w13, case.w2, case.lora, case.token_slots, case.slot_scales)
     # expand tiles of 16 columns split gate | up (width 48): the block-diagonal expand runs
-    gemm, expand = GemmConfig(block_m=16, block_n=32, block_k=32), GemmConfig(block_m=16, block_n=16)
+    gemm, expand = GemmConfig(block_m=16, block_n=32, block_k=32), GemmConfig(block_m=16, block_n=16, n_tiles=n_tiles)
     shrink = ShrinkConfig(block_m=16, block_k=16, split_k=split_k)
     out = moe_triton(*args, plan=MoEPlan(gemm, gemm, shrink, expand, shrink, expand))
     expected = moe_reference(*args)
