@@ -29,4 +29,5 @@ async def request_tenant(request: web.Request) -> Tenant:
         raise RequestError(
             ErrorCode.INVALID_API_KEY, "the Authorization header must be 'Bearer <key>'", param="Authorization"
         )
-    return await request.app[AUTHENTICATOR].tenant(request.app[REDIS], api_key)
+    authenticator = request.app[AUTHENTICATOR]
+    return authenticator.remembered(api_key) or await authenticator.tenant(request.app[REDIS], api_key)

@@ -18,6 +18,10 @@ class Authenticator:
     def __init__(self) -> None:
         self._tenants: TtlCache[str, Tenant] = TtlCache(AUTH_CACHE_TTL_S, _AUTH_CACHE_ENTRIES)
 
+    def remembered(self, api_key: str) -> Tenant | None:
+        """The key's tenant if it authenticated within AUTH_CACHE_TTL_S (no await: most requests' case)."""
+        return self._tenants.get(api_key)
+
     async def tenant(self, redis: Redis, api_key: str) -> Tenant:
         tenant = await self._tenants.get_or_load(api_key, lambda: authenticate(redis, api_key))
         assert tenant is not None  # authenticate raises rather than answer None

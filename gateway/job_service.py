@@ -142,10 +142,11 @@ class JobService:
     ) -> tuple[JobRecord, bool]:
         """Queue a job. Returns (its record, newly created); a repeated idempotency key returns the
         first job's current record and queues nothing."""
-        model = await self._model(request.model)
+        model = self._models.get(request.model) or await self._model(request.model)
         if model is None:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} not found", param="model")
-        await self._check_served(model.name)
+        if not self._served_recently(model.name):
+            await self._check_served(model.name)
         adapter = None if request.adapter is None else await self._adapter(tenant, request.adapter, model)
         prompt_token_ids, sampling = await self._prompt_token_ids(model, request)
         job_id = new_job_id()
@@ -297,6 +298,11 @@ class JobService:
         """The model's record, from this process's cache when it is fresh (models that are not found are
         looked up again every time)."""
         return await self._models.get_or_load(name, lambda: get_model(self._redis, name))
+
+    def _served_recently(self, model: str) -> bool:
+        """Whether this process's cached stamp already shows a worker advertised `model` recently."""
+        last = self._served.get(model)
+        return last is not None and time.time() * 1000 - last <= self._unserved_after_ms
 
     async def _check_served(self, model: str) -> None:
         """MODEL_UNAVAILABLE unless a live worker advertised `model` recently: a job for a model no

@@ -42,16 +42,13 @@ class TokenizerCache:
     async def encode(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the model's special tokens (e.g. BOS) added as its post-processor says
         unless `add_special_tokens` is False (a rendered chat template writes its own)."""
-        batches = await self._get(model)
+        batches = self._tokenizers.get(model) or await self._load(model)
         if len(text) <= INLINE_CHARS:
             return await batches.encode(text, add_special_tokens)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, _token_ids, batches.tokenizer, text, add_special_tokens)
 
-    async def _get(self, model: str) -> TurnBatchEncoder:
-        batches = self._tokenizers.get(model)
-        if batches is not None:
-            return batches
+    async def _load(self, model: str) -> TurnBatchEncoder:
         async with self._loading:
             batches = self._tokenizers.get(model)
             if batches is None:

@@ -40,17 +40,16 @@ class AutoPipeline:
         self._commands: TurnBatch[tuple[Any, ...], Any] = TurnBatch(self._flush)
         self._flushes: set[asyncio.Task[None]] = set()
 
-    async def hgetall(self, key: str) -> dict[bytes, bytes]:
-        return await self._execute("HGETALL", key)  # a map: redis-py's clients speak RESP3
+    # the commands answer the caller's future itself, awaited as redis-py's coroutines are: a coroutine
+    # around it would be one more frame to create and to pass through on every reply
+    def hgetall(self, key: str) -> asyncio.Future[dict[bytes, bytes]]:
+        return self._commands.add(("HGETALL", key))  # a map: redis-py's clients speak RESP3
 
-    async def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any:
-        return await self._execute("EVALSHA", sha, numkeys, *keys_and_args)
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> asyncio.Future[Any]:
+        return self._commands.add(("EVALSHA", sha, numkeys, *keys_and_args))
 
     async def script_load(self, script: str) -> str:
         return await self._redis.script_load(script)
-
-    def _execute(self, *args: Any) -> asyncio.Future[Any]:
-        return self._commands.add(args)
 
     def _flush(self, batch: _Batch) -> None:
         task = asyncio.ensure_future(self._send(batch))
