@@ -17,8 +17,6 @@ update then runs beside the base GEMM, and no LoRA kernel is left on the critica
 
 from __future__ import annotations
 
-import functools
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -32,14 +30,7 @@ from kernels.lora.linear import linear_lora
 from kernels.lora.metadata import LoRABatch
 from kernels.lora.shrink import lora_shrink
 from kernels.lora.tiles import SliceGroup, check_slices, slice_groups
-
-
-@functools.cache
-def _side_stream(device: torch.device, thread: int) -> torch.cuda.Stream:
-    """The stream LoRA shrinks run on beside the base GEMM, one per device and thread: a model's
-    decode graphs may be captured on a loader thread while another model serves on the engine
-    thread, and a stream shared by the two would pull the server's launches into the capture."""
-    return torch.cuda.Stream(device=device)
+from kernels.streams import beside, join
 
 
 def _expand(
@@ -158,16 +149,13 @@ def _beside(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shrink and expand on the side stream while the base GEMM runs: the expand adds into `target`
     or, when it is None, writes a new delta tensor. Returns (y, the tensor holding the delta)."""
-    main = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device, threading.get_ident())
-    # allocated on the main stream, where its consumer runs and frees it after the join
+    # allocated on the current stream, where its consumer runs and frees it after the join
     delta = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device) if target is None else target
-    side.wait_stream(main)  # x, the target and the batch metadata are ready
-    with torch.cuda.stream(side):
+    with beside(x.device):  # after x, the target and the batch metadata
         for group in groups:
             _expand(plan, delta, lora_shrink(x, group, batch, plan.shrink), group, batch, accumulate=target is not None)
     y = F.linear(x, weight, bias)
-    main.wait_stream(side)
+    join(x.device)
     return y, delta
 
 
@@ -179,14 +167,10 @@ def _overlap(
     groups: list[SliceGroup],
     batch: LoRABatch,
 ) -> torch.Tensor:
-    main = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device, threading.get_ident())
-    side.wait_stream(main)  # x (and the batch metadata) are ready
-    with torch.cuda.stream(side):
+    with beside(x.device):  # after x and the batch metadata
         zs = [lora_shrink(x, group, batch, plan.shrink) for group in groups]
     y = F.linear(x, weight, bias)
-    main.wait_stream(side)
+    join(x.device, *zs)
     for group, z in zip(groups, zs, strict=True):
-        z.record_stream(main)  # allocated on the side stream, last used here
         _expand(plan, y, z, group, batch)
     return y

@@ -8,6 +8,8 @@ import torch
 from kernels.lora import LoRABatch
 from tests.kernels.lora_cases import identity_pages
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def build(slots: list[int], ranks: list[int]) -> LoRABatch:
     return LoRABatch.build(
@@ -77,3 +79,28 @@ def test_build_keeps_a_device_page_table_it_need_not_convert() -> None:
 def test_a_page_table_must_be_one_row_of_pages_per_slot(pages: torch.Tensor) -> None:
     with pytest.raises(ValueError, match=r"slot_pages .* must be|at least one page"):
         LoRABatch.build(torch.tensor([0]), torch.full((3,), 8), torch.ones(3), pages)
+
+
+FIELDS = ("sorted_tokens", "group_counts", "active_slots", "num_active", "sorted_slots", "sorted_ranks",
+          "sorted_scales", "sorted_pages")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_slots", "pages_per_slot"),
+    [(0, 2, 1), (1, 1, 1), (7, 3, 2), (64, 16, 4), (300, 40, 3), (1024, 5, 8)],
+)
+def test_the_one_program_build_matches_the_torch_ops(num_tokens: int, num_slots: int, pages_per_slot: int) -> None:
+    """The Triton build (on the GPU, or on CPU through the interpreter) against the torch ops on CPU,
+    on random batches with base tokens, empty (rank-0) slots and scrambled page tables."""
+    gen = torch.Generator().manual_seed(num_tokens + num_slots)
+    token_slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen, dtype=torch.int32)
+    slot_ranks = torch.randint(0, 3, (num_slots,), generator=gen, dtype=torch.int32) * 8  # a third rank 0
+    slot_scales = torch.rand(num_slots, generator=gen) + 0.5
+    slot_pages = torch.randint(0, 97, (num_slots, pages_per_slot), generator=gen, dtype=torch.int32)
+    reference = LoRABatch.build(token_slots, slot_ranks, slot_scales, slot_pages)  # CPU tensors: torch ops
+    built = LoRABatch.build(*(t.to(DEVICE) for t in (token_slots, slot_ranks, slot_scales, slot_pages)))
+    for name in FIELDS:  # poisoned: the kernel's outputs may reuse this memory, which must not hold the answer
+        setattr(built, name, torch.full_like(getattr(built, name), -7))
+    built._build_on_device()
+    for name in FIELDS:
+        assert torch.equal(getattr(built, name).cpu(), getattr(reference, name)), name
