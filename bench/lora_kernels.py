@@ -9,6 +9,10 @@ replays (triton.testing.do_bench_cudagraph):
     base      the four F.linear calls
     +LoRA     the four lora_linear calls as the dispatcher picks them (path shown per projection:
               f(used), s(plit), o(verlap), e(pilogue)), and each path forced for all four
+    served    the layer as the decoder calls it: qkv and gate_up leave their delta to the next fused
+              kernel (lora_linear_deferred), o and down add theirs into the residual stream, so on
+              the overlap path the whole update runs beside the base GEMM; plus what reading the
+              delta adds to those fused kernels (RoPE + KV write, SiLU·up), timed with and without
 The LoRA metadata is built once per engine step, outside the layer (its time is printed apart).
 
 Token layout: up to 256 tokens are decode tokens, each of its own request, adapters spread evenly
@@ -36,9 +40,11 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from kernels.lora import LoRABatch, linear_with_plan, lora_linear, plan_for_batch
-from kernels.lora.configs import PATHS
+from kernels.fused import rope_and_cache_kv, silu_and_mul
+from kernels.lora import LoRABatch, linear_deferred_with_plan, linear_with_plan, lora_linear, plan_for_batch
+from kernels.lora.configs import PATHS, Plan
 
+RESIDUAL_PROJECTIONS = ("o", "down")  # their outputs are added to the residual stream next
 # name, K, slice widths
 LLAMA3_8B = (
     ("qkv", 4096, (4096, 1024, 1024)),
@@ -135,6 +141,54 @@ def floor_bytes(layer: list[Projection], num_tokens: int, adapters: int) -> int:
     return sum(adapters * p.adapter_bytes() + num_tokens * p.k * 2 for p in layer)
 
 
+def run_served(
+    layer: list[Projection], xs: list[torch.Tensor], plans: list[Plan], batch: LoRABatch, residual: torch.Tensor
+) -> None:
+    """The layer as the decoder calls it, along `plans`: qkv and gate_up leave their delta to the next
+    fused kernel (not run here), o and down add theirs into `residual` [T, 4096]."""
+    for plan, p, x in zip(plans, layer, xs, strict=True):
+        args = (plan, x, p.weight, None, p.lora_a, p.lora_b, batch)
+        if p.name in RESIDUAL_PROJECTIONS:
+            linear_with_plan(*args, residual=residual)
+        else:
+            linear_deferred_with_plan(*args)
+
+
+def delta_read_us(num_tokens: int) -> dict[str, float]:
+    """What reading a deferred LoRA delta adds to the fused kernel after each deferred projection (us):
+    RoPE + KV-cache write after qkv, SiLU·up after gate_up, each timed with and without the delta."""
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    heads, kv_heads, head_dim = 32, 8, 128
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, **bf16)
+    gate_up = torch.randn(num_tokens, 2 * 14336, **bf16)
+    cos, sin = torch.randn(num_tokens, head_dim, **bf16), torch.randn(num_tokens, head_dim, **bf16)
+    caches = [torch.empty(-(-num_tokens // 16), 16, kv_heads, head_dim, **bf16) for _ in range(2)]
+    slots = torch.arange(num_tokens, device="cuda")
+    consumers = {
+        "qkv": lambda delta: rope_and_cache_kv(qkv, cos, sin, *caches, slots, heads, delta),
+        "gate_up": lambda delta: silu_and_mul(gate_up, delta),
+    }
+    deltas = {"qkv": torch.randn_like(qkv), "gate_up": torch.randn_like(gate_up)}
+    added = {}
+    for name, consume in consumers.items():
+        with_delta = median_us(lambda consume=consume, delta=deltas[name]: consume(delta))
+        added[name] = max(0.0, with_delta - median_us(lambda consume=consume: consume(None)))
+    return added
+
+
+def served_us(
+    layer: list[Projection],
+    xs: list[torch.Tensor],
+    plans: list[Plan],
+    batch: LoRABatch,
+    delta_reads: dict[str, float],
+) -> float:
+    """The served layer's time (us): run_served, plus the delta reads of the projections it defers."""
+    residual = torch.zeros(xs[0].shape[0], layer[1].weight.shape[0], device="cuda", dtype=torch.bfloat16)
+    deferred = sum(delta_reads.get(p.name, 0.0) for p, plan in zip(layer, plans, strict=True) if plan.path == "overlap")
+    return median_us(lambda: run_served(layer, xs, plans, batch, residual)) + deferred
+
+
 def run_case(
     layer: list[Projection], num_tokens: int, adapters: int, rank: int, page_rank: int, bandwidth: float
 ) -> dict:
@@ -148,6 +202,8 @@ def run_case(
     def auto() -> None:
         for p, x in zip(layer, xs, strict=True):
             lora_linear(x, p.weight, None, p.lora_a, p.lora_b, batch)
+
+    picked = [plan_for_batch(x, p.lora_a, p.lora_b, batch) for p, x in zip(layer, xs, strict=True)]
 
     def forced(path: str) -> Callable[[], None]:
         plans = [
@@ -171,7 +227,8 @@ def run_case(
         "page_rank": page_rank,
         "base_us": (base_before + median_us(base)) / 2,
         "lora_us": lora_us,
-        "paths": [plan_for_batch(x, p.lora_a, p.lora_b, batch).path for p, x in zip(layer, xs, strict=True)],
+        "served_us": served_us(layer, xs, picked, batch, delta_read_us(num_tokens)),
+        "paths": [plan.path for plan in picked],
         "build_us": median_us(
             lambda: LoRABatch.build(batch.token_slots, batch.slot_ranks, batch.slot_scales, batch.slot_pages)
         ),
@@ -190,12 +247,15 @@ def format_row(r: dict) -> str:
     per_path = " ".join(over(r[f"{p}_us"]) if f"{p}_us" in r else "     -" for p in PATHS)
     return (
         f"{r['tokens']:5d} {r['adapters']:4d} {r['rank']:4d} {r['base_us']:9.1f} {lora:8.1f} {over(r['lora_us'])} "
+        f"{over(r['served_us'])} "
         f"{paths:>5} {per_path} {r['floor_us']:8.1f} {100 * r['floor_us'] / r['base_us']:6.1f} "
         f"{lora / r['floor_us']:6.2f} {r['build_us']:6.1f}"
     )
 
 
-HEADER = "    T    d    r   base_us  lora_us  over%  path fused% split% ovlap%   epi%  floor_us floor% x_flr build_us"
+HEADER = (
+    "    T    d    r   base_us  lora_us  over% servd%  path fused% split% ovlap%   epi%  floor_us floor% x_flr build_us"
+)
 
 
 def main() -> None:

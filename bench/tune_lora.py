@@ -10,11 +10,15 @@ padded max rank, so they serve any page size):
      z; the epilogue GEMM) and keep the fastest of each, and the faster of the two expands. These
      timings are medians of CUDA-graph replays with L2 flushed before each call (a 128 MiB read,
      timed alone and subtracted), since in a model the previous layer's weights have evicted them;
-  2. time the whole layer (its four projections, base GEMMs included, as bench.lora_kernels does)
-     along each path with those configurations, paths in turn and --rounds times over, and record
-     the path with the lowest median for batches of up to T tokens (--paths-only: only this step,
-     on the stored configurations). Paths are chosen per layer, not per projection: alone, a projection's timing misses
-     how its LoRA work overlaps the neighbouring GEMMs, and per-projection picks measured worse.
+  2. time the whole layer (its four projections, base GEMMs included) as the decoder calls it
+     (bench.lora_kernels.served_us: on the overlap path all LoRA work runs beside the base GEMMs,
+     and the fused kernels after qkv and gate_up read the deltas, which is timed and added)
+     along each path with those configurations, and the overlap path once per shrink split (beside
+     a GEMM, the split that is fastest alone contends with it for SMs); candidates in turn, --rounds
+     times over; record the candidate with the lowest median for batches of up to T tokens
+     (--paths-only: only this step, on the stored configurations). Paths are chosen per layer, not
+     per projection: alone, a projection's timing misses how its LoRA work overlaps the
+     neighbouring GEMMs, and per-projection picks measured worse.
 Plans for shapes and ranks not re-tuned are kept from the existing file.
 """
 
@@ -31,10 +35,10 @@ from collections.abc import Callable
 
 import torch
 
-from bench.lora_kernels import LLAMA3_8B, Projection, median_us
+from bench.lora_kernels import LLAMA3_8B, Projection, delta_read_us, median_us, served_us
 from bench.lora_kernels import make_batch as bench_batch
 from bench.lora_kernels import make_layer as bench_layer
-from kernels.lora import LoRABatch, linear_with_plan
+from kernels.lora import LoRABatch
 from kernels.lora.configs import (
     PATHS,
     ExpandConfig,
@@ -177,27 +181,43 @@ def tune_kernels(flushed_us: Flushed, proj: Projection, x: torch.Tensor, batch: 
     return dataclasses.replace(plan, shrink=shrink, expand=expand, linear=linear, gather=gather)
 
 
-def layer_paths(
-    layer: list[Projection], xs: list[torch.Tensor], plans: list[Plan], batch: LoRABatch, rounds: int
+def layer_candidates(plans: list[Plan], num_tokens: int, r_pad: int) -> dict[str, list[Plan]]:
+    """Step 2's candidates, one plan per projection each: every path with step 1's configurations,
+    the overlap path once per shrink split."""
+    candidates = {
+        path: [dataclasses.replace(plan, path=path) for plan in plans]
+        for path in PATHS
+        if path != "overlap" and (path != "fused" or num_tokens <= FUSED_MAX_TOKENS)
+    }
+    for split_k in sorted({config.split_k for config in shrink_candidates(num_tokens, r_pad)}):
+        candidates[f"overlap/split_k={split_k}"] = [
+            dataclasses.replace(plan, path="overlap", shrink=dataclasses.replace(plan.shrink, split_k=split_k))
+            for plan in plans
+        ]
+    return candidates
+
+
+def layer_times(
+    layer: list[Projection],
+    xs: list[torch.Tensor],
+    candidates: dict[str, list[Plan]],
+    batch: LoRABatch,
+    rounds: int,
 ) -> dict[str, float]:
-    """Step 2: the layer's time (us) along each path, and its base time. Paths are timed in turn,
-    `rounds` times over, and each keeps its median: decode paths differ by a few microseconds,
-    about as much as separate captures of one path do."""
-    paths = [p for p in PATHS if p != "fused" or xs[0].shape[0] <= FUSED_MAX_TOKENS]
-    runs: dict[str, Callable[[], None]] = {}
-    for path in paths:
-        forced = [dataclasses.replace(plan, path=path) for plan in plans]
-
-        def run(forced: list[Plan] = forced) -> None:
-            for plan, p, x in zip(forced, layer, xs, strict=True):
-                linear_with_plan(plan, x, p.weight, None, p.lora_a, p.lora_b, batch)
-
-        runs[path] = run
-    runs["base"] = lambda: [torch.nn.functional.linear(x, p.weight) for p, x in zip(layer, xs, strict=True)]
+    """Step 2: the layer's time (us) as served along each candidate, and its base time. Candidates
+    are timed in turn, `rounds` times over, and each keeps its median: decode paths differ by a
+    few microseconds, about as much as separate captures of one path do."""
+    delta_reads = delta_read_us(xs[0].shape[0])
+    runs: dict[str, Callable[[], float]] = {
+        name: lambda plans=plans: served_us(layer, xs, plans, batch, delta_reads) for name, plans in candidates.items()
+    }
+    runs["base"] = lambda: median_us(
+        lambda: [torch.nn.functional.linear(x, p.weight) for p, x in zip(layer, xs, strict=True)]
+    )
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
-            samples[name].append(median_us(run))
+            samples[name].append(run())
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
@@ -255,12 +275,13 @@ def main() -> None:
                 else:
                     print(f"  {proj.name}", flush=True)
                     tuned.append(tune_kernels(flushed_us, proj, x, batch))
-            times = layer_paths(layer, xs, tuned, batch, args.rounds)
-            chosen = min((p for p in times if p != "base"), key=times.__getitem__)
+            candidates = layer_candidates(tuned, num_tokens, rank_pad(rank))
+            times = layer_times(layer, xs, candidates, batch, args.rounds)
+            chosen = min((name for name in times if name != "base"), key=times.__getitem__)
             print(f"  -> {chosen}   (layer us: {'  '.join(f'{p} {us:.1f}' for p, us in times.items())})", flush=True)
-            for (_, k, widths), plan in zip(shapes, tuned, strict=True):
+            for (_, k, widths), plan in zip(shapes, candidates[chosen], strict=True):
                 entry = {"k": k, "widths": list(widths), "rank_pad": rank_pad(rank), "max_tokens": num_tokens}
-                plans.append(entry | dataclasses.replace(plan, path=chosen).to_json())
+                plans.append(entry | plan.to_json())
             write()
         del layer
         torch.cuda.empty_cache()
