@@ -7,12 +7,14 @@ alone. Only non-blocking commands belong here: a blocking read (XREAD BLOCK) wou
 command batched with it. It offers the few methods its users call (`hgetall`, and `evalsha` /
 `script_load` so that a registered Script runs through it: `script(keys, args, client=pipeline)`).
 
-A batch is packed by hiredis's C packer and exchanged on one pooled connection directly, not through
+A batch is packed by hiredis's C packer and exchanged on one connection directly, not through
 redis-py's Pipeline: redis-py's asyncio client packs in Python (about 1 µs per argument; a submit's
 script has 25) and its pipeline adds per-call bookkeeping a batch of plain commands does not need.
 The pipeline's client has no socket timeout, and a batch's exchange is timed as a whole: with one,
 redis-py arms a timer for every reply it reads (and a task for every send), which cost about as much
-as the rest of a reply's handling.
+as the rest of a reply's handling. Connections are taken from the client's pool once and kept for the
+next batches: the pool's lending and taking back (a lock, a check for unread data, observability
+events, each time) cost as much per batch as its reading. One that fails goes back to the pool.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class AutoPipeline:
         self._timeout_s = timeout_s
         self._commands: TurnBatch[tuple[Any, ...], Any] = TurnBatch(self._flush)
         self._flushes: set[asyncio.Task[None]] = set()
+        self._idle: list[AbstractConnection] = []  # connections kept from the pool, in step, between batches
 
     # the commands answer the caller's future itself, awaited as redis-py's coroutines are: a coroutine
     # around it would be one more frame to create and to pass through on every reply
@@ -59,14 +62,16 @@ class AutoPipeline:
     async def _send(self, batch: _Batch) -> None:
         pool = self._redis.connection_pool
         try:
-            connection = await pool.get_connection()
+            connection = self._idle.pop() if self._idle else await pool.get_connection()
             try:
                 # a connection error or timeout disconnects, then the client's retry policy sends again
                 replies = await connection.retry.call_with_retry(
                     lambda: _exchange(connection, batch, self._timeout_s), lambda _error: connection.disconnect()
                 )
-            finally:
+            except BaseException:  # maybe out of step: the pool checks a connection before it lends it again
                 await pool.release(connection)
+                raise
+            self._idle.append(connection)
         except asyncio.CancelledError:  # the process is stopping
             for _, reply in batch:
                 reply.cancel()
