@@ -1,24 +1,27 @@
-"""Multi-LoRA overhead per Llama-3-8B decoder layer, on a CUDA GPU.
+"""Multi-LoRA overhead per decoder layer (Llama-3-8B's by default), on a CUDA GPU.
 
-    python -m bench.lora_kernels [--tokens 1 8 32 ...] [--adapters 1 8 16 64] [--ranks 16 64] [--page-rank 16]
-                                 [--out FILE]
+    python -m bench.lora_kernels [--model llama-3-8b] [--tokens 1 8 32 ...] [--adapters 1 8 16 64]
+                                 [--ranks 16 64] [--page-rank N] [--out FILE]
 
-One "layer" is its four adapted projections in bf16: qkv (4096 -> 4096|1024|1024), o (4096 -> 4096),
-gate_up (4096 -> 14336|14336), down (14336 -> 4096). Per case it times, as medians of CUDA-graph
-replays (triton.testing.do_bench_cudagraph):
-    base      the four F.linear calls
-    +LoRA     the four lora_linear calls as the dispatcher picks them (path shown per projection:
-              f(used), s(plit), o(verlap), e(pilogue)), and each path forced for all four
+One "layer" is a model's adapted dense projections in bf16 (MODELS): for llama-3-8b qkv
+(4096 -> 4096|1024|1024), o (4096 -> 4096), gate_up (4096 -> 14336|14336), down (14336 -> 4096); for
+qwen3-30b-a3b its attention, qkv (2048 -> 4096|512|512) and o (4096 -> 2048) (its experts are
+bench.tune_moe's). Per case it times, as medians of CUDA-graph replays (triton.testing.do_bench_cudagraph):
+    base      the projections' F.linear calls
+    +LoRA     their lora_linear calls as the dispatcher picks them (path shown per projection:
+              f(used), s(plit), o(verlap), e(pilogue)), and each path forced for all of them
     served    the layer as the decoder calls it: qkv and gate_up leave their delta to the next fused
               kernel (lora_linear_deferred), o and down add theirs into the residual stream, so on
               the overlap path the whole update runs beside the base GEMM; plus what reading the
-              delta adds to those fused kernels (RoPE + KV write, SiLU·up), timed with and without
+              delta adds after qkv and gate_up (RoPE + KV write, or for a model with q/k norms the
+              separate add before them; SiLU·up), timed with and without
 The LoRA metadata is built once per engine step, outside the layer (its time is printed apart).
 
 Token layout: up to 256 tokens are decode tokens, each of its own request, adapters spread evenly
 and shuffled; above, d prefill requests of T/d contiguous tokens, one adapter each. Adapters sit in
 random slots of a 64-slot pool whose max rank is the case's rank, stored in pages of --page-rank
-rank rows (default 16, as served) scattered over the page pool in random order (--page-rank 0: the
+rank rows (default: as the engine pages the model's adapters, 16 for llama-3-8b, one page of the
+whole rank for an MoE model) scattered over the page pool in random order (--page-rank 0: the
 unpaged layout, one page of the case's rank per slot).
 
 Byte floor: what LoRA must move beyond the base GEMM if the update rides in the GEMM's epilogue:
@@ -45,15 +48,38 @@ from kernels.lora import LoRABatch, linear_deferred_with_plan, linear_with_plan,
 from kernels.lora.configs import PATHS, Plan
 
 RESIDUAL_PROJECTIONS = ("o", "down")  # their outputs are added to the residual stream next
+HEAD_DIM = 128  # both models': q heads = q width / HEAD_DIM, kv heads = k width / HEAD_DIM
 # name, K, slice widths
-LLAMA3_8B = (
+Shapes = tuple[tuple[str, int, tuple[int, ...]], ...]
+LLAMA3_8B: Shapes = (
     ("qkv", 4096, (4096, 1024, 1024)),
     ("o", 4096, (4096,)),
     ("gate_up", 4096, (14336, 14336)),
     ("down", 14336, (4096,)),
 )
+# bench/moe.py's model: hidden 2048, 32 q / 4 kv heads of 128; only attention is dense
+QWEN3_30B_A3B_ATTENTION: Shapes = (
+    ("qkv", 2048, (4096, 512, 512)),
+    ("o", 4096, (2048,)),
+)
 POOL_SLOTS = 64
-PAGE_RANK = 16
+PAGE_RANK = 16  # worker.engine.lora_linear.PAGE_RANK
+
+
+@dataclass(frozen=True)
+class ModelLayer:
+    """A model's adapted dense projections, and how the engine serves them."""
+
+    shapes: Shapes
+    page_rank: int  # rank rows per adapter page as the engine pages them; 0: one page of the whole rank
+    qk_norm: bool = False  # q/k heads normalised before RoPE: the qkv delta is added by a pass of its own
+
+
+# worker.engine.model: MoE models take one page of the whole max rank per adapter
+MODELS = {
+    "llama-3-8b": ModelLayer(LLAMA3_8B, page_rank=PAGE_RANK),
+    "qwen3-30b-a3b": ModelLayer(QWEN3_30B_A3B_ATTENTION, page_rank=0, qk_norm=True),
+}
 DECODE_MAX_TOKENS = 256
 FUSED_BENCH_MAX_TOKENS = 256  # the fused path re-reads A per token tile: pointless to time above
 
@@ -70,6 +96,10 @@ class Projection:
     def k(self) -> int:
         return self.weight.shape[1]
 
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(b.shape[1] for b in self.lora_b)
+
     def adapter_bytes(self) -> int:
         """Bytes of one adapter's A and B over all slices."""
         return sum(self.rank * (a.shape[2] + b.shape[1]) for a, b in zip(self.lora_a, self.lora_b, strict=True)) * 2
@@ -80,7 +110,9 @@ def pages_per_slot(rank: int, page_rank: int) -> int:
     return math.ceil(rank / page_rank) if page_rank else 1
 
 
-def make_layer(rank: int, shapes=LLAMA3_8B, slots: int = POOL_SLOTS, page_rank: int = PAGE_RANK) -> list[Projection]:
+def make_layer(
+    rank: int, shapes: Shapes = LLAMA3_8B, slots: int = POOL_SLOTS, page_rank: int = PAGE_RANK
+) -> list[Projection]:
     """The layer's projections with a pool of `slots` adapters of this rank, in pages of page_rank
     rows (0: unpaged)."""
     pages, rows = slots * pages_per_slot(rank, page_rank), page_rank or rank
@@ -145,7 +177,7 @@ def run_served(
     layer: list[Projection], xs: list[torch.Tensor], plans: list[Plan], batch: LoRABatch, residual: torch.Tensor
 ) -> None:
     """The layer as the decoder calls it, along `plans`: qkv and gate_up leave their delta to the next
-    fused kernel (not run here), o and down add theirs into `residual` [T, 4096]."""
+    fused kernel (not run here), o and down add theirs into `residual` [T, hidden]."""
     for plan, p, x in zip(plans, layer, xs, strict=True):
         args = (plan, x, p.weight, None, p.lora_a, p.lora_b, batch)
         if p.name in RESIDUAL_PROJECTIONS:
@@ -154,26 +186,54 @@ def run_served(
             linear_deferred_with_plan(*args)
 
 
-def delta_read_us(num_tokens: int) -> dict[str, float]:
-    """What reading a deferred LoRA delta adds to the fused kernel after each deferred projection (us):
-    RoPE + KV-cache write after qkv, SiLU·up after gate_up, each timed with and without the delta."""
+def attention_heads(widths: tuple[int, ...]) -> tuple[int, int]:
+    """(q heads, kv heads) of a qkv projection with slice widths (q, k, v), heads of HEAD_DIM."""
+    if len(widths) != 3 or widths[1] != widths[2] or any(w % HEAD_DIM for w in widths):
+        raise ValueError(f"qkv widths {widths} are not (q, k, v) of whole {HEAD_DIM}-wide heads with k = v")
+    return widths[0] // HEAD_DIM, widths[1] // HEAD_DIM
+
+
+def delta_consumer(p: Projection, num_tokens: int) -> Callable[[torch.Tensor | None], object] | None:
+    """The fused kernel that reads p's deferred delta [T, sum N_i] (its argument; None: without one),
+    on tensors of p's shapes: RoPE + KV-cache write after qkv, SiLU·up after gate_up; None for a
+    projection whose delta is not deferred."""
+    if p.name not in ("qkv", "gate_up"):
+        return None
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
-    heads, kv_heads, head_dim = 32, 8, 128
-    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, **bf16)
-    gate_up = torch.randn(num_tokens, 2 * 14336, **bf16)
-    cos, sin = torch.randn(num_tokens, head_dim, **bf16), torch.randn(num_tokens, head_dim, **bf16)
-    caches = [torch.empty(-(-num_tokens // 16), 16, kv_heads, head_dim, **bf16) for _ in range(2)]
+    out = torch.randn(num_tokens, sum(p.widths), **bf16)
+    if p.name == "gate_up":
+        return lambda delta: silu_and_mul(out, delta)
+    heads, kv_heads = attention_heads(p.widths)
+    cos, sin = torch.randn(num_tokens, HEAD_DIM, **bf16), torch.randn(num_tokens, HEAD_DIM, **bf16)
+    caches = [torch.empty(-(-num_tokens // 16), 16, kv_heads, HEAD_DIM, **bf16) for _ in range(2)]
     slots = torch.arange(num_tokens, device="cuda")
-    consumers = {
-        "qkv": lambda delta: rope_and_cache_kv(qkv, cos, sin, *caches, slots, heads, delta),
-        "gate_up": lambda delta: silu_and_mul(gate_up, delta),
-    }
-    deltas = {"qkv": torch.randn_like(qkv), "gate_up": torch.randn_like(gate_up)}
+    return lambda delta: rope_and_cache_kv(out, cos, sin, *caches, slots, heads, delta)
+
+
+def delta_read_us(layer: list[Projection], num_tokens: int, *, qk_norm: bool = False) -> dict[str, float]:
+    """What reading a deferred LoRA delta adds after each deferred projection of the layer (us): its
+    consumer (delta_consumer) timed with and without the delta; with qk_norm, the qkv delta's own add,
+    which the decoder runs before the q/k norms (worker.engine.layers.SelfAttention), RoPE then
+    running without it."""
     added = {}
-    for name, consume in consumers.items():
-        with_delta = median_us(lambda consume=consume, delta=deltas[name]: consume(delta))
-        added[name] = max(0.0, with_delta - median_us(lambda consume=consume: consume(None)))
+    for p in layer:
+        if (consume := delta_consumer(p, num_tokens)) is None:
+            continue
+        delta = torch.randn(num_tokens, sum(p.widths), device="cuda", dtype=torch.bfloat16)
+        if p.name == "qkv" and qk_norm:
+            added[p.name] = _add_us(delta)
+        else:
+            added[p.name] = max(0.0, _consume_us(consume, delta) - _consume_us(consume, None))
     return added
+
+
+def _add_us(delta: torch.Tensor) -> float:
+    out = torch.randn_like(delta)
+    return median_us(lambda: out.add_(delta))
+
+
+def _consume_us(consume: Callable[[torch.Tensor | None], object], delta: torch.Tensor | None) -> float:
+    return median_us(lambda: consume(delta))
 
 
 def served_us(
@@ -184,13 +244,23 @@ def served_us(
     delta_reads: dict[str, float],
 ) -> float:
     """The served layer's time (us): run_served, plus the delta reads of the projections it defers."""
-    residual = torch.zeros(xs[0].shape[0], layer[1].weight.shape[0], device="cuda", dtype=torch.bfloat16)
+    hidden = {p.weight.shape[0] for p in layer if p.name in RESIDUAL_PROJECTIONS}
+    if len(hidden) > 1:
+        raise ValueError(f"residual projections of different widths {sorted(hidden)}")
+    residual = torch.zeros(xs[0].shape[0], max(hidden, default=0), device="cuda", dtype=torch.bfloat16)
     deferred = sum(delta_reads.get(p.name, 0.0) for p, plan in zip(layer, plans, strict=True) if plan.path == "overlap")
     return median_us(lambda: run_served(layer, xs, plans, batch, residual)) + deferred
 
 
 def run_case(
-    layer: list[Projection], num_tokens: int, adapters: int, rank: int, page_rank: int, bandwidth: float
+    layer: list[Projection],
+    num_tokens: int,
+    adapters: int,
+    rank: int,
+    page_rank: int,
+    bandwidth: float,
+    *,
+    qk_norm: bool = False,
 ) -> dict:
     xs = [torch.randn(num_tokens, p.k, device="cuda").to(torch.bfloat16) for p in layer]
     batch = make_batch(num_tokens, adapters, rank, page_rank=page_rank)
@@ -227,7 +297,7 @@ def run_case(
         "page_rank": page_rank,
         "base_us": (base_before + median_us(base)) / 2,
         "lora_us": lora_us,
-        "served_us": served_us(layer, xs, picked, batch, delta_read_us(num_tokens)),
+        "served_us": served_us(layer, xs, picked, batch, delta_read_us(layer, num_tokens, qk_norm=qk_norm)),
         "paths": [plan.path for plan in picked],
         "build_us": median_us(
             lambda: LoRABatch.build(batch.token_slots, batch.slot_ranks, batch.slot_scales, batch.slot_pages)
@@ -260,35 +330,39 @@ HEADER = (
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="llama-3-8b", help="whose projections form the layer")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 4096])
     parser.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 16, 64])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--page-rank", type=int, default=PAGE_RANK, help="rank rows per page; 0: unpaged")
+    parser.add_argument("--page-rank", type=int, help="rank rows per page; 0: unpaged (default: as served)")
     parser.add_argument("--out", help="write all measurements as JSON here")
     args = parser.parse_args()
+    model = MODELS[args.model]
+    page_rank = model.page_rank if args.page_rank is None else args.page_rank
 
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     device = torch.cuda.get_device_name()
-    pages = f"pages of {args.page_rank} ranks" if args.page_rank else "unpaged"
-    print(f"# {device}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, {pages}", flush=True)
+    pages = f"pages of {page_rank} ranks" if page_rank else "unpaged"
+    print(f"# {args.model}, {device}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, {pages}")
     print(HEADER, flush=True)
     results = []
     start = time.time()
     for rank in args.ranks:
-        layer = make_layer(rank, page_rank=args.page_rank)
+        layer = make_layer(rank, model.shapes, page_rank=page_rank)
         for num_tokens in args.tokens:
             for adapters in args.adapters:
                 if adapters > num_tokens:
                     continue
-                results.append(run_case(layer, num_tokens, adapters, rank, args.page_rank, bandwidth))
+                results.append(run_case(layer, num_tokens, adapters, rank, page_rank, bandwidth, qk_norm=model.qk_norm))
                 print(format_row(results[-1]), flush=True)
         del layer
         torch.cuda.empty_cache()
     print(f"# {len(results)} cases in {time.time() - start:.0f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": device, "copy_bandwidth": bandwidth, "results": results}, f, indent=1)
+            document = {"model": args.model, "device": device, "copy_bandwidth": bandwidth, "results": results}
+            json.dump(document, f, indent=1)
 
 
 if __name__ == "__main__":

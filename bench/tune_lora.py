@@ -1,18 +1,23 @@
 """Tune the multi-LoRA launch configurations and paths for this GPU; writes kernels/configs/<GPU>.json.
 
-    python -m bench.tune_lora [--tokens 1 8 32 64 256 1024 4096] [--ranks 16 64] [--adapters 16]
+    python -m bench.tune_lora [--model llama-3-8b] [--tokens 1 8 32 64 256 1024 4096] [--ranks 16 64]
+                              [--adapters 16]
 
-For each rank and token bucket T, with min(T, --adapters) adapters laid out as in the benchmark
-(in scattered pages of bench.lora_kernels.PAGE_RANK rank rows, as served; plans are keyed by the
-padded max rank, so they serve any page size):
-  1. per Llama-3-8B projection shape (bench.lora_kernels.LLAMA3_8B), time each kernel's candidate
+--model picks the layer whose projection shapes are tuned (bench.lora_kernels.MODELS): llama-3-8b,
+its qkv, o, gate_up and down; qwen3-30b-a3b, its attention's qkv and o (its experts are
+bench.tune_moe's). For each rank and token bucket T (a batch past the largest bucket takes it, so
+let the largest cover the model's prefill chunk), with min(T, --adapters) adapters laid out as in
+the benchmark (in scattered pages of as many rank rows as the engine pages that model's adapters
+in; plans are keyed by the padded max rank, so they serve any page size):
+  1. per projection shape of the layer, time each kernel's candidate
      configurations alone (fused; shrink; the grouped and the gathering expand on the best shrink's
      z; the epilogue GEMM) and keep the fastest of each, and the faster of the two expands. These
      timings are medians of CUDA-graph replays with L2 flushed before each call (a 128 MiB read,
      timed alone and subtracted), since in a model the previous layer's weights have evicted them;
-  2. time the whole layer (its four projections, base GEMMs included) as the decoder calls it
+  2. time the whole layer (its projections, base GEMMs included) as the decoder calls it
      (bench.lora_kernels.served_us: on the overlap path all LoRA work runs beside the base GEMMs,
-     and the fused kernels after qkv and gate_up read the deltas, which is timed and added)
+     o and down add their deltas into the residual stream, and the kernels after qkv and gate_up
+     read theirs, which is timed and added: bench.lora_kernels.delta_read_us)
      along each path with those configurations, and the overlap path once per shrink split (beside
      a GEMM, the split that is fastest alone contends with it for SMs); candidates in turn, --rounds
      times over; record the candidate with the lowest median for batches of up to T tokens
@@ -35,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.lora_kernels import LLAMA3_8B, Projection, delta_read_us, median_us, served_us
+from bench.lora_kernels import MODELS, Projection, delta_read_us, median_us, served_us
 from bench.lora_kernels import make_batch as bench_batch
 from bench.lora_kernels import make_layer as bench_layer
 from kernels.lora import LoRABatch
@@ -203,11 +208,12 @@ def layer_times(
     candidates: dict[str, list[Plan]],
     batch: LoRABatch,
     rounds: int,
+    qk_norm: bool,
 ) -> dict[str, float]:
     """Step 2: the layer's time (us) as served along each candidate, and its base time. Candidates
     are timed in turn, `rounds` times over, and each keeps its median: decode paths differ by a
     few microseconds, about as much as separate captures of one path do."""
-    delta_reads = delta_read_us(xs[0].shape[0])
+    delta_reads = delta_read_us(layer, xs[0].shape[0], qk_norm=qk_norm)
     runs: dict[str, Callable[[], float]] = {
         name: lambda plans=plans: served_us(layer, xs, plans, batch, delta_reads) for name, plans in candidates.items()
     }
@@ -236,6 +242,7 @@ def stored_plans(existing: list[dict], k: int, widths: tuple[int, ...], rank: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="llama-3-8b", help="whose projection shapes to tune")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 4096])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--adapters", type=int, default=16, help="distinct adapters per batch (capped at T)")
@@ -248,7 +255,8 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     path = config_file(device)
     existing = json.loads(path.read_text()) if path.exists() else {"plans": [], "commands": []}
-    shapes = LLAMA3_8B
+    model = MODELS[args.model]
+    shapes = model.shapes
     tuned_keys = {(k, tuple(widths), rank_pad(r)) for _, k, widths in shapes for r in args.ranks}
     plans = [e for e in existing["plans"] if (e["k"], tuple(e["widths"]), e["rank_pad"]) not in tuned_keys]
     command = " ".join(["python -m bench.tune_lora", *sys.argv[1:]])
@@ -263,10 +271,10 @@ def main() -> None:
     flushed_us = Flushed()
     start = time.time()
     for rank in args.ranks:
-        layer = bench_layer(rank, shapes)
+        layer = bench_layer(rank, shapes, page_rank=model.page_rank)
         for num_tokens in args.tokens:
             print(f"# r{rank} T={num_tokens} ({time.time() - start:.0f} s)", flush=True)
-            batch = bench_batch(num_tokens, min(num_tokens, args.adapters), rank)
+            batch = bench_batch(num_tokens, min(num_tokens, args.adapters), rank, page_rank=model.page_rank)
             xs = [torch.randn(num_tokens, p.k, device="cuda").to(torch.bfloat16) for p in layer]
             tuned = []
             for proj, x, (_, k, widths) in zip(layer, xs, shapes, strict=True):
@@ -276,7 +284,7 @@ def main() -> None:
                     print(f"  {proj.name}", flush=True)
                     tuned.append(tune_kernels(flushed_us, proj, x, batch))
             candidates = layer_candidates(tuned, num_tokens, rank_pad(rank))
-            times = layer_times(layer, xs, candidates, batch, args.rounds)
+            times = layer_times(layer, xs, candidates, batch, args.rounds, model.qk_norm)
             chosen = min((name for name in times if name != "base"), key=times.__getitem__)
             print(f"  -> {chosen}   (layer us: {'  '.join(f'{p} {us:.1f}' for p, us in times.items())})", flush=True)
             for (_, k, widths), plan in zip(shapes, candidates[chosen], strict=True):
