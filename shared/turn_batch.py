@@ -24,12 +24,16 @@ class TurnBatch(Generic[Item, Result]):
         settle every future of the batch (now, or from a task it starts)."""
         self._flush = flush
         self._pending: Batch[Item, Result] = []
+        # the loop of the turn being collected, looked up by its first item only: on Python 3.11
+        # get_running_loop makes a getpid system call
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, item: Item) -> asyncio.Future[Result]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Result] = loop.create_future()
         if not self._pending:
-            loop.call_soon(self._hand_over)
+            self._loop = asyncio.get_running_loop()
+            self._loop.call_soon(self._hand_over)
+        assert self._loop is not None
+        future: asyncio.Future[Result] = self._loop.create_future()
         self._pending.append((item, future))
         return future
 
