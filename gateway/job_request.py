@@ -177,13 +177,11 @@ def parse_sampling(
     )
 
 
-def parse_job_request(
-    body: dict[str, Any], limits: RequestLimits, webhooks: WebhookConfig
-) -> JobRequest:
+def parse_job_request(body: dict[str, Any], limits: RequestLimits, webhooks: WebhookConfig) -> JobRequest:
     """Check a decoded `POST /v1/jobs` body against the API, `limits` and the webhook policy; raise
     RequestError naming the field."""
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
+    if not FIELDS.issuperset(body):
+        unknown = sorted(set(body) - FIELDS)
         raise invalid(unknown[0], f"unknown field(s): {', '.join(unknown)}")
     return JobRequest(
         model=_model(body),
