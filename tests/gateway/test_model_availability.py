@@ -64,4 +64,3 @@ async def test_a_heartbeat_makes_the_model_available_again(client: TestClient, f
 async def test_an_unknown_model_is_still_404(client: TestClient, fleet: Fleet) -> None:
     status, body = await post(client, fleet, "gpt-9")
     assert (status, body["error"]["code"]) == (404, "model_not_found")
-
