@@ -26,7 +26,7 @@ from tests.engine.test_engine_generation import (
     run_to_completion,
     word_tokenizer,
 )
-from tests.engine.tiny_hf import TinyCheckpoint
+from tests.engine.tiny_hf import TinyCheckpoint, saved_adapter_ref
 from worker.adapter_pool import pool as pool_module
 from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
@@ -49,7 +49,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 def host_adapter(checkpoint: TinyCheckpoint, name: str, device: str) -> HostAdapter:
     directory = checkpoint.adapters[name]
-    ref = AdapterRef(name, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
+    ref = saved_adapter_ref(name, directory)
     with ThreadPoolExecutor(1) as hasher:
         return read_host_adapter(ref, adapter_root=directory.parent, info=checkpoint.info, dtype=torch.float32,
                                  max_rank=16, max_bytes=1 << 30, pin=device == "cuda", hasher=hasher)  # fmt: skip
@@ -96,7 +96,7 @@ def test_an_evicted_slot_leaks_nothing_into_a_lower_rank_adapter(llama: TinyChec
 
 def test_a_file_in_the_models_dtype_is_used_in_place_and_matches_the_packed_form(llama: TinyCheckpoint):
     directory = llama.adapters["mlp_k_r4"]
-    ref = AdapterRef("mlp_k_r4", 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
+    ref = saved_adapter_ref("mlp_k_r4", directory)
     dtypes = (torch.float32, torch.float64)
     limits = {"adapter_root": directory.parent, "info": llama.info, "max_rank": 16, "max_bytes": 1 << 30, "pin": False}
     with ThreadPoolExecutor(1) as hasher:

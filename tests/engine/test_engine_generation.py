@@ -10,11 +10,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from shared.adapter_format import WEIGHTS_FILE, file_sha256
+from shared.adapter_format import WEIGHTS_FILE
 from shared.config import EngineConfig, ModelSpec
 from shared.errors import ErrorCode
 from shared.schema import AdapterRef, FinishReason, JobStatus, SamplingParams
-from tests.engine.tiny_hf import VOCAB_SIZE, TinyCheckpoint, oracle_greedy
+from tests.engine.tiny_hf import VOCAB_SIZE, TinyCheckpoint, oracle_greedy, saved_adapter_ref
 from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
 from worker.engine.model_runner import ModelRunner
 
@@ -40,8 +40,7 @@ def make_engine(checkpoint: TinyCheckpoint, adapter_root: Path | None = None, **
 
 
 def adapter_ref(checkpoint: TinyCheckpoint, name: str) -> AdapterRef:
-    directory = checkpoint.adapters[name]
-    return AdapterRef(name=name, version=1, path=directory.name, sha256=file_sha256(directory / WEIGHTS_FILE))
+    return saved_adapter_ref(name, checkpoint.adapters[name])
 
 
 def greedy_request(checkpoint: TinyCheckpoint, job_id: str, adapter: str | None, **sampling: object) -> EngineRequest:

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.adapter_format import WEIGHTS_FILE, file_sha256
 from shared.config import EngineConfig, ModelSpec
-from shared.schema import AdapterRef, JobStatus, SamplingParams
+from shared.schema import JobStatus, SamplingParams
 from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, load_engine, make_kv_cache, prefill
 from tests.engine.test_engine_generation import run_to_completion, word_tokenizer
-from tests.engine.tiny_hf import oracle_greedy, oracle_logits
+from tests.engine.tiny_hf import oracle_greedy, oracle_logits, saved_adapter_ref
 from tests.engine.tiny_moe import FUSED, MOE_FAMILIES, VOCAB_SIZE, TinyMoE, build_tiny_moe
 from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
@@ -84,7 +83,7 @@ def test_adapter_pool_writes_expert_slots_as_set_adapter_slot_does_and_leaks_not
 
     def host(name: str) -> HostAdapter:
         directory = tiny_moe.adapters[name]
-        ref = AdapterRef(name, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
+        ref = saved_adapter_ref(name, directory)
         with ThreadPoolExecutor(1) as hasher:
             return read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
                                      max_rank=8, max_bytes=1 << 30, pin=False, hasher=hasher)  # fmt: skip
@@ -108,7 +107,7 @@ def test_adapter_pool_serves_peft_fused_expert_loras_at_their_doubled_rank(tiny_
     """PEFT's fused form: gate_up at rank 2r takes the slot at that rank, attention zero-padded to it;
     every LoRA buffer as the direct copy (which keeps attention at r) fills it."""
     directory = tiny_moe.adapters[FUSED]
-    ref = AdapterRef(FUSED, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
+    ref = saved_adapter_ref(FUSED, directory)
     with ThreadPoolExecutor(1) as hasher:
         host = read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
                                  max_rank=8, max_bytes=1 << 30, pin=False, hasher=hasher)  # fmt: skip
@@ -138,7 +137,7 @@ def test_the_cuda_engine_decodes_the_oracles_greedy_tokens(tiny_moe: TinyMoE) ->
         ref = None
         if adapter is not None:
             directory = tiny_moe.adapters[adapter]
-            ref = AdapterRef(adapter, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
+            ref = saved_adapter_ref(adapter, directory)
         sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         requests.append(EngineRequest(f"job-{index}", tuple(seq.token_ids), sampling, adapter=ref))
         jobs[f"job-{index}"] = (adapter, seq.token_ids)

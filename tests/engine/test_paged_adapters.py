@@ -11,10 +11,9 @@ import pytest
 import torch
 from peft import PeftModel
 
-from shared.adapter_format import WEIGHTS_FILE, file_sha256
 from shared.config import EngineConfig, ModelSpec
 from shared.model_info import ModelInfo
-from shared.schema import AdapterRef, JobStatus, SamplingParams
+from shared.schema import JobStatus, SamplingParams
 from tests.engine.engine_driver import BlockPool, PagedSequence, make_kv_cache, prefill
 from tests.engine.test_adapter_pool import DEVICES
 from tests.engine.test_engine_generation import run_to_completion, word_tokenizer
@@ -26,6 +25,7 @@ from tests.engine.tiny_hf import (
     oracle_greedy,
     oracle_logits,
     save_lora_adapter,
+    saved_adapter_ref,
 )
 from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model import CausalLM
@@ -109,7 +109,7 @@ def test_the_pool_cycles_adapters_of_mixed_ranks_through_too_few_pages_and_match
         ref = None
         if name is not None:
             directory = paged.adapters[name]
-            ref = AdapterRef(name, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
+            ref = saved_adapter_ref(name, directory)
         sampling = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         request = EngineRequest(f"job-{index}", tuple(PROMPTS[name]), sampling, adapter=ref)
         result = run_to_completion(engine, [request])[request.job_id]

@@ -19,7 +19,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from shared.adapter_format import WEIGHTS_FILE, file_sha256
 from shared.model_info import ModelInfo
+from shared.schema import AdapterRef
 
 VOCAB_SIZE = 300
 _SHAPE = {
@@ -66,6 +68,11 @@ def save_tiny_model(
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     return model
+
+
+def saved_adapter_ref(name: str, directory: Path) -> AdapterRef:
+    """The registry's reference to the PEFT adapter saved in `directory`: version 1, its file's hash."""
+    return AdapterRef(name, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
 
 
 def save_lora_adapter(

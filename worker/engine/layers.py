@@ -192,6 +192,6 @@ class DecoderLayer(nn.Module):
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
         attended = self.self_attn(normed, rope, batch, key_cache, value_cache, residual)
         normed, residual = self.post_attention_layernorm.add_and_norm(attended, residual)
-        if isinstance(self.mlp, MoEBlock):
+        if isinstance(self.mlp, MoEBlock):  # sums its expert deltas into its own output (topk_sum)
             return self.mlp(normed, batch.lora), residual
         return self.mlp(normed, batch.lora, residual), residual
