@@ -88,6 +88,35 @@ def _refusal(denial: Denial, model: ModelInfo, cost_tokens: int) -> RequestError
     )
 
 
+def _checked_prompt(model: ModelInfo, request: JobRequest, token_ids: tuple[int, ...]) -> SamplingParams:
+    """The request's sampling parameters once its prompt's token ids are checked against the vocabulary
+    (ids the client gave) and the model's context length, max_tokens lowered to the context's room when
+    the request allows."""
+    sampling = request.sampling
+    if not token_ids:
+        raise RequestError(ErrorCode.EMPTY_PROMPT, "prompt encodes to no tokens", param="prompt")
+    if not isinstance(request.prompt, str):
+        bad = next((t for t in token_ids if not 0 <= t < model.vocab_size), None)
+        if bad is not None:
+            raise RequestError(
+                ErrorCode.INVALID_TOKEN_ID,
+                f"token id {bad} is outside the vocabulary of {model.name!r} [0, {model.vocab_size})",
+                param="prompt",
+            )
+    room = model.max_context - len(token_ids)
+    if request.fit_context and 1 <= room < sampling.max_tokens:
+        sampling = replace(sampling, max_tokens=room)
+    total = len(token_ids) + sampling.max_tokens
+    if total > model.max_context:
+        raise RequestError(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} tokens, "
+            f"over the context length of {model.name!r} ({model.max_context} tokens)",
+            param="prompt",
+        )
+    return sampling
+
+
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     """Output text from character `offset` on (possibly empty) and the token(s) that produced it."""
@@ -148,7 +177,14 @@ class JobService:
         if not self._served_recently(model.name):
             await self._check_served(model.name)
         adapter = None if request.adapter is None else await self._adapter(tenant, request.adapter, model)
-        prompt_token_ids, sampling = await self._prompt_token_ids(model, request)
+        if isinstance(request.prompt, str):  # awaited here, not in a helper coroutine: one frame fewer to resume
+            encoded = await self._tokenizers.encode(
+                model.name, request.prompt, add_special_tokens=request.add_special_tokens
+            )
+            prompt_token_ids = tuple(encoded)
+        else:
+            prompt_token_ids = request.prompt
+        sampling = _checked_prompt(model, request, prompt_token_ids)
         job_id = new_job_id()
         created_at = time.time()
         record = JobRecord(
@@ -332,36 +368,3 @@ class JobService:
                 param="adapter",
             )
         return adapter.ref()
-
-    async def _prompt_token_ids(self, model: ModelInfo, request: JobRequest) -> tuple[tuple[int, ...], SamplingParams]:
-        """The prompt as token ids, checked against the vocabulary and the model's context length, and
-        the sampling parameters (max_tokens lowered to the context's room when the request allows)."""
-        sampling = request.sampling
-        if isinstance(request.prompt, str):
-            encoded = await self._tokenizers.encode(
-                model.name, request.prompt, add_special_tokens=request.add_special_tokens
-            )
-            token_ids = tuple(encoded)
-            if not token_ids:
-                raise RequestError(ErrorCode.EMPTY_PROMPT, "prompt encodes to no tokens", param="prompt")
-        else:
-            token_ids = request.prompt
-            bad = next((t for t in token_ids if not 0 <= t < model.vocab_size), None)
-            if bad is not None:
-                raise RequestError(
-                    ErrorCode.INVALID_TOKEN_ID,
-                    f"token id {bad} is outside the vocabulary of {model.name!r} [0, {model.vocab_size})",
-                    param="prompt",
-                )
-        room = model.max_context - len(token_ids)
-        if request.fit_context and 1 <= room < sampling.max_tokens:
-            sampling = replace(sampling, max_tokens=room)
-        total = len(token_ids) + sampling.max_tokens
-        if total > model.max_context:
-            raise RequestError(
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} tokens, "
-                f"over the context length of {model.name!r} ({model.max_context} tokens)",
-                param="prompt",
-            )
-        return token_ids, sampling

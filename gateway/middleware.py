@@ -44,7 +44,10 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     """Take the client's X-Request-ID (or make one), bind it to every log line of the request and echo
     it back; answer every failure with a JSON error; count and time the request by route and status;
     and log one line per request with its id, status, duration in milliseconds and the job it queued
-    (shared.log.info_line: structlog's processor chain was most of the line's cost)."""
+    (shared.log.info_line: structlog's processor chain was most of the line's cost).
+
+    The handler is awaited here, not through a helper coroutine: every coroutine between the request's
+    task and the handler is resumed each time the handler's awaits complete (twice a submit)."""
     started = time.perf_counter()
     supplied = request.headers.get(REQUEST_ID_HEADER, "")
     request_id = supplied if _CLIENT_REQUEST_ID.match(supplied) else _new_request_id()
@@ -54,18 +57,21 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     structlog.contextvars.bind_contextvars(request_id=request_id)
     status = 500  # what the metrics say of an exception that escapes (a cancelled request)
     try:
-        response = await _respond(request, handler)
+        try:
+            response = await handler(request)
+        except Exception as exc:  # web.HTTPException below 400 (a redirect) is raised on
+            response = _error_response(request, exc)
         status = response.status
     finally:
-        route = _route(request)
-        request.app[METRICS].observe_request(request.method, route, status, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        request.app[METRICS].observe_request(request.method, _route(request), status, seconds)
     if not response.prepared:  # an event stream sent its headers already (with the id)
         response.headers[REQUEST_ID_HEADER] = request_id
     line: dict[str, Any] = {
         "method": request.method,
         "path": request.path,
         "status": status,
-        "duration_ms": round((time.perf_counter() - started) * 1000, 2),
+        "duration_ms": round(seconds * 1000, 2),
         "request_id": request_id,
     }
     job = request.get(QUEUED_JOB)
@@ -75,25 +81,22 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     return response
 
 
-async def _respond(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The handler's response, or the JSON error for what it raised: domain errors by their code,
-    aiohttp's HTTP errors (unknown route, wrong method, body too large) by their status, and anything
-    else a logged 500 `internal_error` that shows the request id but never the exception."""
-    try:
-        return await handler(request)
-    except LorafleetError as exc:
+def _error_response(request: web.Request, exc: Exception) -> web.StreamResponse:
+    """The JSON error for what a handler raised: domain errors by their code, aiohttp's HTTP errors
+    (unknown route, wrong method, body too large) by their status, and anything else a logged 500
+    `internal_error` that shows the request id but never the exception. A redirect is raised again."""
+    if isinstance(exc, LorafleetError):
         param, retry_after_s = (exc.param, exc.retry_after_s) if isinstance(exc, RequestError) else (None, None)
         response = error_response(exc.code, exc.message, param=param, retry_after_s=retry_after_s)
         if response.status >= 500:
             log.error("domain_error", code=exc.code.value, message=exc.message)
         return response
-    except web.HTTPException as exc:
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400:
-            raise
+            raise exc
         return _http_error(request, exc)
-    except Exception:
-        log.exception("unhandled_error", method=request.method, path=request.path)
-        return error_response(ErrorCode.INTERNAL_ERROR, f"internal error (request id {request[REQUEST_ID]})")
+    log.exception("unhandled_error", method=request.method, path=request.path)
+    return error_response(ErrorCode.INTERNAL_ERROR, f"internal error (request id {request[REQUEST_ID]})")
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:

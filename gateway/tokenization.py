@@ -18,6 +18,7 @@ tokenizer needs a gateway restart.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from concurrent.futures import Executor
 
 from redis.asyncio import Redis
@@ -39,9 +40,18 @@ class TokenizerCache:
         self._tokenizers: dict[str, TurnBatchEncoder] = {}
         self._loading = asyncio.Lock()  # one load at a time, so concurrent first requests parse it once
 
-    async def encode(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, model: str, text: str, *, add_special_tokens: bool = True) -> Awaitable[list[int]]:
         """Token ids of `text`, with the model's special tokens (e.g. BOS) added as its post-processor says
-        unless `add_special_tokens` is False (a rendered chat template writes its own)."""
+        unless `add_special_tokens` is False (a rendered chat template writes its own). A short text for a
+        loaded tokenizer gets the turn's batch future itself: no coroutine between it and the caller, which
+        would be one more frame to create and to resume per prompt."""
+        batches = self._tokenizers.get(model)
+        if batches is not None and len(text) <= INLINE_CHARS:
+            return batches.encode(text, add_special_tokens)
+        return self._load_and_encode(model, text, add_special_tokens)
+
+    async def _load_and_encode(self, model: str, text: str, add_special_tokens: bool) -> list[int]:
+        """`encode` for a tokenizer not loaded yet (loaded here), or a long text (encoded on the executor)."""
         batches = self._tokenizers.get(model) or await self._load(model)
         if len(text) <= INLINE_CHARS:
             return await batches.encode(text, add_special_tokens)
