@@ -109,15 +109,10 @@ redis.call('EXPIRE', KEYS[2], ARGV[1])
 EVENTS_CAP = 1000
 
 
-async def _run_script(client: Redis | AutoPipeline, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
-    """`script(keys, args, client=client)` without redis-py's per-call work around it (an import, and an
-    isinstance check through typing's Protocol machinery: 12 k of a submit's instructions under callgrind):
-    EVALSHA, and on NOSCRIPT (a restarted Redis) the script loaded and sent again."""
-    try:
-        return await client.evalsha(script.sha, len(keys), *keys, *args)
-    except NoScriptError:
-        script.sha = await client.script_load(script.script)
-        return await client.evalsha(script.sha, len(keys), *keys, *args)
+async def _load_and_run(client: Redis | AutoPipeline, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
+    """After NOSCRIPT (a restarted Redis): load the script, then send its EVALSHA again."""
+    script.sha = await client.script_load(script.script)
+    return await client.evalsha(script.sha, len(keys), *keys, *args)
 
 
 def now_ms() -> int:
@@ -153,16 +148,24 @@ class JobStore:
         idem_key = keys.idempotency(record.tenant, idempotency_key) if idempotency_key else keys.job(record.job_id)
         # everything but the message travels as one msgpack argument: hiredis formats each argument's length
         # with sprintf, which cost more than msgpack's packing (bench/gateway.py: this commit)
-        flat = [item for field in record.to_hash().items() for item in field]
         packed = msgpack.packb(
-            [bool(idempotency_key), self._ttl_s, record.job_id, flat, admission.args if admission else None]
+            [
+                bool(idempotency_key),
+                self._ttl_s,
+                record.job_id,
+                record.hset_fields(),
+                admission.args if admission else None,
+            ]
         )
-        reply = await _run_script(
-            self._batched,
-            self._create,
-            [keys.job(record.job_id), keys.queue(record.model), idem_key, *(admission.keys if admission else ())],
-            [encode_job(message), packed],
-        )
+        script_keys = [keys.job(record.job_id), keys.queue(record.model), idem_key]
+        script_keys += admission.keys if admission else ()
+        script_args = [encode_job(message), packed]
+        # EVALSHA awaited here, not through redis-py's Script call (an import and an isinstance check through
+        # typing's Protocol machinery per call) nor a helper coroutine (one more frame to resume on the reply)
+        try:
+            reply = await self._batched.evalsha(self._create.sha, len(script_keys), *script_keys, *script_args)
+        except NoScriptError:
+            reply = await _load_and_run(self._batched, self._create, script_keys, script_args)
         if reply[0] == 2:
             raise AdmissionDenied(denial(*reply[1:]))
         created, job_id = reply

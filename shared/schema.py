@@ -209,19 +209,23 @@ class JobRecord:
     webhook: str | None = None  # URL called once with the finished job
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def to_hash(self) -> dict[str, str | int | bytes]:
-        """Fields for a fresh job's HSET (output and error are written by the worker's finish). `webhook`
-        is present only when set: the job store's terminal scripts look for it."""
-        return ({"webhook": self.webhook} if self.webhook else {}) | {
-            "job_id": self.job_id,
-            "status": self.status.value,
-            "tenant": self.tenant,
-            "model": self.model,
-            "adapter": self.adapter or "",
-            "created_ms": self.created_ms,
-            "prompt_tokens": self.prompt_tokens,
-            "attempts": 0,
-        }
+    def hset_fields(self) -> list[str | int | bytes]:
+        """A fresh job's hash as HSET's arguments, `[field, value, ...]` (output and error are written by the
+        worker's finish); a flat list built at once, not a dict flattened afterwards, since every submit
+        makes one. `webhook` is present only when set: the job store's terminal scripts look for it."""
+        fields: list[str | int | bytes] = [
+            "job_id", self.job_id,
+            "status", self.status.value,
+            "tenant", self.tenant,
+            "model", self.model,
+            "adapter", self.adapter or "",
+            "created_ms", self.created_ms,
+            "prompt_tokens", self.prompt_tokens,
+            "attempts", 0,
+        ]  # fmt: skip
+        if self.webhook:
+            fields += ["webhook", self.webhook]
+        return fields
 
     @classmethod
     def from_hash(cls, raw: dict[bytes, bytes]) -> JobRecord:
