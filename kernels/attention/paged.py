@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 _LOG2E = 1.4426950408889634
 
 
@@ -49,7 +51,9 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # context positions per iteration
     CACHE_BLOCK: tl.constexpr,  # tokens per cache block
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (no tf32), so fp32 runs match the reference
+    PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous(PDL)
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -151,6 +155,7 @@ def paged_attention_triton(
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_n = 64 if max_query_len == 1 else 32
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    launch_pdl = pdl.enabled(q.device)
     _paged_attention_kernel[grid](
         out,
         q,
@@ -179,6 +184,8 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         CACHE_BLOCK=block_size,
         IEEE=q.dtype == torch.float32,
+        PDL=launch_pdl,
         num_warps=4,
+        launch_pdl=launch_pdl,
     )
     return out

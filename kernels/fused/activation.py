@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 _BLOCK = 1024
 
 
@@ -26,7 +28,9 @@ def _silu_and_mul_kernel(
     stride_delta,
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -55,6 +59,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor, delta: torch.Tensor | None = None
     if num_tokens == 0:
         return out
     block = min(_BLOCK, triton.next_power_of_2(width))
+    launch_pdl = pdl.enabled(gate_up.device)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
         out,
         gate_up,
@@ -65,6 +70,8 @@ def silu_and_mul_triton(gate_up: torch.Tensor, delta: torch.Tensor | None = None
         gate_up.stride(0) if delta is None else delta.stride(0),
         HAS_DELTA=delta is not None,
         BLOCK=block,
+        PDL=launch_pdl,
         num_warps=4,
+        launch_pdl=launch_pdl,
     )
     return out

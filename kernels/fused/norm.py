@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 _MAX_HIDDEN = 16384
 
 
@@ -31,7 +33,9 @@ def _rms_norm_kernel(
     stride_residual,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # hidden rounded up to a power of two
+    PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -62,6 +66,7 @@ def rms_norm_triton(
     if num_tokens == 0:
         return out
     block = triton.next_power_of_2(hidden)
+    launch_pdl = pdl.enabled(x.device)
     _rms_norm_kernel[(num_tokens,)](
         out,
         x,
@@ -74,6 +79,8 @@ def rms_norm_triton(
         x.stride(0) if residual is None else residual.stride(0),
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        PDL=launch_pdl,
         num_warps=min(max(block // 512, 1), 16),
+        launch_pdl=launch_pdl,
     )
     return out

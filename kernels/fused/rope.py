@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 @triton.jit
 def _rope_and_cache_kernel(
@@ -39,7 +41,9 @@ def _rope_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # HEAD_DIM // 2
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two
+    PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dtype = qkv_ptr.dtype.element_ty
@@ -97,6 +101,7 @@ def rope_and_cache_kv_triton(
     if delta is not None and (delta.shape != qkv.shape or delta.stride(1) != 1 or delta.dtype != qkv.dtype):
         raise ValueError(f"rope_and_cache_kv: delta {tuple(delta.shape)} {delta.dtype} does not match qkv")
     if num_tokens:
+        launch_pdl = pdl.enabled(qkv.device)
         _rope_and_cache_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
             qkv,
             qkv if delta is None else delta,
@@ -115,6 +120,8 @@ def rope_and_cache_kv_triton(
             HEAD_DIM=head_dim,
             HALF=head_dim // 2,
             HALF_PAD=triton.next_power_of_2(head_dim // 2),
+            PDL=launch_pdl,
             num_warps=1,
+            launch_pdl=launch_pdl,
         )
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
