@@ -2,7 +2,7 @@
 transformers(+PEFT) on the same workload and the decode roofline.
 
     python -m bench.engine [--batches 1 8 32 64 128] [--prompts 128 1024] [--new-tokens 128]
-                           [--adapters 0 8 32] [--hf-batch 32 --hf-prompt 128 --hf-new-tokens 64 --hf-adapters 8]
+                           [--adapters 0 8 32] [--hf-batch 32 --hf-prompt 128 --hf-new-tokens N --hf-adapters 0 8]
                            [--profile-batch 32]
 
 Engine rows: all requests are added at once to an LLMEngine (scheduler, paged KV, multi-LoRA, the
@@ -301,7 +301,7 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, nargs="+", default=[0, 8, 32])
     parser.add_argument("--hf-batch", type=int, default=32)
     parser.add_argument("--hf-prompt", type=int, default=128)
-    parser.add_argument("--hf-new-tokens", type=int, default=64)
+    parser.add_argument("--hf-new-tokens", type=int, help="default: --new-tokens, the engine rows' workload")
     parser.add_argument("--hf-adapters", type=int, nargs="*", default=[0, 8])
     parser.add_argument("--profile-batch", type=int, help="profile decode steps of this batch instead")
     parser.add_argument("--out", help="write the rows as JSON lines here")
@@ -331,7 +331,7 @@ def main() -> None:
                 f.write(json.dumps(asdict(row)) + "\n")
 
     for adapters in args.hf_adapters:
-        b, p, n = args.hf_batch, args.hf_prompt, args.hf_new_tokens
+        b, p, n = args.hf_batch, args.hf_prompt, args.hf_new_tokens or args.new_tokens
         wall, tok_s = hf_generate(info, b, p, n, adapters)
         system = "transformers+peft" if adapters else "transformers"
         report(Row(system, b, p, n, adapters, tok_s, 0.0, 0.0, 0.0, roofline(info, b, p + n / 2, bandwidth)))
