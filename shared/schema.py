@@ -16,9 +16,8 @@ upgrade):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 import msgpack
 
@@ -207,7 +206,6 @@ class JobRecord:
     output: JobOutput | None = None
     error: JobError | None = None
     webhook: str | None = None  # URL called once with the finished job
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def hset_fields(self) -> list[str | int | bytes]:
         """A fresh job's hash as HSET's arguments, `[field, value, ...]` (output and error are written by the
