@@ -18,6 +18,7 @@ ordering stays transitive along the stream whatever the next kernel does.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -31,9 +32,10 @@ def _capable(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: CUDA devices of compute capability 9.0 or later
-    (never under the Triton interpreter, which has no grid dependency control)."""
-    if device.type != "cuda":
+    """Whether kernels on `device` launch with PDL: CUDA devices of compute capability 9.0 or later,
+    and never under the Triton interpreter (TRITON_INTERPRET=1, which runs CUDA tensors' kernels on the
+    host), which has no grid dependency control."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
