@@ -151,8 +151,7 @@ def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard(services
 def exported_metric_names() -> set[str]:
     """Every series name the gateway exports (counters' _total, histograms' _bucket/_sum/_count, ...)."""
     metrics = GatewayMetrics()
-    metrics.requests.labels("GET", "/healthz", "200").inc()
-    metrics.latency.labels("GET", "/healthz").observe(0.01)
+    metrics.observe_request("GET", "/healthz", 200, 0.01)
     metrics.queue_depth.labels("demo").set(1)
     return {sample.name for family in metrics.registry.collect() for sample in family.samples}
 
