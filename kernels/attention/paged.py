@@ -155,7 +155,7 @@ def paged_attention_triton(
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_n = 64 if max_query_len == 1 else 32
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
-    launch_pdl = pdl.enabled(q.device)
+    launch_pdl = pdl.enabled(q.device, num_tokens)
     _paged_attention_kernel[grid](
         out,
         q,

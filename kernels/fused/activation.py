@@ -59,7 +59,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor, delta: torch.Tensor | None = None
     if num_tokens == 0:
         return out
     block = min(_BLOCK, triton.next_power_of_2(width))
-    launch_pdl = pdl.enabled(gate_up.device)
+    launch_pdl = pdl.enabled(gate_up.device, num_tokens)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
         out,
         gate_up,

@@ -66,7 +66,7 @@ def rms_norm_triton(
     if num_tokens == 0:
         return out
     block = triton.next_power_of_2(hidden)
-    launch_pdl = pdl.enabled(x.device)
+    launch_pdl = pdl.enabled(x.device, num_tokens)
     _rms_norm_kernel[(num_tokens,)](
         out,
         x,
