@@ -35,7 +35,7 @@ from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
-from worker.metrics import WorkerMetrics
+from worker.metrics import EngineMetrics, WorkerMetrics
 
 DEVICES = [
     "cpu",
@@ -228,6 +228,25 @@ def test_a_load_failure_fails_every_request_of_that_adapter_and_no_other(llama: 
     assert results["base"].status is JobStatus.SUCCEEDED
     # the free slot list alone: nothing is kept of the failed adapter
     assert engine.adapter_pool.bookkeeping_size() == engine.config.max_loras
+
+
+def test_an_adapter_whose_read_failed_gets_no_second_read_in_the_same_poll(llama: TinyCheckpoint, tmp_path: Path):
+    # a second request for it arrives while its read fails: the poll that reports the failure (and so
+    # fails both requests) must not start another read for an adapter nobody will be waiting for
+    config = EngineConfig(device="cpu", max_loras=8, max_lora_rank=8, num_kv_blocks=64, block_size=4)
+    runner = ModelRunner(ModelSpec(llama.family, llama.model_dir), config)
+    pool = pool_module.AdapterPool(runner.model, config, tmp_path, EngineMetrics.unregistered(llama.info.name).adapters)
+    ref = saved_adapter_ref("all_r8", llama.adapters["all_r8"])  # not under tmp_path: its read fails
+    pool.request(ref)
+    assert pool.poll() == []  # the read starts
+    pool.wait(10.0)
+    pool.request(ref)
+    assert [failure.uid for failure in pool.poll()] == [ref.uid]
+    assert pool.loads_in_flight == 0
+    pool.drop(ref.uid)
+    pool.drop(ref.uid)
+    assert pool.bookkeeping_size() == config.max_loras  # the free slot list alone
+    pool.close()
 
 
 def test_a_valid_adapter_file_replaced_after_registration_is_never_served(llama: TinyCheckpoint, tmp_path: Path):

@@ -145,8 +145,10 @@ class AdapterPool:
         """Advance every load without blocking. Returns the adapters whose load failed (their
         requests must fail); a later request for one of them tries again."""
         self._land_copies()
+        failures = self._collect_reads(set(islice(self._pending, self._window)))
+        # after the reads are collected: an adapter whose read just failed has left the queue, and
+        # must not get a second read this poll (its requests are about to fail)
         window = list(islice(self._pending, self._window))
-        failures = self._collect_reads(set(window))
         pages_short = False
         for uid in window:
             if uid in self._copies or uid in self._reads or self.gpu.holds(uid):
