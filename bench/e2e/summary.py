@@ -18,12 +18,19 @@ OVERHEAD_TARGET_MS = 5.0  # gateway + queue over the engine alone, at p50
 
 @dataclass(frozen=True, slots=True)
 class JobTimes:
-    """A job record's timestamps (unix ms), written by the gateway (created) and the worker."""
+    """A job record's timestamps (unix ms), written by the gateway (created) and the worker. They are
+    whole milliseconds, truncated: set against the client's own clock, a stamp stands for the middle
+    of its millisecond (`_stamp_ms`), or a sub-millisecond submit would read as negative."""
 
     created_ms: int
     started_ms: int
     first_token_ms: int
     finished_ms: int
+
+
+def _stamp_ms(truncated_ms: int) -> float:
+    """The middle of the millisecond a record's whole-ms stamp covers: unbiased against a float clock."""
+    return truncated_ms + 0.5
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -89,10 +96,10 @@ def summarize(
         latency_p50_ms=ms([s.latency_s for s in ok], 50),
         latency_p99_ms=ms([s.latency_s for s in ok], 99),
         send_lag_p99_ms=ms([s.sent_s - s.scheduled_s for s in samples if s.sent_s], 99),
-        submit_p50_ms=percentile([t.created_ms - sent_ms[i] for i, t in zip(ids, times, strict=True)], 50),
+        submit_p50_ms=percentile([_stamp_ms(t.created_ms) - sent_ms[i] for i, t in zip(ids, times, strict=True)], 50),
         queue_p50_ms=percentile([t.started_ms - t.created_ms for t in times], 50),
         server_ttft_p50_ms=percentile([t.first_token_ms - t.created_ms for t in times], 50),
-        delivery_p50_ms=percentile([end_ms[i] - t.finished_ms for i, t in zip(ids, times, strict=True)], 50),
+        delivery_p50_ms=percentile([end_ms[i] - _stamp_ms(t.finished_ms) for i, t in zip(ids, times, strict=True)], 50),
         gpu_util_pct=_mean([p["gpu_util_pct"] for _, p in probes if not math.isnan(p["gpu_util_pct"])]),
         distinct_adapters=len({s.adapter for s in samples if s.adapter is not None}),
         peak_queue=int(max((p["queue"] for _, p in probes), default=0)),

@@ -34,6 +34,15 @@ def test_a_rows_throughput_latencies_and_failures_come_from_its_samples():
     assert row.queue_p50_ms == 3.0 and row.server_ttft_p50_ms == 40.0
 
 
+def test_a_records_whole_ms_stamps_count_from_the_middle_of_their_millisecond():
+    # sent 0.3 ms into millisecond 1000, stored within it: the gateway's truncated stamp reads 1000
+    samples = [sample(0, 1.0003, ttft=0.01, latency=0.0507)]
+    times = {"job0": JobTimes(created_ms=1000, started_ms=1000, first_token_ms=1010, finished_ms=1050)}
+    row = summarize("load", "base", 1.0, samples, start_unix_s=0.0, job_times=times)
+    assert math.isclose(row.submit_p50_ms, 0.2, abs_tol=1e-6)  # 1000.5 - 1000.3, not -0.3
+    assert math.isclose(row.delivery_p50_ms, 0.5, abs_tol=1e-6)  # read at 1051.0, stored in ms 1050
+
+
 def test_worker_counters_are_differenced_between_two_scrapes():
     registry = CollectorRegistry()
     steps = Histogram("lorafleet_worker_step_seconds", "", ["model"], registry=registry)
