@@ -7,12 +7,12 @@ it then lets the kernel after it be scheduled the same way. At decode sizes the 
 dependent launches is a sizeable part of a small kernel's time. On an H200 (Llama-3-8B shapes,
 bench/engine.py, docs/benchmarks.md) it raised decode tok/s by ~1% at batch 8 and 32, with and without
 adapters. The LoRA kernels are not launched this way: they run on the side stream beside the base
-GEMM, and there it slowed the adapter rows by 0.6% (their successors, scheduled early, hold SMs the
-GEMM could use).
+GEMM, and there it slowed the adapter rows by 0.6% (why was not measured).
 
 The rule that keeps it correct: a kernel launched with `launch_pdl=True` calls `wait_for_previous`
-before any other load or store, in every program. Its completion then implies its predecessor's, so
-ordering stays transitive along the stream whatever the next kernel does.
+before any other load or store, in every program (`launch_options` passes both flags together). Its
+completion then implies its predecessor's, so ordering stays transitive along the stream whatever
+the next kernel does.
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ def enabled(device: torch.device, rows: int) -> bool:
     if device.type != "cuda" or rows > MAX_ROWS or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(device: torch.device, rows: int) -> dict[str, bool]:
+    """A launch's PDL keyword arguments: the kernel's `PDL` constexpr and Triton's `launch_pdl`, always
+    equal, since a kernel launched with PDL must wait first (wait_for_previous) and only then."""
+    use = enabled(device, rows)
+    return {"PDL": use, "launch_pdl": use}
 
 
 @triton.jit

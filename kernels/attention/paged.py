@@ -155,7 +155,6 @@ def paged_attention_triton(
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_n = 64 if max_query_len == 1 else 32
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
-    launch_pdl = pdl.enabled(q.device, num_tokens)
     _paged_attention_kernel[grid](
         out,
         q,
@@ -184,8 +183,7 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         CACHE_BLOCK=block_size,
         IEEE=q.dtype == torch.float32,
-        PDL=launch_pdl,
+        **pdl.launch_options(q.device, num_tokens),
         num_warps=4,
-        launch_pdl=launch_pdl,
     )
     return out

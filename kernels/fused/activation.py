@@ -59,7 +59,6 @@ def silu_and_mul_triton(gate_up: torch.Tensor, delta: torch.Tensor | None = None
     if num_tokens == 0:
         return out
     block = min(_BLOCK, triton.next_power_of_2(width))
-    launch_pdl = pdl.enabled(gate_up.device, num_tokens)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
         out,
         gate_up,
@@ -70,8 +69,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor, delta: torch.Tensor | None = None
         gate_up.stride(0) if delta is None else delta.stride(0),
         HAS_DELTA=delta is not None,
         BLOCK=block,
-        PDL=launch_pdl,
+        **pdl.launch_options(gate_up.device, num_tokens),
         num_warps=4,
-        launch_pdl=launch_pdl,
     )
     return out

@@ -66,7 +66,6 @@ def rms_norm_triton(
     if num_tokens == 0:
         return out
     block = triton.next_power_of_2(hidden)
-    launch_pdl = pdl.enabled(x.device, num_tokens)
     _rms_norm_kernel[(num_tokens,)](
         out,
         x,
@@ -79,8 +78,7 @@ def rms_norm_triton(
         x.stride(0) if residual is None else residual.stride(0),
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        PDL=launch_pdl,
+        **pdl.launch_options(x.device, num_tokens),
         num_warps=min(max(block // 512, 1), 16),
-        launch_pdl=launch_pdl,
     )
     return out

@@ -101,7 +101,6 @@ def rope_and_cache_kv_triton(
     if delta is not None and (delta.shape != qkv.shape or delta.stride(1) != 1 or delta.dtype != qkv.dtype):
         raise ValueError(f"rope_and_cache_kv: delta {tuple(delta.shape)} {delta.dtype} does not match qkv")
     if num_tokens:
-        launch_pdl = pdl.enabled(qkv.device, num_tokens)
         _rope_and_cache_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
             qkv,
             qkv if delta is None else delta,
@@ -120,8 +119,7 @@ def rope_and_cache_kv_triton(
             HEAD_DIM=head_dim,
             HALF=head_dim // 2,
             HALF_PAD=triton.next_power_of_2(head_dim // 2),
-            PDL=launch_pdl,
+            **pdl.launch_options(qkv.device, num_tokens),
             num_warps=1,
-            launch_pdl=launch_pdl,
         )
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
