@@ -250,7 +250,7 @@ def hf_generate(info: ModelInfo, batch: int, prompt: int, new_tokens: int, adapt
 
 # torch.profiler kernel names → the kinds a decode step's GPU time is reported in
 _KERNEL_KINDS = (
-    ("lora", ("_shrink_kernel", "_expand_kernel", "_expand_gather_kernel", "_fused_kernel", "_linear_lora_kernel")),
+    ("lora", ("_shrink_kernel", "_expand_kernel", "_expand_gather_kernel", "_fused_kernel")),
     ("attention", ("_paged_attention_kernel",)),
     ("fused", ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_and_cache_kernel")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma")),

@@ -9,7 +9,7 @@ qwen3-30b-a3b its attention, qkv (2048 -> 4096|512|512) and o (4096 -> 2048) (it
 bench.tune_moe's). Per case it times, as medians of CUDA-graph replays (triton.testing.do_bench_cudagraph):
     base      the projections' F.linear calls
     +LoRA     their lora_linear calls as the dispatcher picks them (path shown per projection:
-              f(used), s(plit), o(verlap), e(pilogue)), and each path forced for all of them
+              f(used), s(plit), o(verlap)), and each path forced for all of them
     served    the layer as the decoder calls it: qkv and gate_up leave their delta to the next fused
               kernel (lora_linear_deferred), o and down add theirs into the residual stream, so on
               the overlap path the whole update runs beside the base GEMM; plus what reading the
@@ -313,7 +313,7 @@ def run_case(
 def format_row(r: dict) -> str:
     over = lambda us: f"{100 * (us - r['base_us']) / r['base_us']:6.1f}"  # noqa: E731
     lora = r["lora_us"] - r["base_us"]
-    paths = "".join(p[0] for p in r["paths"])  # per projection: f(used), s(plit), o(verlap), e(pilogue)
+    paths = "".join(p[0] for p in r["paths"])  # per projection: f(used), s(plit), o(verlap)
     per_path = " ".join(over(r[f"{p}_us"]) if f"{p}_us" in r else "     -" for p in PATHS)
     return (
         f"{r['tokens']:5d} {r['adapters']:4d} {r['rank']:4d} {r['base_us']:9.1f} {lora:8.1f} {over(r['lora_us'])} "

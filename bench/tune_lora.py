@@ -11,7 +11,7 @@ the benchmark (in scattered pages of as many rank rows as the engine pages that 
 in; plans are keyed by the padded max rank, so they serve any page size):
   1. per projection shape of the layer, time each kernel's candidate
      configurations alone (fused; shrink; the grouped and the gathering expand on the best shrink's
-     z; the epilogue GEMM) and keep the fastest of each, and the faster of the two expands. These
+     z) and keep the fastest of each, and the faster of the two expands. These
      timings are medians of CUDA-graph replays with L2 flushed before each call (a 128 MiB read,
      timed alone and subtracted), since in a model the previous layer's weights have evicted them;
   2. time the whole layer (its projections, base GEMMs included) as the decoder calls it
@@ -49,7 +49,6 @@ from kernels.lora.configs import (
     ExpandConfig,
     FusedConfig,
     GatherConfig,
-    LinearConfig,
     Plan,
     ShrinkConfig,
     config_file,
@@ -58,7 +57,6 @@ from kernels.lora.configs import (
 from kernels.lora.expand import lora_expand
 from kernels.lora.expand_gather import lora_expand_gather
 from kernels.lora.fused import lora_fused
-from kernels.lora.linear import linear_lora
 from kernels.lora.shrink import lora_shrink
 from kernels.lora.tiles import rank_pad, slice_groups
 
@@ -118,18 +116,6 @@ def expand_candidates(num_tokens: int, r_pad: int) -> list[ExpandConfig]:
     ]
 
 
-def linear_candidates(num_tokens: int, r_pad: int) -> list[LinearConfig]:
-    if num_tokens <= 64:
-        shapes = [(16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (32, 64, 256, 4, 3), (16, 32, 256, 4, 4)]
-    elif num_tokens <= 256:
-        shapes = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 128, 8, 3)]
-    else:
-        shapes = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 4)]
-    return [
-        LinearConfig(block_m=m, block_n=n, block_k=k, group_m=8, num_warps=w, num_stages=s) for m, n, k, w, s in shapes
-    ]
-
-
 def best(label: str, candidates: list, timed: Callable[[object], float]) -> object:
     times = []
     for config in candidates:
@@ -178,12 +164,7 @@ def tune_kernels(flushed_us: Flushed, proj: Projection, x: torch.Tensor, batch: 
         grouped_us = flushed_us(lambda: lora_expand(y, z, group, batch, expand))
         if grouped_us < flushed_us(lambda: lora_expand_gather(y, z, group, batch, gather)):
             gather = None
-    linear = best(
-        "linear",
-        linear_candidates(num_tokens, r_pad),
-        lambda c: flushed_us(lambda: linear_lora(x, proj.weight, None, z, group, batch, c)),
-    )
-    return dataclasses.replace(plan, shrink=shrink, expand=expand, linear=linear, gather=gather)
+    return dataclasses.replace(plan, shrink=shrink, expand=expand, gather=gather)
 
 
 def layer_candidates(plans: list[Plan], num_tokens: int, r_pad: int) -> dict[str, list[Plan]]:

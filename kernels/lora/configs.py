@@ -13,8 +13,8 @@ a kernel: configurations are constexprs, T is a runtime argument, so no token co
 
 Paths (see paths.py): "fused" (fused.py, then the base GEMM accumulates into its output),
 "split" (shrink.py + expand, likewise), "overlap" (shrink.py on a second stream beside the base
-GEMM, then expand adds into its output), "epilogue" (shrink.py + linear.py's GEMM). "split" and
-"overlap" expand through expand_gather.py when the plan has a `gather` configuration, else expand.py.
+GEMM, then expand adds into its output). "split" and "overlap" expand through expand_gather.py when
+the plan has a `gather` configuration, else expand.py.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-PathName = Literal["fused", "split", "overlap", "epilogue"]
-PATHS: tuple[PathName, ...] = ("fused", "split", "overlap", "epilogue")
+PathName = Literal["fused", "split", "overlap"]
+PATHS: tuple[PathName, ...] = ("fused", "split", "overlap")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,27 +78,16 @@ class FusedConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class LinearConfig:
-    block_m: int = 64
-    block_n: int = 128
-    block_k: int = 64
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-@dataclass(frozen=True, slots=True)
 class Plan:
     path: PathName
     fused: FusedConfig = FusedConfig()
     shrink: ShrinkConfig = ShrinkConfig()
     expand: ExpandConfig = ExpandConfig()
-    linear: LinearConfig = LinearConfig()
     gather: GatherConfig | None = None  # expand through expand_gather.py instead of expand.py
 
     def to_json(self) -> dict[str, Any]:
         """Every path's configurations, so that a tuned file also serves forced paths (bench, tests)."""
-        names = ("fused", "shrink", "expand", "linear", "gather")
+        names = ("fused", "shrink", "expand", "gather")
         configs = {name: dataclasses.asdict(getattr(self, name)) for name in names if getattr(self, name)}
         return {"path": self.path} | configs
 
@@ -110,7 +99,6 @@ class Plan:
             "fused": FusedConfig,
             "shrink": ShrinkConfig,
             "expand": ExpandConfig,
-            "linear": LinearConfig,
             "gather": GatherConfig,
         }
         return cls(path=entry["path"], **{k: kind(**entry[k]) for k, kind in kinds.items() if k in entry})

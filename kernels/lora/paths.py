@@ -8,7 +8,6 @@ the batch's page table, see tiles.py):
               GEMM adds x · Wᵀ in cuBLAS's epilogue (beta = 1) instead of a separate pass over y
     split     shrink.py writes z, expand writes y = bias + delta, then the same addmm_
     overlap   shrink.py runs on a second stream while the base GEMM runs; expand then adds into y
-    epilogue  shrink.py writes z, then linear.py's Triton GEMM adds the delta in its own epilogue
 
 A caller that adds the delta itself (`linear_deferred_with_plan`, or `residual=` for a sum the
 caller takes next) moves the overlap path's expand onto the second stream too: the whole LoRA
@@ -26,7 +25,6 @@ from kernels.lora.configs import Plan
 from kernels.lora.expand import lora_expand
 from kernels.lora.expand_gather import lora_expand_gather
 from kernels.lora.fused import lora_fused
-from kernels.lora.linear import linear_lora
 from kernels.lora.metadata import LoRABatch
 from kernels.lora.shrink import lora_shrink
 from kernels.lora.tiles import SliceGroup, check_slices, slice_groups
@@ -91,11 +89,7 @@ def linear_with_plan(
         return _beside(plan, x, weight, bias, groups, batch, residual)[0]
     if plan.path == "overlap":
         return _overlap(plan, x, weight, bias, groups, batch)
-    if plan.path == "epilogue" and len(groups) == 1:
-        z = lora_shrink(x, groups[0], batch, plan.shrink)
-        return linear_lora(x, weight, bias, z, groups[0], batch, plan.linear)
-    # "fused", "split", and "epilogue" past 3 slices (one GEMM has one epilogue): y = bias + delta
-    # for every row, then the base GEMM accumulates onto it
+    # "fused" and "split": y = bias + delta for every row, then the base GEMM accumulates onto it
     y = torch.empty((x.shape[0], width), dtype=x.dtype, device=x.device)
     for group in groups:
         if plan.path == "fused":

@@ -23,8 +23,7 @@ pytestmark = [
 BF16_TOL = 1e-2
 RANKS = [16, 8, 64, 0, 32, 16, 128, 16, 8, 16, 64, 16, 16, 32, 8, 16]
 PAGE_RANK = 16  # production pages: RANKS take 1 to 8 pages, 8 per slot at max rank 128
-PATHS = [("fused", None), ("split", None), ("split", GatherConfig()), ("overlap", None), ("overlap", GatherConfig()),
-         ("epilogue", None)]  # fmt: skip
+PATHS = [("fused", None), ("split", None), ("split", GatherConfig()), ("overlap", None), ("overlap", GatherConfig())]
 
 
 @pytest.mark.parametrize("page_rank", [None, PAGE_RANK], ids=["unpaged", "paged"])

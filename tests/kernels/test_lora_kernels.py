@@ -3,17 +3,14 @@ Triton interpreter, which computes bf16 dots wrongly: fp16 and fp32 here, bf16 i
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from kernels.lora import add_lora, linear_with_plan, lora_linear
-from kernels.lora.configs import ExpandConfig, FusedConfig, GatherConfig, LinearConfig, Plan, ShrinkConfig
+from kernels.lora.configs import ExpandConfig, FusedConfig, GatherConfig, Plan, ShrinkConfig
 from kernels.lora.expand import lora_expand
 from kernels.lora.expand_gather import lora_expand_gather
 from kernels.lora.fused import lora_fused
-from kernels.lora.linear import linear_lora
 from kernels.lora.shrink import lora_shrink
 from kernels.lora.tiles import slice_groups
 from tests.kernels.lora_cases import make_case, rel_err
@@ -23,7 +20,6 @@ TOL = {torch.float16: 2e-3, torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3}
 FUSED = FusedConfig(block_m=16, block_n=16, block_k=32, n_chunk=32)
 SHRINK = ShrinkConfig(block_m=16, block_k=32, split_k=2)
 EXPAND = ExpandConfig(block_m=16, block_n=32)
-LINEAR = LinearConfig(block_m=16, block_n=32, block_k=32, group_m=2)
 GATHER = GatherConfig(block_t=16, block_n=16, r_chunk=16, num_warps=4)
 # odd sizes everywhere: K not a multiple of BLOCK_K, widths not multiples of BLOCK_N, T of BLOCK_M
 QKV = {"num_tokens": 37, "k": 72, "widths": [40, 24, 17], "ranks": [24, 8, 0, 16, 24]}
@@ -85,17 +81,6 @@ def test_write_mode_sets_every_row_to_bias_plus_delta(dtype: torch.dtype, kernel
     assert rel_err(y, expected) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("block_m", [16, 64])  # per-row B gathers; one product per adapter in the tile
-def test_epilogue_gemm_computes_base_projection_plus_delta(dtype: torch.dtype, block_m: int) -> None:
-    case = make_case(**QKV, dtype=dtype, device=DEVICE, seed=5)
-    group = slice_groups(case.lora_a, case.lora_b)[0]
-    z = lora_shrink(case.x, group, case.batch, SHRINK)
-    config = dataclasses.replace(LINEAR, block_m=block_m)
-    y = linear_lora(case.x, case.weight, case.bias, z, group, case.batch, config)
-    assert rel_err(y, case.linear()) < TOL[dtype]
-
-
 def test_tokens_without_adapter_leave_y_untouched() -> None:
     case = make_case(num_tokens=9, k=32, widths=[32], ranks=[16, 16], base_fraction=1.0, device=DEVICE)
     y = torch.randn(9, 32, device=DEVICE).half()
@@ -121,10 +106,10 @@ def test_many_adapters_with_mixed_ranks_and_a_single_token() -> None:
         assert rel_err(y, case.linear()) < TOL[torch.float16]
 
 
-@pytest.mark.parametrize("path", ["fused", "split", "epilogue"])
+@pytest.mark.parametrize("path", ["fused", "split"])
 def test_more_slices_than_one_launch_holds(path: str) -> None:
     case = make_case(num_tokens=19, k=32, widths=[16, 24, 16, 20], ranks=[16, 8, 16], device=DEVICE, seed=9)
-    plan = Plan(path=path, fused=FUSED, shrink=SHRINK, expand=EXPAND, linear=LINEAR, gather=GATHER)
+    plan = Plan(path=path, fused=FUSED, shrink=SHRINK, expand=EXPAND, gather=GATHER)
     y = linear_with_plan(plan, case.x, case.weight, case.bias, case.lora_a, case.lora_b, case.batch)
     assert rel_err(y, case.linear()) < TOL[torch.float16]
 

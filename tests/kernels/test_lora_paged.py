@@ -16,12 +16,11 @@ from kernels.lora.configs import Plan
 from kernels.lora.expand import lora_expand
 from kernels.lora.expand_gather import lora_expand_gather
 from kernels.lora.fused import lora_fused
-from kernels.lora.linear import linear_lora
 from kernels.lora.reference import add_lora_reference
 from kernels.lora.shrink import lora_shrink
 from kernels.lora.tiles import check_slices, slice_groups
 from tests.kernels.lora_cases import LoRACase, make_case, rel_err
-from tests.kernels.test_lora_kernels import DEVICE, EXPAND, FUSED, GATHER, LINEAR, SHRINK, TOL, poisoned
+from tests.kernels.test_lora_kernels import DEVICE, EXPAND, FUSED, GATHER, SHRINK, TOL, poisoned
 
 PAGE_RANK = 16
 # 10 slots of up to 4 pages in a pool of 19 + 2 pages (room for 5 slots at max rank); a rank-0
@@ -34,11 +33,11 @@ PAGED = {
     "max_rank": 64,
     "page_rank": PAGE_RANK,
 }
-KERNELS = ["grouped", "gather", "fused", "epilogue16", "epilogue64"]
+KERNELS = ["grouped", "gather", "fused"]
 
 
 def run_kernel(kernel: str, case: LoRACase, y: torch.Tensor | None) -> torch.Tensor:
-    """y += the LoRA delta (y None: the epilogue GEMM's x · Wᵀ + bias + delta), by one kernel path."""
+    """y += the LoRA delta, by one kernel path."""
     group = slice_groups(case.lora_a, case.lora_b)[0]
     if kernel == "fused":
         lora_fused(y, case.x, group, case.batch, FUSED)
@@ -46,16 +45,9 @@ def run_kernel(kernel: str, case: LoRACase, y: torch.Tensor | None) -> torch.Ten
     z = lora_shrink(case.x, group, case.batch, SHRINK)
     if kernel == "grouped":
         lora_expand(y, z, group, case.batch, EXPAND)
-    elif kernel == "gather":
-        lora_expand_gather(y, z, group, case.batch, GATHER)
     else:
-        config = dataclasses.replace(LINEAR, block_m=int(kernel.removeprefix("epilogue")))
-        y = linear_lora(case.x, case.weight, case.bias, z, group, case.batch, config)
+        lora_expand_gather(y, z, group, case.batch, GATHER)
     return y
-
-
-def expected(kernel: str, case: LoRACase, y: torch.Tensor) -> torch.Tensor:
-    return case.linear() if kernel.startswith("epilogue") else case.delta(y)
 
 
 def test_the_case_scatters_pages_and_overcommits_the_pool() -> None:
@@ -96,7 +88,7 @@ def test_reference_walks_the_page_table_per_token() -> None:
 def test_every_kernel_reads_scattered_pages_of_mixed_ranks(dtype: torch.dtype, kernel: str) -> None:
     case = make_case(**PAGED, dtype=dtype, device=DEVICE, seed=2)
     y = torch.randn(case.x.shape[0], case.width, device=DEVICE).to(dtype)
-    reference = expected(kernel, case, y)
+    reference = case.delta(y)
     assert rel_err(run_kernel(kernel, case, y), reference) < TOL[dtype]
 
 
@@ -129,12 +121,12 @@ def test_shrink_of_a_paged_slot_is_x_times_its_gathered_rank_rows() -> None:
 
 @pytest.mark.parametrize(
     "plan",
-    [Plan(path="fused"), Plan(path="split"), Plan(path="split", gather=GATHER), Plan(path="epilogue")],
-    ids=["fused", "split", "split-gather", "epilogue"],
+    [Plan(path="fused"), Plan(path="split"), Plan(path="split", gather=GATHER)],
+    ids=["fused", "split", "split-gather"],
 )
 def test_the_dispatcher_paths_over_pages(plan: Plan) -> None:
     case = make_case(**PAGED | {"widths": [16, 24, 16, 20]}, device=DEVICE, seed=5)  # 4 slices: two launches
-    plan = dataclasses.replace(plan, fused=FUSED, shrink=SHRINK, expand=EXPAND, linear=LINEAR)
+    plan = dataclasses.replace(plan, fused=FUSED, shrink=SHRINK, expand=EXPAND)
     y = linear_with_plan(plan, case.x, case.weight, case.bias, case.lora_a, case.lora_b, case.batch)
     assert rel_err(y, case.linear()) < TOL[torch.float16]
 
