@@ -55,13 +55,13 @@ from shared.config import EngineConfig
 from shared.model_info import PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef, SamplingParams
 from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
+from worker.adapter_pool.peft_adapter import peft_key
 from worker.adapter_pool.pool import AdapterPool
 from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model import CausalLM
 from worker.engine.model_runner import ModelRunner
-from worker.engine.peft_adapter import peft_key
 from worker.metrics import EngineMetrics, WorkerMetrics
+from worker.model.model import CausalLM
 
 MAX_LORAS = 32  # the GPU pool's memory, in adapters of MAX_RANK: 128 pages of 16 ranks
 MAX_RANK = 64

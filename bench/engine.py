@@ -37,10 +37,10 @@ from tokenizers import Tokenizer, models
 from shared.config import EngineConfig
 from shared.model_info import PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef, SamplingParams
+from worker.adapter_pool.peft_adapter import AdapterWeights
 from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model import CausalLM
 from worker.engine.model_runner import ModelRunner
-from worker.engine.peft_adapter import AdapterWeights
+from worker.model.model import CausalLM
 
 LLAMA3_8B = ModelInfo(
     name="llama-3-8b-random",

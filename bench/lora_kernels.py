@@ -63,7 +63,7 @@ QWEN3_30B_A3B_ATTENTION: Shapes = (
     ("o", 4096, (2048,)),
 )
 POOL_SLOTS = 64
-PAGE_RANK = 16  # worker.engine.lora_linear.PAGE_RANK
+PAGE_RANK = 16  # worker.model.lora_linear.PAGE_RANK
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class ModelLayer:
     qk_norm: bool = False  # q/k heads normalised before RoPE: the qkv delta is added by a pass of its own
 
 
-# worker.engine.model: MoE models take one page of the whole max rank per adapter
+# worker.model.model: MoE models take one page of the whole max rank per adapter
 MODELS = {
     "llama-3-8b": ModelLayer(LLAMA3_8B, page_rank=PAGE_RANK),
     "qwen3-30b-a3b": ModelLayer(QWEN3_30B_A3B_ATTENTION, page_rank=0, qk_norm=True),
@@ -213,7 +213,7 @@ def delta_consumer(p: Projection, num_tokens: int) -> Callable[[torch.Tensor | N
 def delta_read_us(layer: list[Projection], num_tokens: int, *, qk_norm: bool = False) -> dict[str, float]:
     """What reading a deferred LoRA delta adds after each deferred projection of the layer (us): its
     consumer (delta_consumer) timed with and without the delta; with qk_norm, the qkv delta's own add,
-    which the decoder runs before the q/k norms (worker.engine.layers.SelfAttention), RoPE then
+    which the decoder runs before the q/k norms (worker.model.layers.SelfAttention), RoPE then
     running without it."""
     added = {}
     for p in layer:

@@ -49,9 +49,9 @@ from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from shared.schema import SamplingParams
 from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model import CausalLM
 from worker.engine.model_runner import ModelRunner, kv_layout
-from worker.engine.weights import INDEX_FILE, checkpoint_files
+from worker.model.model import CausalLM
+from worker.model.weights import INDEX_FILE, checkpoint_files
 from worker.models.host_cache import HostWeights
 from worker.models.loader import PageLock, copy_to_model, read_to_host
 

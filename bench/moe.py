@@ -19,7 +19,7 @@ import torch
 
 from bench.engine import EngineBench
 from shared.model_info import EXPERT_PROJECTIONS, ModelInfo
-from worker.engine.peft_adapter import AdapterWeights
+from worker.adapter_pool.peft_adapter import AdapterWeights
 
 QWEN3_30B_A3B = ModelInfo(
     name="qwen3-30b-a3b-random", architecture="Qwen3MoeForCausalLM", hidden_size=2048, intermediate_size=6144,

@@ -163,6 +163,6 @@ def _lora_inline(
 
 
 def _halves(two_width: int, plan: MoEPlan) -> bool:
-    """The slots hold gate and up LoRAs block-diagonally (worker/engine/moe.py): expand programs whose
+    """The slots hold gate and up LoRAs block-diagonally (worker/model/moe.py): expand programs whose
     columns stay inside one half read only its ranks; the whole B gives the same sum otherwise."""
     return (two_width // 2) % (plan.expand_up.block_n * plan.expand_up.n_tiles) == 0

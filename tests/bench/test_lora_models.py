@@ -8,7 +8,7 @@ from bench.engine import LLAMA3_8B
 from bench.lora_kernels import HEAD_DIM, MODELS, Shapes, attention_heads
 from bench.moe import QWEN3_30B_A3B
 from shared.model_info import ModelInfo
-from worker.engine.lora_linear import PAGE_RANK
+from worker.model.lora_linear import PAGE_RANK
 
 
 def engine_shapes(info: ModelInfo) -> Shapes:
@@ -30,7 +30,7 @@ def test_a_models_layer_is_the_engines(name: str, info: ModelInfo) -> None:
     assert info.head_dim == HEAD_DIM
     assert attention_heads(model.shapes[0][2]) == (info.num_heads, info.num_kv_heads)
     assert model.qk_norm == info.qk_norm
-    # worker.engine.model: an MoE model's adapters take one page of their whole max rank
+    # worker.model.model: an MoE model's adapters take one page of their whole max rank
     assert model.page_rank == (0 if info.is_moe else PAGE_RANK)
 
 

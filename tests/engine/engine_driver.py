@@ -12,10 +12,10 @@ import torch
 
 from kernels.lora import LoRABatch
 from shared.model_info import ModelInfo
-from worker.engine.forward_batch import ForwardBatch
-from worker.engine.kv_cache import KVCache, KVLayout
-from worker.engine.model import CausalLM
-from worker.engine.peft_adapter import load_adapter_weights
+from worker.adapter_pool.peft_adapter import load_adapter_weights
+from worker.model.forward_batch import ForwardBatch
+from worker.model.kv_cache import KVCache, KVLayout
+from worker.model.model import CausalLM
 
 
 def load_engine(

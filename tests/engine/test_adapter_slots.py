@@ -10,8 +10,8 @@ import torch
 from shared.errors import ErrorCode, LorafleetError
 from tests.engine.engine_driver import BlockPool, PagedSequence, load_engine, make_kv_cache, prefill
 from tests.engine.tiny_hf import ADAPTERS, TinyCheckpoint
-from worker.engine.model import CausalLM
-from worker.engine.peft_adapter import load_adapter_weights
+from worker.adapter_pool.peft_adapter import load_adapter_weights
+from worker.model.model import CausalLM
 
 LIMITS = {"max_rank": 8, "max_bytes": 1 << 30}  # validation limits for load_adapter_weights
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2]]

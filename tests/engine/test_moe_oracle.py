@@ -17,11 +17,11 @@ from tests.engine.test_engine_generation import run_to_completion, word_tokenize
 from tests.engine.tiny_hf import oracle_greedy, oracle_logits, saved_adapter_ref
 from tests.engine.tiny_moe import FUSED, MOE_FAMILIES, VOCAB_SIZE, TinyMoE, build_tiny_moe
 from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
+from worker.adapter_pool.peft_adapter import load_adapter_weights
 from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model import CausalLM
 from worker.engine.model_runner import ModelRunner
-from worker.engine.peft_adapter import load_adapter_weights
+from worker.model.model import CausalLM
 
 TOLERANCE = 1e-4
 NEW_TOKENS = 6

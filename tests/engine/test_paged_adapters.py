@@ -27,10 +27,10 @@ from tests.engine.tiny_hf import (
     save_lora_adapter,
     saved_adapter_ref,
 )
+from worker.adapter_pool.peft_adapter import load_adapter_weights
 from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model import CausalLM
 from worker.engine.model_runner import ModelRunner
-from worker.engine.peft_adapter import load_adapter_weights
+from worker.model.model import CausalLM
 
 MAX_RANK = 48  # three pages of 16 rank rows per max-rank adapter
 TOLERANCE = 1e-4

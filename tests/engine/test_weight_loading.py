@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from shared.model_info import ModelInfo
 from tests.engine.engine_driver import BlockPool, PagedSequence, make_kv_cache, prefill
 from tests.engine.tiny_hf import TinyCheckpoint, make_tiny_model, save_tiny_model
-from worker.engine.model import CausalLM
-from worker.engine.weights import INDEX_FILE, SINGLE_FILE
+from worker.model.model import CausalLM
+from worker.model.weights import INDEX_FILE, SINGLE_FILE
 
 
 def load(model_dir: Path, family: str, *, dtype: torch.dtype | str | None = torch.float32) -> CausalLM:

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from shared.model_info import ModelInfo
 from tests.engine.tiny_hf import save_tiny_model
-from worker.engine.model import CausalLM
-from worker.engine.weights import SINGLE_FILE
+from worker.model.model import CausalLM
+from worker.model.weights import SINGLE_FILE
 from worker.models import loader
 from worker.models.loader import checkpoint_bytes, copy_to_model, read_to_host
 

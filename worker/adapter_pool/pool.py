@@ -45,8 +45,8 @@ from worker.adapter_pool.gpu_slots import GpuSlots
 from worker.adapter_pool.host_adapter import HostAdapter, max_adapter_bytes, read_host_adapter
 from worker.adapter_pool.host_cache import HostCache
 from worker.adapter_pool.slot_writer import SlotWriter, Upload
-from worker.engine.model import CausalLM
 from worker.metrics import AdapterMetrics, AdapterTier
+from worker.model.model import CausalLM
 
 log = structlog.get_logger(__name__)
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from worker.adapter_pool.host_adapter import BufferLayout, HostAdapter
-from worker.engine.model import CausalLM
-from worker.engine.moe import MoEBlock
+from worker.model.model import CausalLM
+from worker.model.moe import MoEBlock
 
 # (A [pages, page_rank, in], B [pages, out, page_rank]); an MoE layer's expert projections add an
 # expert axis: A [pages, page_rank, E, in], B [pages, E, out, page_rank] (ranks on dim 1 of A, last in

@@ -16,15 +16,15 @@ import torch
 from kernels.lora import LoRABatch
 from shared.config import EngineConfig, ModelSpec
 from shared.model_info import ModelInfo
+from worker.adapter_pool.peft_adapter import load_adapter_weights
 from worker.engine.cuda_graphs import DecodeGraphs
-from worker.engine.forward_batch import ForwardBatch
-from worker.engine.kv_cache import KVCache, KVLayout
-from worker.engine.model import CausalLM, resolve_dtype
-from worker.engine.peft_adapter import load_adapter_weights
 from worker.engine.sampled_tokens import SampledTokens
 from worker.engine.sampler import sample
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence as SequenceState
+from worker.model.forward_batch import ForwardBatch
+from worker.model.kv_cache import KVCache, KVLayout
+from worker.model.model import CausalLM, resolve_dtype
 
 log = structlog.get_logger(__name__)
 

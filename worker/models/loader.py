@@ -22,8 +22,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from worker.engine.model import CausalLM
-from worker.engine.weights import checkpoint_files, paced_copies
+from worker.model.model import CausalLM
+from worker.model.weights import checkpoint_files, paced_copies
 from worker.models.host_cache import HostWeights
 
 log = structlog.get_logger(__name__)

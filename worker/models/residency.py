@@ -33,7 +33,6 @@ from tokenizers import Tokenizer
 from shared.config import ModelSpec, WorkerConfig
 from shared.model_info import ModelInfo
 from worker.engine.engine import LLMEngine
-from worker.engine.model import CausalLM
 from worker.engine.model_runner import (
     ModelRunner,
     device_bytes_left,
@@ -42,6 +41,7 @@ from worker.engine.model_runner import (
     kv_layout,
     usable_kv_blocks,
 )
+from worker.model.model import CausalLM
 from worker.models.host_cache import HostModelCache, HostWeights
 from worker.models.loader import checkpoint_bytes, copy_to_model, read_to_host
 

@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from shared.model_info import PROJECTIONS, ModelInfo
-from worker.engine.forward_batch import ForwardBatch
-from worker.engine.kv_cache import KVCache
-from worker.engine.layers import DecoderLayer, RMSNorm, VocabEmbedding
-from worker.engine.lora_linear import PAGE_RANK, LoRALinear, LoRAPages
-from worker.engine.moe import MoEBlock
-from worker.engine.peft_adapter import AdapterWeights
-from worker.engine.rope import RotaryEmbedding
-from worker.engine.weights import TensorLoader, copy_weight, load_checkpoint, load_tensors
+from worker.adapter_pool.peft_adapter import AdapterWeights
+from worker.model.forward_batch import ForwardBatch
+from worker.model.kv_cache import KVCache
+from worker.model.layers import DecoderLayer, RMSNorm, VocabEmbedding
+from worker.model.lora_linear import PAGE_RANK, LoRALinear, LoRAPages
+from worker.model.moe import MoEBlock
+from worker.model.rope import RotaryEmbedding
+from worker.model.weights import TensorLoader, copy_weight, load_checkpoint, load_tensors
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, info: ModelInfo) -> torch.dtype:
@@ -43,9 +43,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, info: ModelInfo) -> torch.dty
 class DecoderStack(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.*`)."""
 
-    def __init__(
-        self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
+    def __init__(self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(info.vocab_size, info.hidden_size, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(info.head_dim, info.rope_theta, info.rope_scaling, device=device)

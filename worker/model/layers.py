@@ -14,10 +14,10 @@ from torch import nn
 from kernels.fused import add_rms_norm, rms_norm, rope_and_cache_kv, silu_and_mul
 from kernels.lora import LoRABatch
 from shared.model_info import ModelInfo
-from worker.engine.attention import paged_attention
-from worker.engine.forward_batch import ForwardBatch
-from worker.engine.lora_linear import LoRALinear, LoRAPages
-from worker.engine.moe import MoEBlock
+from worker.model.attention import paged_attention
+from worker.model.forward_batch import ForwardBatch
+from worker.model.lora_linear import LoRALinear, LoRAPages
+from worker.model.moe import MoEBlock
 
 
 class RMSNorm(nn.Module):
@@ -60,9 +60,7 @@ class VocabEmbedding(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(
-        self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
+    def __init__(self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.num_heads = info.num_heads
         self.num_kv_heads = info.num_kv_heads
@@ -122,9 +120,7 @@ class SelfAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    def __init__(
-        self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
+    def __init__(self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         width = info.intermediate_size
         self.gate_up_proj = LoRALinear(

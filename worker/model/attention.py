@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention import paged_attention as attend
-from worker.engine.forward_batch import ForwardBatch
+from worker.model.forward_batch import ForwardBatch
 
 
 def paged_attention(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kernels.lora import LoRABatch, lora_linear, lora_linear_deferred
-from worker.engine.weights import copy_weight
+from worker.model.weights import copy_weight
 
 LoRAPair = tuple[torch.Tensor, torch.Tensor]  # (A [rank, in_features], B [out_features, rank])
 

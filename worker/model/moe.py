@@ -20,15 +20,13 @@ from torch import nn
 from kernels.lora import LoRABatch
 from kernels.moe import ExpertLoRA, moe_forward, route
 from shared.model_info import EXPERT_PROJECTIONS, MOE_BLOCK, ModelInfo
-from worker.engine.lora_linear import LoRAPages
-from worker.engine.moe_adapter import ExpertLoRAPair
-from worker.engine.weights import copy_weight
+from worker.adapter_pool.moe_adapter import ExpertLoRAPair
+from worker.model.lora_linear import LoRAPages
+from worker.model.weights import copy_weight
 
 
 class MoEBlock(nn.Module):
-    def __init__(
-        self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
+    def __init__(self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str) -> None:
         """Expert LoRA is not paged: the model gives an MoE model pages of its whole max rank, one per
         adapter, and the expert buffers below are indexed by that page (the adapter's slot)."""
         super().__init__()

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from shared.adapter_format import WEIGHTS_FILE, inspect_adapter
 from shared.model_info import ModelInfo
-from worker.engine.moe_adapter import expert_loras
+from worker.adapter_pool.moe_adapter import expert_loras
 
 ATTENTION_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 
