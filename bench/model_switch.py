@@ -15,7 +15,7 @@
               serving engine, activate the new one) until the new model's first step is launched; the
               time that step (a 32 x 128-token prefill) then takes is printed beside it
     during    decode tok/s of the serving model while the side-stream copy runs, vs before it
-The cold and warm rows run the code the worker runs (worker/models/loader.py); the overlap row takes
+The cold and warm rows run the code the worker runs (worker/switching/loader.py); the overlap row takes
 the steps ModelResidency takes (prepare on a loader thread, evict, activate) beside a serving LLMEngine.
 
 --part share: two base models (--pair) on one GPU, each fed batches of 32 requests (prompt 128,
@@ -52,8 +52,8 @@ from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model_runner import ModelRunner, kv_layout
 from worker.model.model import CausalLM
 from worker.model.weights import INDEX_FILE, checkpoint_files
-from worker.models.host_cache import HostWeights
-from worker.models.loader import PageLock, copy_to_model, read_to_host
+from worker.switching.checkpoint_cache import HostWeights
+from worker.switching.loader import PageLock, copy_to_model, read_to_host
 
 
 def llama(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, tied: bool) -> ModelInfo:

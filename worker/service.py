@@ -10,9 +10,9 @@ that the loop logs, backs off and tries again, holding on to any result it has n
 On `stop()` the worker drains: it reads no more jobs, gives running ones `drain_grace_s` to
 finish, and puts the rest back on their queue as new entries that any worker can take at once.
 
-A worker may serve more base models than it keeps resident (worker/models/): it reads only the
+A worker may serve more base models than it keeps resident (worker/switching/): it reads only the
 streams of resident models, measures the others' queues without consuming them, and switches
-(models/switcher.py) when waiting jobs outweigh the switch's cost.
+(switching/switcher.py) when waiting jobs outweigh the switch's cost.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine_thread import EngineThread
 from worker.metrics import WorkerMetrics
-from worker.models.residency import ModelResidency
-from worker.models.switcher import ModelSwitcher
+from worker.switching.residency import ModelResidency
+from worker.switching.switcher import ModelSwitcher
 
 log = structlog.get_logger(__name__)
 
@@ -167,9 +167,7 @@ class Worker:
         return self._residency.engines
 
     def _new_engine(self, name: str, runner: ModelRunner, tokenizer: Tokenizer) -> LLMEngine:
-        return LLMEngine(
-            runner, tokenizer, self.config.engine, self.config.adapter_root, self.metrics.engine(name)
-        )
+        return LLMEngine(runner, tokenizer, self.config.engine, self.config.adapter_root, self.metrics.engine(name))
 
     async def _announce(self) -> None:
         """Publish every served model, resident or not: the gateway accepts jobs for all of them."""

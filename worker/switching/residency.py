@@ -42,8 +42,8 @@ from worker.engine.model_runner import (
     usable_kv_blocks,
 )
 from worker.model.model import CausalLM
-from worker.models.host_cache import HostModelCache, HostWeights
-from worker.models.loader import checkpoint_bytes, copy_to_model, read_to_host
+from worker.switching.checkpoint_cache import CheckpointCache, HostWeights
+from worker.switching.loader import checkpoint_bytes, copy_to_model, read_to_host
 
 log = structlog.get_logger(__name__)
 
@@ -80,7 +80,7 @@ class ModelResidency:
         self.specs = {spec.name: spec for spec in config.models}
         self.infos = {name: ModelInfo.from_pretrained(name, spec.path) for name, spec in self.specs.items()}
         self.device = torch.device(config.engine.device)
-        self.cache = HostModelCache(config.cpu_model_cache_bytes)
+        self.cache = CheckpointCache(config.cpu_model_cache_bytes)
         self.engines: dict[str, LLMEngine] = {}
         self.resident_since: dict[str, float] = {}  # monotonic time each resident model came in
         self.nbytes = {name: checkpoint_bytes(spec.path) for name, spec in self.specs.items()}

@@ -18,8 +18,8 @@ from shared.config import EngineConfig, ModelSpec, WorkerConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine_thread import EngineThread
-from worker.models.residency import ModelResidency
-from worker.models.switcher import ModelSwitcher
+from worker.switching.residency import ModelResidency
+from worker.switching.switcher import ModelSwitcher
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.jobstore import now_ms
 from worker.engine_thread import EngineThread
-from worker.models.queue_probe import probe_queue
-from worker.models.residency import ModelResidency
-from worker.models.switch_policy import CandidateModel, ResidentModel, SwitchDecision, choose_switch
+from worker.switching.queue_probe import probe_queue
+from worker.switching.residency import ModelResidency
+from worker.switching.switch_policy import CandidateModel, ResidentModel, SwitchDecision, choose_switch
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@ from shared.config import EngineConfig, ModelSpec, WorkerConfig
 from shared.schema import SamplingParams
 from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model_runner import ModelRunner
-from worker.models.residency import ModelResidency
+from worker.switching.residency import ModelResidency
 
 
 @pytest.fixture(scope="module")

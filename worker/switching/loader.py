@@ -24,7 +24,7 @@ import torch
 
 from worker.model.model import CausalLM
 from worker.model.weights import checkpoint_files, paced_copies
-from worker.models.host_cache import HostWeights
+from worker.switching.checkpoint_cache import HostWeights
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import keys
-from worker.models.switch_policy import QueueState
+from worker.switching.switch_policy import QueueState
 
 
 def _entry_ms(entry_id: bytes | str) -> int:
@@ -30,8 +30,10 @@ async def probe_queue(redis: Redis, model: str, *, now_ms: int, claim_idle_ms: i
     length, groups = results
     if isinstance(length, ResponseError) or not length:
         return QueueState(0, 0.0)
-    group = None if isinstance(groups, ResponseError) else next(
-        (g for g in groups if g["name"] in (keys.WORKER_GROUP, keys.WORKER_GROUP.encode())), None
+    group = (
+        None
+        if isinstance(groups, ResponseError)
+        else next((g for g in groups if g["name"] in (keys.WORKER_GROUP, keys.WORKER_GROUP.encode())), None)
     )
     if group is None:  # no worker has ever read it: every entry waits
         first = await redis.xrange(stream, count=1)

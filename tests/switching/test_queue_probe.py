@@ -8,7 +8,7 @@ import pytest
 from redis.asyncio import Redis
 
 from shared import keys
-from worker.models.queue_probe import probe_queue
+from worker.switching.queue_probe import probe_queue
 
 STREAM = keys.queue("m")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.models.switch_policy import (
+from worker.switching.switch_policy import (
     MIN_RESIDENCY_FACTOR,
     CandidateModel,
     QueueState,

@@ -15,8 +15,8 @@ from shared.model_info import ModelInfo
 from tests.engine.tiny_hf import save_tiny_model
 from worker.model.model import CausalLM
 from worker.model.weights import SINGLE_FILE
-from worker.models import loader
-from worker.models.loader import checkpoint_bytes, copy_to_model, read_to_host
+from worker.switching import loader
+from worker.switching.loader import checkpoint_bytes, copy_to_model, read_to_host
 
 
 def test_host_tensors_equal_what_safetensors_reads(tmp_path: Path) -> None:

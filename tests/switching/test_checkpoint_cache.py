@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.models.host_cache import HostModelCache, HostWeights
+from worker.switching.checkpoint_cache import CheckpointCache, HostWeights
 
 
 def weights(model: str, nbytes: int) -> HostWeights:
@@ -13,7 +13,7 @@ def weights(model: str, nbytes: int) -> HostWeights:
 
 
 def test_least_recently_used_model_is_evicted_first() -> None:
-    cache = HostModelCache(300)
+    cache = CheckpointCache(300)
     assert cache.put(weights("a", 100)) == []
     assert cache.put(weights("b", 100)) == []
     assert cache.get("a") is not None  # a is now the most recent
@@ -23,7 +23,7 @@ def test_least_recently_used_model_is_evicted_first() -> None:
 
 
 def test_eviction_frees_as_many_models_as_the_new_one_needs() -> None:
-    cache = HostModelCache(300)
+    cache = CheckpointCache(300)
     for name in "abc":
         cache.put(weights(name, 100))
     assert cache.put(weights("d", 250)) == ["a", "b", "c"]
@@ -31,7 +31,7 @@ def test_eviction_frees_as_many_models_as_the_new_one_needs() -> None:
 
 
 def test_a_checkpoint_larger_than_the_cache_is_not_kept_and_evicts_nothing() -> None:
-    cache = HostModelCache(100)
+    cache = CheckpointCache(100)
     cache.put(weights("a", 80))
     assert cache.put(weights("huge", 101)) == []
     assert cache.names() == ["a"]
@@ -39,7 +39,7 @@ def test_a_checkpoint_larger_than_the_cache_is_not_kept_and_evicts_nothing() -> 
 
 
 def test_putting_a_cached_model_again_replaces_it() -> None:
-    cache = HostModelCache(200)
+    cache = CheckpointCache(200)
     cache.put(weights("a", 100))
     cache.put(weights("a", 150))
     assert cache.names() == ["a"] and cache.used_bytes == 150
@@ -47,4 +47,4 @@ def test_putting_a_cached_model_again_replaces_it() -> None:
 
 def test_negative_capacity_is_refused() -> None:
     with pytest.raises(ValueError, match="capacity"):
-        HostModelCache(-1)
+        CheckpointCache(-1)

@@ -25,7 +25,7 @@ class HostWeights:
     keepalive: tuple[object, ...] = ()  # what keeps the buffers page-locked (loader.PageLock) while held
 
 
-class HostModelCache:
+class CheckpointCache:
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
             raise ValueError("the host model cache's capacity must be >= 0 bytes")

@@ -18,7 +18,7 @@ class Sized(Protocol):
 Entry = TypeVar("Entry", bound=Sized)
 
 
-class HostCache(Generic[Entry]):
+class HostTier(Generic[Entry]):
     def __init__(self, budget_bytes: int, policy: EvictionPolicy) -> None:
         if budget_bytes < 1:
             raise ValueError("budget_bytes must be >= 1")
