@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from gateway.authenticator import Authenticator
+from gateway.auto_pipeline import AutoPipeline
 from gateway.job_events import JobEventReader
 from gateway.job_service import JobService
 from gateway.metrics import GatewayMetrics
@@ -18,7 +19,6 @@ from gateway.routes import setup_routes
 from gateway.state import AUTHENTICATOR, CONFIG, JOBS, METRICS, REDIS
 from gateway.tokenization import TokenizerCache
 from gateway.webhooks import WebhookDispatcher
-from shared.auto_pipeline import AutoPipeline
 from shared.config import GatewayConfig
 from shared.jobstore import JobStore
 from shared.rate_limits import Admission

@@ -6,7 +6,7 @@ short prompt (up to INLINE_CHARS) is encoded on the loop: that takes tens of mic
 than handing it to a thread and back (measured with bench/gateway.py).
 
 The short prompts a model's tokenizer is asked for in one event-loop turn are encoded together, in
-one call at the end of the turn (shared/turn_batch.py): alone between two requests' other work, an encode finds its
+one call at the end of the turn (gateway/turn_batch.py): alone between two requests' other work, an encode finds its
 tokenizer's tables out of the CPU caches and cost ~2.5x its time in a loop of encodes (a 26-character
 prompt: ~20-29 µs against 8; bench/gateway.py measured ~30 µs of gateway CPU per submit for it);
 a batch pays that once.
@@ -24,9 +24,9 @@ from concurrent.futures import Executor
 from redis.asyncio import Redis
 from tokenizers import Tokenizer
 
+from gateway.turn_batch import Batch, TurnBatch, settle
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_registry import get_tokenizer_json
-from shared.turn_batch import Batch, TurnBatch, settle
 
 INLINE_CHARS = 1024
 

@@ -1,5 +1,5 @@
 """Auto-pipelining: the commands that coroutines issue in one event-loop turn go to Redis as one
-pipeline (shared/turn_batch.py), so concurrent requests share one send, one read and the
+pipeline (gateway/turn_batch.py), so concurrent requests share one send, one read and the
 per-round-trip work.
 
 Each caller still waits for its own reply, and a command's error (e.g. NOSCRIPT) goes to its caller
@@ -28,7 +28,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.turn_batch import TurnBatch, settle
+from gateway.turn_batch import TurnBatch, settle
 
 _Batch = list[tuple[tuple[Any, ...], asyncio.Future[Any]]]  # (command arguments, the caller's reply)
 

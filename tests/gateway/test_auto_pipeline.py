@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ResponseError
 
-from shared.auto_pipeline import AutoPipeline
+from gateway.auto_pipeline import AutoPipeline
 from shared.redis_client import resilient_redis
 
 
