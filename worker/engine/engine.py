@@ -27,7 +27,7 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.sampled_tokens import SampledTokens
 from worker.engine.scheduler import ScheduledSequence, Scheduler
 from worker.engine.sequence import Sequence
-from worker.metrics import EngineMetrics
+from worker.metrics import EngineLoad, EngineMetrics, StepStats
 
 log = structlog.get_logger(__name__)
 
@@ -51,15 +51,6 @@ class EngineResult:
     error: JobError | None = None
     completion_tokens: int = 0
     first_token_ms: int = 0  # unix ms
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    """What one step ran, for metrics: sequences in its batch, tokens it processed, tokens it sampled."""
-
-    num_seqs: int = 0
-    num_tokens: int = 0
-    num_sampled: int = 0
 
 
 @dataclass(slots=True)
@@ -138,6 +129,16 @@ class LLMEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._tracked)
+
+    def load(self) -> EngineLoad:
+        """The queues and KV cache now, for metrics."""
+        return EngineLoad(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.blocks.num_blocks - self.blocks.num_free_blocks,
+            kv_blocks_total=self.blocks.num_blocks,
+            preemptions=self.scheduler.num_preemptions,
+        )
 
     def add(self, request: EngineRequest) -> EngineResult | None:
         """Queue a request. Returns a failed result at once if it can never run here."""
