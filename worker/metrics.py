@@ -154,7 +154,7 @@ class AdapterMetrics:
 
 
 class EngineMetrics:
-    """Recorder for one model's engine; `unregistered(model)` gives one that exports nowhere (tests, tools)."""
+    """Recorder for one model's engine (`WorkerMetrics.engine(model)`)."""
 
     def __init__(self, metrics: WorkerMetrics, model: str) -> None:
         self.adapters = AdapterMetrics(metrics, model)
@@ -168,10 +168,6 @@ class EngineMetrics:
         self._kv_used = metrics.kv_blocks_used.labels(model)
         self._kv_total = metrics.kv_blocks_total.labels(model)
         self._preemptions_seen = 0
-
-    @classmethod
-    def unregistered(cls, model: str) -> EngineMetrics:
-        return WorkerMetrics(device="cpu").engine(model)
 
     def record_step(self, step: StepStats, load: EngineLoad, seconds: float) -> None:
         """After one engine step that took `seconds`: its batch, and the queues and KV cache it left."""

@@ -30,7 +30,6 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from tokenizers import Tokenizer
 
 from shared import keys
 from shared.chat_template import read_chat_template
@@ -42,7 +41,6 @@ from shared.model_registry import mark_served, publish_model
 from shared.redis_client import resilient_redis
 from shared.schema import JobError, JobMessage, JobStatus, SchemaError, TokenDelta, decode_job
 from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
-from worker.engine.model_runner import ModelRunner
 from worker.engine_thread import EngineThread
 from worker.metrics import WorkerMetrics
 from worker.switching.residency import ModelResidency
@@ -99,9 +97,9 @@ class Worker:
         self._crash: BaseException | None = None
         self._engine_thread: EngineThread | None = None
         self._last_claim = 0.0
-        self._residency = ModelResidency(config, self._new_engine)
-        self._switcher: ModelSwitcher | None = None
         self.metrics = WorkerMetrics(config.engine.device)
+        self._residency = ModelResidency(config, self.metrics)  # plans the device's memory: fails early
+        self._switcher: ModelSwitcher | None = None
 
     async def run(self) -> int:
         """Serve until `stop()`; returns the process exit code."""
@@ -165,9 +163,6 @@ class Worker:
         for spec in self.config.models[: self._residency.slots]:
             self._residency.activate(self._residency.prepare(spec.name))
         return self._residency.engines
-
-    def _new_engine(self, name: str, runner: ModelRunner, tokenizer: Tokenizer) -> LLMEngine:
-        return LLMEngine(runner, tokenizer, self.config.engine, self.config.adapter_root, self.metrics.engine(name))
 
     async def _announce(self) -> None:
         """Publish every served model, resident or not: the gateway accepts jobs for all of them."""

@@ -1,8 +1,8 @@
-"""Cold reads into host buffers and warm fills of a model, against the safetensors library and the
-engine's own disk loader."""
+"""Cold reads into host buffers and warm fills of a model, against what the safetensors library reads."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 from pathlib import Path
@@ -14,9 +14,17 @@ from safetensors.torch import load_file, save_file
 from shared.model_info import ModelInfo
 from tests.engine.tiny_hf import save_tiny_model
 from worker.model.model import CausalLM
-from worker.model.weights import SINGLE_FILE
+from worker.model.weights import SINGLE_FILE, checkpoint_files
 from worker.switching import loader
 from worker.switching.loader import checkpoint_bytes, copy_to_model, read_to_host
+
+
+def filled_by_safetensors(info: ModelInfo, model_dir: Path, device: str = "cpu") -> CausalLM:
+    """The reference: a model filled from the tensors the safetensors library reads from every shard."""
+    model = CausalLM(info, max_loras=1, max_lora_rank=2, dtype=torch.float32, device=device)
+    tensors = itertools.chain.from_iterable(load_file(str(path)).items() for path in checkpoint_files(model_dir))
+    model.load_tensors(tensors, source="safetensors")
+    return model
 
 
 def test_host_tensors_equal_what_safetensors_reads(tmp_path: Path) -> None:
@@ -57,14 +65,13 @@ def test_offsets_outside_the_file_are_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("shard_size", "segment_bytes"), [(None, 256 << 20), ("20KB", 256 << 20), (None, 4096)])
-def test_a_model_filled_from_host_memory_equals_one_loaded_from_disk(
+def test_a_model_filled_from_host_memory_equals_one_filled_by_safetensors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_size: str | None, segment_bytes: int
 ) -> None:
     monkeypatch.setattr(loader, "_SEGMENT_BYTES", segment_bytes)  # 4096: many host buffers per file
     save_tiny_model("qwen2", tmp_path, seed=3, max_shard_size=shard_size)  # q/k/v biases and a tied head
     info = ModelInfo.from_pretrained("m", tmp_path)
-    from_disk = CausalLM(info, max_loras=1, max_lora_rank=2, dtype=torch.float32)
-    from_disk.load_weights(tmp_path)
+    from_disk = filled_by_safetensors(info, tmp_path)
     from_host = CausalLM(info, max_loras=1, max_lora_rank=2, dtype=torch.float32)
     host = read_to_host("m", tmp_path, pin=False)
     copy_to_model(from_host, host, stream=None)
@@ -91,7 +98,6 @@ def test_pinned_host_copy_on_a_side_stream_fills_the_device_model(tmp_path: Path
     assert all(t.is_pinned() for t in host.tensors.values())
     model = CausalLM(info, max_loras=1, max_lora_rank=2, dtype=torch.float32, device="cuda")
     copy_to_model(model, host, torch.cuda.Stream())
-    reference = CausalLM(info, max_loras=1, max_lora_rank=2, dtype=torch.float32, device="cuda")
-    reference.load_weights(tmp_path)
+    reference = filled_by_safetensors(info, tmp_path, device="cuda")
     for (name, tensor), expected in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(tensor, expected), name

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer
 
 from cli.demo_model import write_demo_model
 from shared.config import EngineConfig, ModelSpec, WorkerConfig
 from shared.schema import SamplingParams
 from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model_runner import ModelRunner
+from worker.metrics import WorkerMetrics
 from worker.switching.residency import ModelResidency
 
 
@@ -33,11 +32,7 @@ def residency(model_dir: Path, device: str, *, cache_bytes: int = 1 << 30, resid
         max_resident_models=resident,
         cpu_model_cache_bytes=cache_bytes,
     )
-
-    def new_engine(name: str, runner: ModelRunner, tokenizer: Tokenizer) -> LLMEngine:
-        return LLMEngine(runner, tokenizer, config.engine, config.adapter_root)
-
-    return ModelResidency(config, new_engine)
+    return ModelResidency(config, WorkerMetrics(device))
 
 
 def test_models_move_between_resident_warm_and_cold(model_dir: Path) -> None:
@@ -117,6 +112,12 @@ def _greedy_outputs(engine: LLMEngine, prompts: list[tuple[int, ...]], *, tag: s
 PROMPTS = [(5, 6, 7, 8, 9), (11, 3, 4), tuple(range(20, 60))]
 
 
+def fresh_engine(models: ModelResidency) -> LLMEngine:
+    """Model b's engine as a worker starting with it would build it."""
+    fresh = ModelResidency(models.config, WorkerMetrics(models.config.engine.device))
+    return fresh.activate(fresh.prepare("b"))
+
+
 def test_a_model_prepared_to_replace_another_takes_its_kv_storage_and_serves_as_a_fresh_engine_would(
     model_dir: Path,
 ) -> None:
@@ -128,8 +129,7 @@ def test_a_model_prepared_to_replace_another_takes_its_kv_storage_and_serves_as_
     assert _greedy_outputs(serving, PROMPTS, tag="a-again") == before  # a serves on beside it, untouched
     models.evict("a")
     incoming = models.activate(prepared)
-    fresh = LLMEngine.from_spec(ModelSpec("b", model_dir), models.config.engine, model_dir)
-    assert _greedy_outputs(incoming, PROMPTS, tag="b") == _greedy_outputs(fresh, PROMPTS, tag="fresh")
+    assert _greedy_outputs(incoming, PROMPTS, tag="b") == _greedy_outputs(fresh_engine(models), PROMPTS, tag="fresh")
 
 
 def test_an_evicted_models_kv_storage_is_reused_by_the_next_one(model_dir: Path) -> None:
@@ -170,5 +170,4 @@ def test_on_cuda_a_model_is_prepared_and_its_graphs_captured_while_the_one_it_re
     assert beside == alone
     models.evict("a")
     incoming = models.activate(prepared[0])
-    fresh = LLMEngine.from_spec(ModelSpec("b", model_dir), models.config.engine, model_dir)
-    assert _greedy_outputs(incoming, PROMPTS, tag="b") == _greedy_outputs(fresh, PROMPTS, tag="fresh")
+    assert _greedy_outputs(incoming, PROMPTS, tag="b") == _greedy_outputs(fresh_engine(models), PROMPTS, tag="fresh")

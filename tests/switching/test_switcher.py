@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
-from tokenizers import Tokenizer
 
 from cli.demo_model import write_demo_model
 from shared import keys
 from shared.config import EngineConfig, ModelSpec, WorkerConfig
-from worker.engine.engine import LLMEngine
-from worker.engine.model_runner import ModelRunner
 from worker.engine_thread import EngineThread
+from worker.metrics import WorkerMetrics
 from worker.switching.residency import ModelResidency
 from worker.switching.switcher import ModelSwitcher
 
@@ -43,11 +41,7 @@ async def switcher(model_dirs: dict[str, Path], aredis: Redis) -> AsyncIterator[
         max_resident_models=1,
         cpu_model_cache_bytes=1 << 30,
     )
-
-    def new_engine(name: str, runner: ModelRunner, tokenizer: Tokenizer) -> LLMEngine:
-        return LLMEngine(runner, tokenizer, config.engine, config.adapter_root)
-
-    residency = ModelResidency(config, new_engine)
+    residency = ModelResidency(config, WorkerMetrics("cpu"))
     residency.activate(residency.prepare("good"))
     thread = EngineThread(residency.engines, on_result=lambda _: None, on_crash=lambda exc: None)
     thread.start()

@@ -1,5 +1,5 @@
-"""An adapter's LoRAs of MoE experts, read into per-expert (A, B) stacks that MoEBlock.set_lora and the
-adapter pool's slot writer copy into slots: from the per-expert form or from PEFT's fused-parameter form
+"""An adapter's LoRAs of MoE experts, read into per-expert (A, B) stacks that host_adapter.py packs for
+the slot writer: from the per-expert form or from PEFT's fused-parameter form
 (shared/expert_adapter_keys.py describes both and validates them first)."""
 
 from __future__ import annotations

@@ -33,7 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.adapter_pool.host_adapter import BufferLayout, HostAdapter
+from shared.model_info import PROJECTIONS, ModelInfo
+from worker.adapter_pool.host_adapter import BufferLayout, HostAdapter, max_adapter_bytes
+from worker.adapter_pool.peft_adapter import ATTENTION_PROJECTIONS
+from worker.model.lora_linear import LoRAPages
 from worker.model.model import CausalLM
 from worker.model.moe import MoEBlock
 
@@ -53,6 +56,17 @@ _SOURCE_LAYOUTS = 8
 # a deployment's adapters come in a few (rank, targets) shapes, so a couple per page hit nearly
 # always while bounding the memory however many shapes turn up.
 _PLANS_PER_PAGE = 2
+
+
+def buffer_bytes(info: ModelInfo, pages: LoRAPages, *, max_lora_rank: int, dtype: torch.dtype) -> int:
+    """The most a writer's device buffers grow to (the memory plan budgets it): the staged copy of the
+    largest adapter the pool accepts, and its dense projections' Bs re-laid into page blocks (every
+    dense projection's output rows, over the pages of one max-rank adapter)."""
+    dense_layers = info.num_layers - len(info.moe_layers)
+    out_rows = dense_layers * sum(info.projection_shape(p)[1] for p in PROJECTIONS)
+    out_rows += len(info.moe_layers) * sum(info.projection_shape(p)[1] for p in ATTENTION_PROJECTIONS)
+    relaid = pages.pages_per_slot * pages.page_rank * out_rows * dtype.itemsize
+    return max_adapter_bytes(info, max_rank=max_lora_rank, dtype=dtype) + relaid
 
 
 @dataclass(slots=True)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.model_info import ModelInfo
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
@@ -24,11 +26,14 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
 
+    @classmethod
+    def of(cls, info: ModelInfo, block_size: int, dtype: torch.dtype) -> KVLayout:
+        return cls(info.num_layers, block_size, info.num_kv_heads, info.head_dim, dtype)
+
     @property
     def bytes_per_block(self) -> int:
         """K and V of one block in every layer."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def blocks_in(self, nbytes: int) -> int:
         return nbytes // self.bytes_per_block

@@ -8,7 +8,7 @@ adapter slots find where `q_proj` lives without a separate mapping table.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -16,10 +16,8 @@ import torch
 from torch import nn
 
 from kernels.lora import LoRABatch, lora_linear, lora_linear_deferred
+from shared.model_info import ModelInfo
 from worker.model.weights import copy_weight
-
-LoRAPair = tuple[torch.Tensor, torch.Tensor]  # (A [rank, in_features], B [out_features, rank])
-
 
 # Rank rows per page of a paged pool: tl.dot's minimum tile, and the LoRA kernels' vector width.
 PAGE_RANK = 16
@@ -33,6 +31,18 @@ class LoRAPages:
 
     num_pages: int
     page_rank: int
+    pages_per_slot: int  # pages of one max-rank adapter
+
+    @classmethod
+    def for_pool(cls, info: ModelInfo, *, max_loras: int, max_lora_rank: int) -> LoRAPages:
+        """The pages of a pool as large as `max_loras` adapters of rank `max_lora_rank`. MoE models,
+        whose expert buffers are not paged, and pools of rank <= PAGE_RANK get one page of the whole
+        max rank per adapter: slots are then pages."""
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        page_rank = max_lora_rank if info.is_moe or max_lora_rank <= PAGE_RANK else PAGE_RANK
+        pages_per_slot = -(-max_lora_rank // page_rank)
+        return cls(num_pages=max_loras * pages_per_slot, page_rank=page_rank, pages_per_slot=pages_per_slot)
 
 
 class LoRALinear(nn.Module):
@@ -108,39 +118,3 @@ class LoRALinear(nn.Module):
                     loaders[key] = partial(copy_weight, param[offset : offset + width], name=key)
             offset += width
         return loaders
-
-    def set_lora(self, pages: Sequence[int], pairs: Sequence[LoRAPair | None]) -> None:
-        """Overwrite `pages` (an adapter's, in rank order) with one (A, B) pair per slice, None for a
-        slice the adapter leaves alone; everything else in those pages is zeroed."""
-        if len(pairs) != len(self.projections):
-            raise ValueError(f"expected {len(self.projections)} LoRA pairs ({', '.join(self.projections)})")
-        self.clear_lora(pages)
-        capacity = len(pages) * self.page_rank
-        for name, width, a_pages, b_pages, pair in zip(
-            self.projections, self.out_features, self.lora_a, self.lora_b, pairs, strict=True
-        ):
-            if pair is None:
-                continue
-            a, b = pair
-            rank = a.shape[0]
-            if rank > capacity:
-                raise ValueError(f"{name}: LoRA rank {rank} exceeds the {capacity} rows of its {len(pages)} page(s)")
-            if tuple(a.shape) != (rank, self.in_features) or tuple(b.shape) != (width, rank):
-                raise ValueError(
-                    f"{name}: LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
-                    f"A [r, {self.in_features}] / B [{width}, r]"
-                )
-            for index, page in enumerate(pages):
-                first = index * self.page_rank
-                rows = min(rank - first, self.page_rank)
-                if rows <= 0:
-                    break
-                a_pages[page, :rows].copy_(a[first : first + rows])
-                b_pages[page, :, :rows].copy_(b[:, first : first + rows])
-
-    def clear_lora(self, pages: Sequence[int]) -> None:
-        """Zero `pages` in every slice, so nothing of their last adapter survives."""
-        for a_pages, b_pages in zip(self.lora_a, self.lora_b, strict=True):
-            for page in pages:
-                a_pages[page].zero_()
-                b_pages[page].zero_()

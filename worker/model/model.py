@@ -10,20 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from functools import partial
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from shared.model_info import PROJECTIONS, ModelInfo
-from worker.adapter_pool.peft_adapter import AdapterWeights
+from shared.model_info import ModelInfo
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_cache import KVCache
 from worker.model.layers import DecoderLayer, RMSNorm, VocabEmbedding
-from worker.model.lora_linear import PAGE_RANK, LoRALinear, LoRAPages
+from worker.model.lora_linear import LoRALinear, LoRAPages
 from worker.model.moe import MoEBlock
 from worker.model.rope import RotaryEmbedding
-from worker.model.weights import TensorLoader, copy_weight, load_checkpoint, load_tensors
+from worker.model.weights import TensorLoader, copy_weight, load_tensors
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, info: ModelInfo) -> torch.dtype:
@@ -38,6 +36,13 @@ def resolve_dtype(dtype: torch.dtype | str | None, info: ModelInfo) -> torch.dty
     if not resolved.is_floating_point:
         raise ValueError(f"dtype {resolved} is not a floating-point dtype")
     return resolved
+
+
+def model_dtype(name: str | None, info: ModelInfo, device: torch.device | str) -> torch.dtype:
+    """The dtype a worker runs `info`'s weights in: the checkpoint's unless `name` overrides it; fp16
+    on CPU runs as fp32 (slow and lossy there)."""
+    dtype = resolve_dtype(name, info)
+    return torch.float32 if torch.device(device).type == "cpu" and dtype is torch.float16 else dtype
 
 
 class DecoderStack(nn.Module):
@@ -75,26 +80,24 @@ class CausalLM(nn.Module):
         dtype: torch.dtype | str | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        """Allocate the model with uninitialised weights (fill them with `load_weights`) and an empty
+        """Allocate the model with uninitialised weights (filled by `load_tensors`) and an empty
         LoRA pool as large as `max_loras` adapters of rank `max_lora_rank`. dtype None: the checkpoint's.
+        On the meta device it allocates nothing: the memory plan counts its tensors' bytes that way.
 
         The pool is paged (S-LoRA's unified paging): pages of PAGE_RANK rank rows for every adapted
         projection of every layer, so adapters of lower rank take fewer pages and more of them fit,
         up to one per page. An adapter's slot (its index into the per-slot tensors below) is the
-        index of its first page. MoE models, whose expert buffers are not paged, and pools of rank
-        <= PAGE_RANK get one page of the whole max rank per adapter: slots are then pages."""
+        index of its first page (LoRAPages.for_pool says when slots are pages)."""
         super().__init__()
-        if max_loras < 1 or max_lora_rank < 1:
-            raise ValueError("max_loras and max_lora_rank must be >= 1")
         self.info = info
         self.dtype = resolve_dtype(dtype, info)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
-        self.page_rank = max_lora_rank if info.is_moe or max_lora_rank <= PAGE_RANK else PAGE_RANK
-        self.pages_per_slot = -(-max_lora_rank // self.page_rank)
-        self.num_pages = max_loras * self.pages_per_slot
+        pages = LoRAPages.for_pool(info, max_loras=max_loras, max_lora_rank=max_lora_rank)
+        self.page_rank = pages.page_rank
+        self.pages_per_slot = pages.pages_per_slot
+        self.num_pages = pages.num_pages
         self.num_slots = self.num_pages
-        pages = LoRAPages(num_pages=self.num_pages, page_rank=self.page_rank)
         self.model = DecoderStack(info, pages=pages, dtype=self.dtype, device=device)
         self.lm_head = (
             self.model.embed_tokens
@@ -150,15 +153,11 @@ class CausalLM(nn.Module):
         """
         return self.lm_head.logits(self.model(batch, kv_cache), out)
 
-    def load_weights(self, model_dir: Path) -> None:
-        """Fill every parameter from the HF safetensors checkpoint in `model_dir` (single or sharded)."""
-        with torch.no_grad():
-            load_checkpoint(Path(model_dir), self._checkpoint_loaders(), ignore=self._derived)
-
     def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], *, source: str) -> None:
-        """Fill every parameter from (checkpoint name, tensor) pairs already in host memory (a warm
-        model's pinned copy). Copies are queued on the current CUDA stream without a host wait: the
-        caller synchronises that stream before use and keeps `tensors` alive until then."""
+        """Fill every parameter from (checkpoint name, tensor) pairs already in host memory (a
+        checkpoint read by worker/switching/loader.py). Copies are queued on the current CUDA stream
+        without a host wait: the caller synchronises that stream before use and keeps `tensors`
+        alive until then."""
         with torch.no_grad():
             load_tensors(tensors, self._checkpoint_loaders(), ignore=self._derived, source=source)
 
@@ -177,46 +176,3 @@ class CausalLM(nn.Module):
             for param_name, param in module.named_parameters(prefix=module_name, recurse=False):
                 loaders[param_name] = partial(copy_weight, param, name=param_name)
         return loaders
-
-    def set_adapter_slot(self, index: int, adapter: AdapterWeights) -> int:
-        """Load `adapter` without the adapter pool (tests, single-adapter tools) as the `index`-th of
-        max_loras adapters: into the index-th max-rank stretch of pages. Returns its slot."""
-        if not 0 <= index < self.max_loras:
-            raise ValueError(f"adapter slot {index} is outside 0..{self.max_loras - 1}")
-        first = index * self.pages_per_slot
-        return self.set_adapter(list(range(first, first + self.pages_for_rank(adapter.rank))), adapter)
-
-    @torch.no_grad()
-    def set_adapter(self, pages: Sequence[int], adapter: AdapterWeights) -> int:
-        """Copy `adapter` into `pages` (free ones, in rank order) and return its slot: projections the
-        adapter does not target, and ranks past its own, are zeroed."""
-        known = {(layer, projection) for layer in range(self.info.num_layers) for projection in PROJECTIONS}
-        unknown = sorted(set(adapter.lora) - known)
-        if unknown:
-            raise ValueError(f"adapter targets modules this model does not have: {unknown[:3]}")
-        if len(pages) != self.pages_for_rank(adapter.rank) or not all(0 <= p < self.num_pages for p in pages):
-            raise ValueError(f"an adapter of rank {adapter.rank} cannot take pages {list(pages)}")
-        slot = pages[0]
-        for layer_index, layer in enumerate(self.model.layers):
-            for linear in layer.lora_linears():
-                linear.set_lora(pages, [adapter.lora.get((layer_index, name)) for name in linear.projections])
-            if isinstance(layer.mlp, MoEBlock):
-                layer.mlp.set_lora(slot, layer_index, adapter.experts)
-        self.set_slot(slot, pages, adapter.rank, adapter.scaling)
-        return slot
-
-    @torch.no_grad()
-    def clear_adapter_slot(self, slot: int) -> None:
-        """Zero `slot` and its pages entirely, so no weight of its evicted adapter can leak into the
-        next one; the slot reads as empty (rank 0) from then on."""
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"adapter slot {slot} is outside 0..{self.num_slots - 1}")
-        rank = int(self.slot_ranks[slot])
-        pages = self.slot_pages[slot, : -(-rank // self.page_rank)].tolist() if rank else [slot]
-        for layer in self.model.layers:
-            for linear in layer.lora_linears():
-                linear.clear_lora(pages)
-            if isinstance(layer.mlp, MoEBlock):
-                layer.mlp.clear_lora(slot)
-        self.slot_ranks[slot] = 0
-        self.slot_scales[slot] = 0.0

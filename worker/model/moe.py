@@ -5,8 +5,8 @@ Experts are held stacked, as the kernels read them: gate|up as w13 [E, 2I, H], d
 every expert's LoRA: gate_up A [S, E, 2R, H] / B [S, E, 2I, 2R], down A [S, E, R, I] / B [S, E, H, R].
 gate_up gets twice the slot rank because an adapter's gate and up LoRAs (rank r each) are stacked
 block-diagonally into one rank-2r LoRA of the packed projection: A = [A_gate; A_up],
-B = [[B_gate, 0], [0, B_up]], so one shrink and one expand serve both (moe_adapter.py reads both
-adapter forms into per-expert gate / up / down pairs).
+B = [[B_gate, 0], [0, B_up]], so one shrink and one expand serve both (the adapter pool's slot writer
+fills them through `lora_slot_views`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from torch import nn
 from kernels.lora import LoRABatch
 from kernels.moe import ExpertLoRA, moe_forward, route
 from shared.model_info import EXPERT_PROJECTIONS, MOE_BLOCK, ModelInfo
-from worker.adapter_pool.moe_adapter import ExpertLoRAPair
 from worker.model.lora_linear import LoRAPages
 from worker.model.weights import copy_weight
 
@@ -77,26 +76,6 @@ class MoEBlock(nn.Module):
                 loaders[key] = partial(copy_weight, target, name=key)
         return loaders
 
-    def set_lora(self, slot: int, layer: int, experts: dict[tuple[int, str], ExpertLoRAPair]) -> None:
-        """Overwrite `slot` with this layer's entries of an adapter's `experts` (stack_expert_loras);
-        projections the adapter leaves alone stay zero."""
-        self.clear_lora(slot)
-        rank = self.max_lora_rank
-        gate, up, down_name = EXPERT_PROJECTIONS[self.info.architecture]
-        if (layer, gate) in experts:
-            (a_gate, b_gate), (a_up, b_up) = experts[(layer, gate)], experts[(layer, up)]
-            r = self._check(a_gate, b_gate, self.info.hidden_size, self.width)
-            self._check(a_up, b_up, self.info.hidden_size, self.width)
-            self.lora_a13[slot, :, :r].copy_(a_gate)
-            self.lora_a13[slot, :, rank : rank + r].copy_(a_up)
-            self.lora_b13[slot, :, : self.width, :r].copy_(b_gate)
-            self.lora_b13[slot, :, self.width :, rank : rank + r].copy_(b_up)
-        if (layer, down_name) in experts:
-            a_down, b_down = experts[(layer, down_name)]
-            r = self._check(a_down, b_down, self.width, self.info.hidden_size)
-            self.lora_a2[slot, :, :r].copy_(a_down)
-            self.lora_b2[slot, :, :, :r].copy_(b_down)
-
     def lora_slot_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """`experts.{projection}` → (A, B) views of the slot buffers an adapter's per-expert LoRA of
         that projection lands in: A [S, max_rank, E, in] (ranks on dim 1), B [S, E, out, max_rank]
@@ -108,19 +87,3 @@ class MoEBlock(nn.Module):
             f"experts.{up}": (self.lora_a13[:, :, rank:].transpose(1, 2), self.lora_b13[:, :, width:, rank:]),
             f"experts.{down}": (self.lora_a2.transpose(1, 2), self.lora_b2),
         }
-
-    def clear_lora(self, slot: int) -> None:
-        """Zero `slot`, so nothing of its last adapter survives."""
-        for buffer in (self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2):
-            buffer[slot].zero_()
-
-    def _check(self, a: torch.Tensor, b: torch.Tensor, in_features: int, out_features: int) -> int:
-        experts, rank = self.info.num_experts, a.shape[1]
-        if rank > self.max_lora_rank:
-            raise ValueError(f"expert LoRA rank {rank} exceeds the slot rank {self.max_lora_rank}")
-        if tuple(a.shape) != (experts, rank, in_features) or tuple(b.shape) != (experts, out_features, rank):
-            raise ValueError(
-                f"expert LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
-                f"A [{experts}, r, {in_features}] / B [{experts}, {out_features}, r]"
-            )
-        return rank

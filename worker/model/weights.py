@@ -1,9 +1,10 @@
-"""Reading an HF checkpoint (safetensors only, single file or sharded) into a model's parameters.
+"""An HF checkpoint's tensors (safetensors only, single file or sharded) into a model's parameters.
 
 The model says where each checkpoint tensor goes (a loader per tensor name, declared by the layer
-that owns the parameter); this module reads the files and holds the loading strict: a tensor the
+that owns the parameter); this module finds the files and holds the loading strict: a tensor the
 model has no place for, or a parameter no tensor filled, is an error naming it. Pickled checkpoints
-(`*.bin`, `*.pt`) are never read.
+(`*.bin`, `*.pt`) are never read. The files themselves are read into host memory by
+worker/switching/loader.py, the one way weights reach a model.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from contextvars import ContextVar
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,14 +37,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     pickled = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in model_dir.glob(pattern))
     hint = f" (found {', '.join(pickled)}: pickled weights are never loaded; convert to safetensors)" if pickled else ""
     raise FileNotFoundError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
-
-
-def read_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint, one file open at a time, on the CPU."""
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable; keys() is its API
-                yield name, f.get_tensor(name)
 
 
 # Host-to-device copies go in pieces of at most this many bytes, and a paced load (`paced_copies`)
@@ -109,12 +101,6 @@ def copy_weight(target: torch.Tensor, tensor: torch.Tensor, *, name: str) -> Non
         piece.copy_(source, non_blocking=True)
         if pacer is not None:
             pacer.queued(source.numel() * source.element_size())
-
-
-def load_checkpoint(model_dir: Path, loaders: dict[str, TensorLoader], *, ignore: Callable[[str], bool]) -> None:
-    """Feed every checkpoint tensor to its loader; `ignore(name)` marks tensors the model derives
-    itself (a tied lm_head, an old checkpoint's rotary buffer)."""
-    load_tensors(read_checkpoint(model_dir), loaders, ignore=ignore, source=str(model_dir))
 
 
 def load_tensors(

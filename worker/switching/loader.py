@@ -22,7 +22,9 @@ from pathlib import Path
 import structlog
 import torch
 
-from worker.model.model import CausalLM
+from shared.config import EngineConfig
+from shared.model_info import ModelInfo
+from worker.model.model import CausalLM, model_dtype
 from worker.model.weights import checkpoint_files, paced_copies
 from worker.switching.checkpoint_cache import HostWeights
 
@@ -176,6 +178,18 @@ def read_to_host(model: str, model_dir: Path, *, pin: bool) -> HostWeights:
         page_locks = tuple(lock.result() for lock in locks)
     nbytes = sum(buffer.numel() for buffer in buffers)
     return HostWeights(model=model, tensors=tensors, nbytes=nbytes, pinned=pin, keepalive=page_locks)
+
+
+def new_model(info: ModelInfo, config: EngineConfig) -> CausalLM:
+    """`info`'s model on config.device with LoRA slots for config.max_loras adapters of
+    config.max_lora_rank, its weights uninitialised until `copy_to_model` fills them."""
+    return CausalLM(
+        info,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        dtype=model_dtype(config.dtype, info, config.device),
+        device=config.device,
+    )
 
 
 def copy_to_model(model: CausalLM, host: HostWeights, stream: torch.cuda.Stream | None) -> None:

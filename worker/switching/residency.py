@@ -16,6 +16,10 @@ model's storage, so its decode graphs are captured against their final addresses
 hand-over, while `replacing` still serves from the same memory (capture writes nothing), and the
 hand-over itself only swaps engines.
 
+Every budget (weights, LoRA slots, staging, activations, the slots' KV storage) comes from one
+memory plan (worker/memory_plan.py), made once at start: a configuration that cannot fit fails then.
+This is the one way an engine is built, for the worker and for tests alike.
+
 `engines` is the dict the engine thread steps; only the engine thread changes it once serving.
 """
 
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -33,17 +36,11 @@ from tokenizers import Tokenizer
 from shared.config import ModelSpec, WorkerConfig
 from shared.model_info import ModelInfo
 from worker.engine.engine import LLMEngine
-from worker.engine.model_runner import (
-    ModelRunner,
-    device_bytes_left,
-    engine_dtype,
-    kv_budget_bytes,
-    kv_layout,
-    usable_kv_blocks,
-)
-from worker.model.model import CausalLM
+from worker.engine.model_runner import ModelRunner
+from worker.memory_plan import DeviceMemory, plan_memory
+from worker.metrics import WorkerMetrics
 from worker.switching.checkpoint_cache import CheckpointCache, HostWeights
-from worker.switching.loader import checkpoint_bytes, copy_to_model, read_to_host
+from worker.switching.loader import checkpoint_bytes, copy_to_model, new_model, read_to_host
 
 log = structlog.get_logger(__name__)
 
@@ -53,9 +50,6 @@ _DEFAULT_H2D_BYTES_PER_S = {"cuda": 20e9, "cpu": 5e9}
 _DEFAULT_DISK_BYTES_PER_S = 1e9
 _BUILD_S = {"cuda": 0.5, "cpu": 0.05}  # KV cache and decode-graph capture, before the hand-over
 _SMOOTHING = 0.5  # weight of the newest measurement in the bandwidth estimates
-# With no --max-resident-models on CUDA, resident weights (plus the prefetch reserve) take at most
-# this share of the memory left, keeping the rest for KV caches and activations.
-_WEIGHTS_SHARE = 0.75
 
 
 @dataclass(slots=True)
@@ -70,40 +64,31 @@ class PreparedModel:
     nbytes: int
 
 
-NewEngine = Callable[[str, ModelRunner, Tokenizer], LLMEngine]  # (model name, runner, tokenizer) → engine
-
-
 class ModelResidency:
-    def __init__(self, config: WorkerConfig, new_engine: NewEngine) -> None:
+    def __init__(self, config: WorkerConfig, metrics: WorkerMetrics) -> None:
+        """Plan the device's memory for `config.models` (raises MemoryPlanError if they cannot fit);
+        nothing is loaded until `prepare`. `metrics`: where the engines record their series."""
         self.config = config
-        self._new_engine = new_engine
+        self._metrics = metrics
         self.specs = {spec.name: spec for spec in config.models}
         self.infos = {name: ModelInfo.from_pretrained(name, spec.path) for name, spec in self.specs.items()}
         self.device = torch.device(config.engine.device)
+        memory = DeviceMemory.measure(self.device) if self.device.type == "cuda" else None
+        self.plan = plan_memory(
+            self.infos, config.engine, memory=memory, max_resident_models=config.max_resident_models
+        )
+        log.info("memory_plan", **self.plan.summary())
         self.cache = CheckpointCache(config.cpu_model_cache_bytes)
         self.engines: dict[str, LLMEngine] = {}
         self.resident_since: dict[str, float] = {}  # monotonic time each resident model came in
         self.nbytes = {name: checkpoint_bytes(spec.path) for name, spec in self.specs.items()}
-        self.slots = min(len(self.specs), config.max_resident_models or self._fitting_count())
+        self.slots = self.plan.resident_slots
         self.h2d_bytes_per_s = _DEFAULT_H2D_BYTES_PER_S[self.device.type]
         self.disk_bytes_per_s = _DEFAULT_DISK_BYTES_PER_S
         self._lock = threading.Lock()  # the cache and estimates: loader thread vs the event loop
         self._resident_names: tuple[str, ...] = ()  # a snapshot readable from any thread
         self._kv_storage: dict[str, torch.Tensor] = {}  # resident model → its slot's KV storage
         self._free_kv_storage: list[torch.Tensor] = []  # storage of slots whose model was evicted
-
-    def _fitting_count(self) -> int:
-        """Models (in the order given) whose weights, with the prefetch reserve for the largest
-        of the others, fit in _WEIGHTS_SHARE of the device memory left; all of them on CPU."""
-        if self.device.type != "cuda":
-            return len(self.specs)
-        budget = _WEIGHTS_SHARE * device_bytes_left(self.config.engine, self.device)
-        sizes = list(self.nbytes.values())
-        for count in range(len(sizes), 0, -1):
-            reserve = max(sizes[count:], default=0)
-            if sum(sizes[:count]) + reserve <= budget:
-                return count
-        return 1
 
     # -- tiers ----------------------------------------------------------------------------------
 
@@ -143,23 +128,15 @@ class ModelResidency:
             host = read_to_host(name, spec.path, pin=torch.cuda.is_available())
             read_s = time.perf_counter() - started
             self._cache(host, read_s)
-        info = self.infos[name]
-        engine = self.config.engine
-        model = CausalLM(
-            info,
-            max_loras=engine.max_loras,
-            max_lora_rank=engine.max_lora_rank,
-            dtype=engine_dtype(engine.dtype, info, self.device),
-            device=self.device,
-        )
+        model = new_model(self.infos[name], self.config.engine)
         copy_started = time.perf_counter()
         copy_to_model(model, host, torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         copy_s = time.perf_counter() - copy_started
         with self._lock:
             self.h2d_bytes_per_s = _smooth(self.h2d_bytes_per_s, host.nbytes / max(copy_s, 1e-6))
         build_started = time.perf_counter()
-        storage = self._kv_storage[replacing] if replacing is not None else self._storage_for_free_slot(name)
-        runner = ModelRunner.from_model(model, engine, kv_storage=storage)
+        storage = self._kv_storage[replacing] if replacing is not None else self._storage_for_free_slot()
+        runner = ModelRunner(model, self.config.engine, storage, self.plan.kv_blocks(name))
         tokenizer = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
         build_s = time.perf_counter() - build_started
         log.info(
@@ -185,7 +162,13 @@ class ModelResidency:
         """Make a prepared model resident in the slot whose KV storage it took. Call on the engine
         thread, after evicting the model it replaces."""
         name = prepared.spec.name
-        engine = self._new_engine(name, prepared.runner, prepared.tokenizer)
+        engine = LLMEngine(
+            prepared.runner,
+            prepared.tokenizer,
+            self.config.engine,
+            self.config.adapter_root,
+            self._metrics.engine(name),
+        )
         self._free_kv_storage = [s for s in self._free_kv_storage if s is not prepared.kv_storage]
         self._kv_storage[name] = prepared.kv_storage
         self.engines[name] = engine
@@ -193,41 +176,12 @@ class ModelResidency:
         self._resident_names = tuple(self.engines)
         return engine
 
-    def _storage_for_free_slot(self, incoming: str) -> torch.Tensor:
-        """A slot's KV storage no resident model holds: an evicted model's, else a new one."""
+    def _storage_for_free_slot(self) -> torch.Tensor:
+        """A slot's KV storage no resident model holds: an evicted model's, else a new one of the
+        plan's size."""
         if self._free_kv_storage:
             return self._free_kv_storage[-1]
-        return torch.zeros(self._new_storage_bytes(incoming), dtype=torch.uint8, device=self.device)
-
-    def _new_storage_bytes(self, incoming: str) -> int:
-        """One slot's KV storage: what the model needing the most would use (a full batch of full
-        contexts, or num_kv_blocks), bounded by `incoming`'s share of the memory left."""
-        engine = self.config.engine
-        scratch = int(self.device.type == "cuda")  # decode graphs' padding block
-
-        def wanted(name: str) -> int:
-            info = self.infos[name]
-            layout = kv_layout(info, engine, engine_dtype(engine.dtype, info, self.device))
-            return (engine.num_kv_blocks or usable_kv_blocks(info, engine) + scratch) * layout.bytes_per_block
-
-        most = max(wanted(name) for name in self.specs)
-        if engine.num_kv_blocks:
-            return most
-        budget = kv_budget_bytes(self.infos[incoming], engine, self._kv_share(incoming))
-        if budget <= 0:
-            raise RuntimeError("no memory left for the KV cache: lower max_num_batched_tokens or serve fewer models")
-        return min(most, budget)
-
-    def _kv_share(self, incoming: str) -> float:
-        """The incoming model's part of the memory left: an equal split among the resident slots still
-        to fill, after keeping room to prefetch the largest model that will not be resident."""
-        open_slots = self.slots - len(self.engines)
-        if self.device.type != "cuda":
-            return 1.0 / open_slots
-        outside = [n for n in self.specs if n not in self.engines and n != incoming]
-        reserve = max((self.nbytes[n] for n in outside), default=0)
-        left = device_bytes_left(self.config.engine, self.device)
-        return max(0.0, (left - reserve) / max(left, 1)) / open_slots
+        return torch.zeros(self.plan.kv_storage_bytes, dtype=torch.uint8, device=self.device)
 
     def evict(self, name: str) -> None:
         """Drop `name`'s engine; its slot's KV storage waits for the next model. Call on the engine
@@ -240,11 +194,12 @@ class ModelResidency:
         self._resident_names = tuple(self.engines)
 
     def fits_beside_resident(self, name: str) -> bool:
-        """Whether `name`'s weights fit in device memory now, beside the resident models (an overlapped
-        prefetch); if not, the switch evicts first and loads after."""
+        """Whether `name` (its weights, LoRA slots, staging and activations: the plan's footprint) fits
+        in device memory now, beside the resident models (an overlapped prefetch, for which the plan
+        keeps the reserve); if not, the switch evicts first and loads after."""
         if self.device.type != "cuda":
             return True
-        return device_bytes_left(self.config.engine, self.device) >= self.nbytes[name]
+        return DeviceMemory.measure(self.device).usable(self.config.engine) >= self.plan.footprints[name].fixed
 
     def warm_up(self, name: str) -> None:
         """Read a cold model into the host cache ahead of need, if it fits (loader thread)."""
