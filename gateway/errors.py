@@ -27,6 +27,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.ADAPTER_RANK_TOO_LARGE: 400,
     ErrorCode.ADAPTER_SHAPE_MISMATCH: 400,
     ErrorCode.ADAPTER_TOO_LARGE: 400,
+    ErrorCode.ADAPTER_EXCEEDS_MODEL_LIMITS: 400,
     ErrorCode.MISSING_API_KEY: 401,
     ErrorCode.INVALID_API_KEY: 401,
     ErrorCode.TENANT_DISABLED: 403,

@@ -1,7 +1,7 @@
-"""What the worker tells the fleet: at start, every model it serves (resident or not); every
-heartbeat, its own record (`lf:worker:{id}`: models and their tiers, load, resident adapters), the
-served stamp of each model, and a renewed claim on every running entry so that no live job is taken
-over; at stop, it withdraws its record."""
+"""What the worker tells the fleet: at start, every model it serves (resident or not) with what its
+adapter pool can serve of adapters; every heartbeat, its own record (`lf:worker:{id}`: models and
+their tiers, load, resident adapters), the served stamp of each model, and a renewed claim on every
+running entry so that no live job is taken over; at stop, it withdraws all of that."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from shared import keys
 from shared.chat_template import read_chat_template
 from shared.config import WorkerConfig
 from shared.jobstore import now_ms
-from shared.model_registry import mark_served, publish_model
+from shared.model_registry import forget_worker, mark_served, publish_model
+from worker.adapter_pool.limits import adapter_limits
 from worker.job_stream import ensure_group
 from worker.running_jobs import RunningJobs
 from worker.switching.residency import ModelResidency
@@ -26,13 +27,19 @@ class Heartbeat:
         self._config = config
         self._running = running
         self._residency = residency
+        self._limits = {name: adapter_limits(info, config.engine) for name, info in residency.infos.items()}
 
     async def announce(self) -> None:
         """Publish every served model, resident or not: the gateway accepts jobs for all of them."""
         for spec in self._config.models:
             tokenizer_json = (spec.path / "tokenizer.json").read_bytes()
             await publish_model(
-                self._redis, self._residency.infos[spec.name], tokenizer_json, read_chat_template(spec.path)
+                self._redis,
+                self._residency.infos[spec.name],
+                tokenizer_json,
+                read_chat_template(spec.path),
+                worker_id=self._config.worker_id,
+                limits=self._limits[spec.name],
             )
             await ensure_group(self._redis, spec.name)
 
@@ -58,15 +65,17 @@ class Heartbeat:
             )
             pipe.expire(keys.worker(worker_id), max(3, int(self._config.heartbeat_interval_s * 3)))
             for spec in self._config.models:
-                mark_served(pipe, spec.name, now_ms())
+                mark_served(pipe, spec.name, now_ms(), worker_id=worker_id, limits=self._limits[spec.name])
             pipe.sadd(keys.WORKERS, worker_id)
             await pipe.execute()
 
     async def withdraw(self) -> None:
-        """At stop: this worker's record goes (it would expire anyway)."""
+        """At stop: this worker's record and its adapter limits go (the record would expire anyway)."""
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.delete(keys.worker(self._config.worker_id))
             pipe.srem(keys.WORKERS, self._config.worker_id)
+            for spec in self._config.models:
+                forget_worker(pipe, spec.name, self._config.worker_id)
             await pipe.execute()
 
     def _resident_adapters(self) -> dict[str, dict[str, list[str]]]:
