@@ -8,8 +8,8 @@ command batched with it. It offers the few methods its users call (`hgetall`, an
 `script_load` so that a registered Script runs through it: `script(keys, args, client=pipeline)`).
 
 A batch is packed by hiredis's C packer and exchanged on one connection directly, not through
-redis-py's Pipeline: redis-py's asyncio client packs in Python (about 1 µs per argument; a submit's
-script has 25) and its pipeline adds per-call bookkeeping a batch of plain commands does not need.
+redis-py's Pipeline: redis-py's asyncio client packs every argument in Python (a submit's script has
+25) and its pipeline adds per-call bookkeeping a batch of plain commands does not need.
 The pipeline's client has no socket timeout, and a batch's exchange is timed as a whole: with one,
 redis-py arms a timer for every reply it reads (and a task for every send), which cost about as much
 as the rest of a reply's handling. Connections are taken from the client's pool once and kept for the

@@ -158,7 +158,7 @@ class JobStore:
         and AdmissionDenied is raised, with nothing written, when it is not."""
         idem_key = keys.idempotency(record.tenant, idempotency_key) if idempotency_key else keys.job(record.job_id)
         # everything but the message travels as one msgpack argument: hiredis formats each argument's length
-        # with sprintf, which cost more than msgpack's packing (bench/gateway.py: this commit)
+        # with sprintf, which cost more than msgpack's packing (bench/gateway.py)
         packed = msgpack.packb(
             [
                 bool(idempotency_key),

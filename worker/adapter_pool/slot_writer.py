@@ -16,8 +16,8 @@ A write runs on the engine thread, so its host cost is kept to a few calls whate
 projections: the views it copies into are built once per page and adapter shape (`_PagePlan`), the
 views it copies from once per buffer layout (host_adapter.BufferLayout: adapters saved alike share
 one) over the staging buffer, which never moves, and the copies are multi-tensor ones (a few
-launches for all 224 projections of Llama-3-8B). Cutting the staged copy into ~450 views per write
-took ~0.9 ms of the engine thread for a rank-16 Llama-3-8B adapter, more than half its 1.5 ms copy.
+launches for all 224 projections of Llama-3-8B): cutting the staged copy into its views on every
+write cost the engine thread more than half the copy's own time (docs/benchmarks.md, "Adapter pool").
 
 No leak from an evicted adapter: kernels and the reference apply only the first `slot_ranks[s]`
 ranks of a slot, and on top of that every entry a page's previous occupant may have written past

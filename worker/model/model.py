@@ -136,7 +136,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"slot {slot} of rank {rank} cannot take pages {list(pages)}")
         # fill kernels only: `cuda_tensor[i] = number` copies a host scalar (pageable memory) and
         # waits for the stream, and the adapter pool queues this behind an upload on its side stream
-        # (on the H200 that wait made a slot write's engine-thread time its whole load time)
+        # (that wait made a slot write cost the engine thread its whole load time)
         row = self.slot_pages[slot]
         row.zero_()
         for index, page in enumerate(pages):

@@ -41,9 +41,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 # Host-to-device copies go in pieces of at most this many bytes, and a paced load (`paced_copies`)
 # keeps at most _PIECES_IN_FLIGHT of them queued: copies queue on the GPU's copy engine in order, so
-# a serving model's small per-step input copy waits behind ~1 ms of a model being loaded beside it
-# (two pieces at 55 GB/s), not behind the whole model (0.3 s for 16 GB: measured, the serving
-# model's decode fell from 23.7k to 2.2k tok/s while an 8B model was copied unpaced).
+# a serving model's small per-step input copy waits behind two pieces (about a millisecond) of a
+# model being loaded beside it, not behind the whole model (unpaced, a serving model's decode fell
+# tenfold while an 8B model was copied: docs/benchmarks.md, "Figures behind code comments").
 COPY_CHUNK_BYTES = 32 << 20
 _PIECES_IN_FLIGHT = 2
 
