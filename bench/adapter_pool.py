@@ -333,7 +333,8 @@ def host_memory() -> tuple[int, int]:
 def churn(root: Path, cycles: int) -> dict[str, float]:
     info = SMALL
     config = EngineConfig(device="cuda", max_loras=2, max_lora_rank=MAX_RANK, num_kv_blocks=16)
-    pool = random_engine(info, config, root).adapter_pool  # driven here without engine steps
+    engine = random_engine(info, config, root)
+    pool = engine.adapter_pool  # driven here without engine steps
     # ranks 8, 16, 24 in turn: pages are reused by adapters of one and two pages
     sources = [(f"churn-{i}", write_adapter(root / f"churn-{i}", info, 8 * (i + 1), seed=i)) for i in range(3)]
 

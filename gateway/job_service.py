@@ -369,7 +369,8 @@ class JobService:
                 f"adapter {name!r} was trained for model {adapter.base_model!r}, not {model.name!r}",
                 param="adapter",
             )
-        (limits,) = await self._limits.get_or_load(model.name, lambda: self._live_limits(model.name))
+        cached = self._limits.get(model.name)  # no coroutine for the common case, as for models
+        (limits,) = cached or await self._limits.get_or_load(model.name, lambda: self._live_limits(model.name))
         refusal = None if limits is None else adapter.refusal(limits)
         if refusal is not None:
             raise RequestError(ErrorCode.ADAPTER_EXCEEDS_MODEL_LIMITS, f"adapter {name!r} {refusal}", param="adapter")
