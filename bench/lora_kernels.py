@@ -324,7 +324,7 @@ def format_row(r: dict) -> str:
 
 
 HEADER = (
-    "    T    d    r   base_us  lora_us  over% servd%  path fused% split% ovlap%   epi%  floor_us floor% x_flr build_us"
+    "    T    d    r   base_us  lora_us  over% servd%  path fused% split% ovlap%  floor_us floor% x_flr build_us"
 )
 
 
