@@ -134,7 +134,10 @@ def open_adapter_file(dir_fd: int, name: str) -> tuple[int, os.stat_result]:
 
 
 def _pickle_hint(dir_fd: int) -> str:
-    pickled = sorted(name for name in os.listdir(dir_fd) if name.endswith((".bin", ".pt")))
+    try:
+        pickled = sorted(name for name in os.listdir(dir_fd) if name.endswith((".bin", ".pt")))
+    except OSError:  # the hint is a courtesy: an unlistable directory just gets none
+        return ""
     if not pickled:
         return ""
     return f" (found {', '.join(pickled)}: pickled weights are never loaded; convert to safetensors)"
