@@ -234,7 +234,7 @@ def _add_admin(commands: argparse._SubParsersAction) -> None:
     register.add_argument("name", help="the adapter's name in job requests")
     register.add_argument("--tenant", required=True, help="owning tenant, or 'shared' for every tenant")
     register.add_argument("--model", required=True, help="base model name")
-    register.add_argument("--path", required=True, help="adapter dir, relative to the adapter root (or absolute in it)")
+    register.add_argument("--path", required=True, help="adapter dir under the tenant's directory, e.g. acme/support")
     register.add_argument("--adapter-root", type=Path, help="default: the running `up`'s")
     register.add_argument("--model-path", type=Path, help="the model's HF dir, if no worker has published it yet")
     register.add_argument(
