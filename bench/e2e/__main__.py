@@ -38,6 +38,7 @@ import torch
 from bench.e2e.assets import adapter_specs, write_adapters, write_model
 from bench.e2e.client import LoadClient, RunRecord, Sample
 from bench.e2e.engine_alone import on_engine_thread, replay, run_to_completion
+from bench.e2e.floor import AdapterFloor, adapter_floor
 from bench.e2e.plots import plot_load, plot_timeline
 from bench.e2e.presets import PRESETS, Preset
 from bench.e2e.stack import Stack, start_stack
@@ -51,8 +52,9 @@ from bench.e2e.summary import (
     window_tok_s,
     worker_table,
 )
-from bench.e2e.traffic import Mode, PlannedRequest, RequestSource, TrafficShape, poisson_plan
+from bench.e2e.traffic import Mode, PlannedRequest, RequestSource, TrafficShape, poisson_plan, zipf_weights
 from bench.e2e.worker_metrics import difference
+from shared.adapter_format import WEIGHTS_FILE
 from shared.config import ModelSpec
 from worker.engine.engine import LLMEngine
 
@@ -102,6 +104,8 @@ class Bench:
         self.samples: list[tuple[RunSummary, list[Sample]]] = []
         self.capacity_rps: dict[str, float] = {}
         self.notes: dict[str, float | str] = {"device": _device_name(preset), "preset": preset.name}
+        self.bandwidth = _copy_bandwidth(preset)  # bytes/s; measured before the worker takes the GPU
+        self.floor: AdapterFloor | None = None
 
     def shape(self, mode: Mode) -> TrafficShape:
         p = self.preset
@@ -164,6 +168,15 @@ class Bench:
             self.rows.append(dataclasses.replace(row, output_tok_s=tok_s))
             self.samples.append((self.rows[-1], record.samples))
             print(f"calibration {mode}: {tok_s:.0f} tok/s = {self.capacity_rps[mode]:.2f} req/s", flush=True)
+        calibrated = {r.mode: r.worker for r in self.rows if r.phase == "calibration"}
+        zipf, base = calibrated.get(Mode.ZIPF), calibrated.get(Mode.BASE)
+        if self.bandwidth and zipf is not None and base is not None:
+            weights_file = self.adapter_root / self.adapters[0].path / WEIGHTS_FILE
+            weights = zipf_weights(p.num_adapters, p.zipf_alpha)
+            self.floor = adapter_floor(
+                weights, zipf.batch_seqs, weights_file.stat().st_size, self.bandwidth, base.step_ms
+            )
+            print(f"calibration: {self.floor.describe()}", flush=True)
 
     def load_run(self, client: LoadClient, stack: Stack, mode: Mode, load: float, seed: int) -> None:
         p = self.preset
@@ -238,6 +251,17 @@ def _device_name(preset: Preset) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def _copy_bandwidth(preset: Preset) -> float | None:
+    """The device's copy bandwidth (bytes/s, read + write) for the byte floor; None on a CPU."""
+    if torch.device(preset.engine.device).type != "cuda":
+        return None
+    from bench.lora_kernels import copy_bandwidth  # Triton's timing helpers: GPU runs only
+
+    bandwidth = copy_bandwidth()
+    torch.cuda.empty_cache()
+    return bandwidth
+
+
 def _preset_dict(preset: Preset) -> dict:
     return json.loads(json.dumps(asdict(preset), default=str))
 
@@ -276,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         overhead = bench.engine_alone()
     except Exception:  # report what was measured before the failure, then fail
         traceback.print_exc()
-    found = verdicts(bench.rows, bench.capacity_rps, overhead)
+    found = verdicts(bench.rows, bench.capacity_rps, overhead, preset.saturation_target, bench.floor)
     bench.write_results(found)
     print(
         f"\n{preset.name} on {bench.notes['device']}: prompt {preset.prompt_tokens} tokens, output "
