@@ -15,7 +15,6 @@ all seven projections, each drawn from its own seed so no two share weights.
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,8 +173,7 @@ def write_adapters(
     adapter_root: Path, adapters: list[BenchAdapter], info: ModelInfo, preset: Preset, model_dir: Path,
     device: torch.device,
 ) -> None:  # fmt: skip
-    """Write every adapter's directory under `adapter_root`; past preset.distinct_weights, the
-    weights file is a hard link to an earlier adapter's (Preset.distinct_weights says why)."""
+    """Write every adapter's directory under `adapter_root`."""
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -192,17 +190,12 @@ def write_adapters(
         "inference_mode": True,
     }
     dtype = getattr(torch, preset.dtype)
-    by_rank = {adapter.popularity_rank: adapter for adapter in adapters}
-    shared: list[BenchAdapter] = []
     with ThreadPoolExecutor(_WRITERS) as writers:
         pending: list[Future] = []
         for adapter in adapters:
             directory = adapter_root / adapter.path
             directory.mkdir(parents=True)
             (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-            if adapter.popularity_rank > preset.distinct_weights:
-                shared.append(adapter)
-                continue
             tensors = _lora_tensors(info, preset.lora_rank, dtype, adapter.popularity_rank, device)
             pending = [f for f in pending if not f.done()]
             if len(pending) >= 2 * _WRITERS:
@@ -210,6 +203,3 @@ def write_adapters(
             pending.append(writers.submit(save_file, tensors, str(directory / WEIGHTS_FILE), {"format": "pt"}))
         for future in pending:
             future.result()
-    for adapter in shared:
-        source = by_rank[(adapter.popularity_rank - 1) % preset.distinct_weights + 1]
-        os.link(adapter_root / source.path / WEIGHTS_FILE, adapter_root / adapter.path / WEIGHTS_FILE)
