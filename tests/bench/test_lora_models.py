@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 
 from bench.engine import LLAMA3_8B
-from bench.lora_kernels import HEAD_DIM, MODELS, Shapes, attention_heads
+from bench.lora_kernels import MODELS
 from bench.moe import QWEN3_30B_A3B
+from kernels.lora.tuning import ProjectionShape
+from kernels.lora.tuning.timing import attention_heads
 from shared.model_info import ModelInfo
 from worker.engine.lora_linear import PAGE_RANK
 
 
-def engine_shapes(info: ModelInfo) -> Shapes:
+def engine_shapes(info: ModelInfo) -> tuple[ProjectionShape, ...]:
     """(name, K, slice widths) of each dense LoRALinear of one decoder layer of the engine's model."""
     qkv = tuple(info.projection_shape(p)[1] for p in ("q_proj", "k_proj", "v_proj"))
     o_k, o_n = info.projection_shape("o_proj")
@@ -26,9 +28,9 @@ def engine_shapes(info: ModelInfo) -> Shapes:
 @pytest.mark.parametrize(("name", "info"), [("llama-3-8b", LLAMA3_8B), ("qwen3-30b-a3b", QWEN3_30B_A3B)])
 def test_a_models_layer_is_the_engines(name: str, info: ModelInfo) -> None:
     model = MODELS[name]
-    assert model.shapes == engine_shapes(info)
-    assert info.head_dim == HEAD_DIM
-    assert attention_heads(model.shapes[0][2]) == (info.num_heads, info.num_kv_heads)
+    assert model.projections == engine_shapes(info)
+    assert info.head_dim == model.head_dim
+    assert attention_heads(model.projections[0].widths) == (info.num_heads, info.num_kv_heads)
     assert model.qk_norm == info.qk_norm
     # worker.engine.model: an MoE model's adapters take one page of their whole max rank
     assert model.page_rank == (0 if info.is_moe else PAGE_RANK)
