@@ -33,7 +33,7 @@ def engine(max_num_batched_tokens: int) -> EngineConfig:
 def test_a_tiny_tune_is_looked_up_at_once_and_reused(tmp_path: Path, cache_dir: Path) -> None:
     info = model_info(tmp_path, "llama")
     with capture_logs() as logs:
-        run = ensure_tuned(info, engine(max_num_batched_tokens=8), cache_dir, budget_s=300.0)
+        run = ensure_tuned(info, engine(max_num_batched_tokens=8), cache_dir, budget_s=100.0)
     assert run is not None and run.not_reached == ()
     assert [result.num_tokens for result in run.results] == [1, 8]
     assert [e["bucket"] for e in logs if e["event"] == "kernel_tune_progress"] == [1, 8]
@@ -46,14 +46,14 @@ def test_a_tiny_tune_is_looked_up_at_once_and_reused(tmp_path: Path, cache_dir: 
             assert plan_for(device, *key, result.num_tokens) == plan
     assert [plan_for(device, *key, 5) for key in keys] == list(run.results[1].plans)  # bucket 8 holds T=5
 
-    assert ensure_tuned(info, engine(max_num_batched_tokens=8), cache_dir, budget_s=300.0) is None
+    assert ensure_tuned(info, engine(max_num_batched_tokens=8), cache_dir, budget_s=100.0) is None
 
 
 def test_the_next_start_tunes_only_what_the_last_one_left(tmp_path: Path, cache_dir: Path) -> None:
     info = model_info(tmp_path, "llama")
-    first = ensure_tuned(info, engine(max_num_batched_tokens=1), cache_dir, budget_s=300.0)
+    first = ensure_tuned(info, engine(max_num_batched_tokens=1), cache_dir, budget_s=100.0)
     assert first is not None and [r.num_tokens for r in first.results] == [1]
-    second = ensure_tuned(info, engine(max_num_batched_tokens=8), cache_dir, budget_s=300.0)
+    second = ensure_tuned(info, engine(max_num_batched_tokens=8), cache_dir, budget_s=100.0)
     assert second is not None and [r.num_tokens for r in second.results] == [8]
 
 
