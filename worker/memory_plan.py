@@ -2,7 +2,7 @@
 
 Per resident model the device holds its weights, its LoRA pool (dense pages, and on MoE models every
 expert's slots), the slot writer's staging buffers and room for activations (the largest eager step,
-and the decode graphs' private pool); per resident slot (worker/switching/residency.py) one flat KV
+and the CUDA graphs' private pool); per resident slot (worker/switching/residency.py) one flat KV
 storage buffer, which whichever model occupies the slot views with its own layout. All of it is
 sized here from ModelInfo, EngineConfig and the device's bytes without allocating (the model's own
 tensors are counted on the meta device), so it is computed, and unit-tested, anywhere. A
@@ -32,6 +32,7 @@ import torch
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from worker.adapter_pool.slot_writer import buffer_bytes
+from worker.engine.piecewise_graphs import PIECEWISE_MAX_TOKENS
 from worker.model.kv_cache import KVLayout
 from worker.model.lora_linear import LoRALinear, LoRAPages
 from worker.model.model import CausalLM, model_dtype
@@ -131,7 +132,10 @@ def _scratch_blocks(config: EngineConfig) -> int:
 
 def activation_bytes(info: ModelInfo, config: EngineConfig, dtype: torch.dtype) -> int:
     """The largest eager step (max_num_batched_tokens tokens, max_num_seqs rows of logits), with
-    allocator slack, plus the decode graphs' private pool (their largest batch, max_num_seqs).
+    allocator slack, plus, on CUDA, the graphs' shared private pool: the activations of the largest
+    graph (a decode step of max_num_seqs sequences, or a piecewise step of up to PIECEWISE_MAX_TOKENS
+    tokens) and the piecewise steps' static buffers (the residual stream, q, the attention output
+    and the last hidden state of their largest bucket).
 
     Per token, what one layer holds at once: the hidden state, the residual stream, the normed input
     and o_proj's output; q|k|v and its LoRA delta, the attention output; then the MLP's gate|up and
@@ -148,7 +152,11 @@ def activation_bytes(info: ModelInfo, config: EngineConfig, dtype: torch.dtype) 
     per_sequence = info.vocab_size * (dtype.itemsize + 4 + _SAMPLER_BYTES_PER_LOGIT)
     seqs = config.max_num_seqs
     eager = config.max_num_batched_tokens * per_token + seqs * per_sequence
-    graphs = seqs * (per_token + per_sequence) if torch.device(config.device).type == "cuda" else 0
+    if torch.device(config.device).type != "cuda":
+        return _ALLOCATOR_SLACK * eager
+    piecewise = min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
+    static = piecewise * 2 * (info.hidden_size + q_width) * dtype.itemsize
+    graphs = max(seqs, piecewise) * per_token + seqs * per_sequence + static
     return _ALLOCATOR_SLACK * eager + graphs
 
 

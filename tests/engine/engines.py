@@ -4,7 +4,6 @@ model alone by the same loader, and adapters by the adapter pool's own reader an
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -58,17 +57,15 @@ def load_model(
 
 def host_adapter(directory: Path, model: CausalLM, *, max_rank: int | None = None) -> HostAdapter:
     """The saved PEFT adapter in `directory`, read for `model` by the adapter pool's reader."""
-    with ThreadPoolExecutor(1) as hasher:
-        return read_host_adapter(
-            saved_adapter_ref(directory.name, directory),
-            adapter_root=directory.parent,
-            info=model.info,
-            dtype=model.dtype,
-            max_rank=max_rank or model.max_lora_rank,
-            max_bytes=1 << 30,
-            pin=model.slot_ranks.is_cuda,
-            hasher=hasher,
-        )
+    return read_host_adapter(
+        saved_adapter_ref(directory.name, directory),
+        adapter_root=directory.parent,
+        info=model.info,
+        dtype=model.dtype,
+        max_rank=max_rank or model.max_lora_rank,
+        max_bytes=1 << 30,
+        pin=model.slot_ranks.is_cuda,
+    )
 
 
 def write_adapters(model: CausalLM, adapters: dict[tuple[int, ...], Path], writer: SlotWriter | None = None) -> None:

@@ -47,7 +47,7 @@ async def error_of(response: Any) -> dict[str, Any]:
 
 async def test_a_tenant_cannot_load_an_adapter_of_a_rank_the_workers_lack(gateway: TestClient, fleet: Fleet):
     await serve(fleet, "w1", AdapterLimits(max_rank=1, target_modules=PROJECTIONS))  # the fleet's adapters: rank 2
-    path = write_adapter(fleet.adapter_root, "acme-rank2", fleet.models["tiny"], seed=7)
+    path = write_adapter(fleet.adapter_root, "acme/rank2", fleet.models["tiny"], seed=7)
 
     body = {"lora_name": "acme-rank2", "lora_path": path, "base_model_name": "tiny"}
     error = await error_of(await gateway.post("/v1/load_lora_adapter", json=body, headers=fleet.auth("acme")))
@@ -61,7 +61,7 @@ async def test_the_admin_api_cannot_register_an_adapter_on_projections_the_worke
     gateway: TestClient, fleet: Fleet
 ):
     await serve(fleet, "w1", AdapterLimits(max_rank=8, target_modules=("k_proj", "v_proj")))  # no q_proj slots
-    path = write_adapter(fleet.adapter_root, "globex-q", fleet.models["tiny"], seed=8)  # targets q_proj
+    path = write_adapter(fleet.adapter_root, "globex/q", fleet.models["tiny"], seed=8)  # targets q_proj
 
     body = {"name": "globex-q", "tenant": "globex", "path": path, "model": "tiny"}
     error = await error_of(await gateway.post("/v1/admin/adapters", json=body, headers=ADMIN))
