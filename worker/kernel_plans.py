@@ -43,7 +43,7 @@ from kernels.lora.tuning import (
 )
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
-from worker.engine.lora_linear import PAGE_RANK
+from worker.model.lora_linear import LoRAPages
 
 log = structlog.get_logger(__name__)
 
@@ -53,9 +53,8 @@ TOKEN_LADDER = (1, 8, 32, 64, 256, 1024, 4096)
 
 
 def page_rank(info: ModelInfo, max_lora_rank: int) -> int:
-    """Rank rows per adapter page, as CausalLM pages its pool: PAGE_RANK, except for MoE models (whose
-    expert buffers are not paged) and pools of max rank <= PAGE_RANK, which take one page per adapter."""
-    return max_lora_rank if info.is_moe or max_lora_rank <= PAGE_RANK else PAGE_RANK
+    """Rank rows per adapter page, as CausalLM pages its pool (LoRAPages.for_pool)."""
+    return LoRAPages.for_pool(info, max_loras=1, max_lora_rank=max_lora_rank).page_rank
 
 
 def pool_rank(info: ModelInfo, max_lora_rank: int) -> int:

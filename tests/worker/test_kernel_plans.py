@@ -15,7 +15,6 @@ from kernels.lora.tiles import rank_pad
 from kernels.lora.tuning import ProjectionShape, update_plan_file
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
-from worker.engine.model import CausalLM
 from worker.kernel_plans import (
     TOKEN_LADDER,
     adapted_layer,
@@ -25,6 +24,7 @@ from worker.kernel_plans import (
     pool_rank,
     token_buckets,
 )
+from worker.model.model import CausalLM
 
 DENSE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 300}  # fmt: skip
