@@ -22,7 +22,7 @@ that neither the packaged table (kernels/configs/) nor the worker's plan cache h
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,6 +207,18 @@ def ensure_tuned(info: ModelInfo, engine: EngineConfig, cache_dir: Path, budget_
         "kernel_tune_done", tuned=tuned, not_reached=list(run.not_reached), elapsed_s=round(run.elapsed_s, 1), **fields
     )
     return run
+
+
+def tune_at_start(infos: Iterable[ModelInfo], engine: EngineConfig, cache_dir: Path | None) -> None:
+    """The first-start tune of every model a worker serves (`ensure_tuned` each, engine.kernel_tune_budget_s
+    seconds apiece), before any is loaded: tuning beside a serving model would slow it and skew the
+    timings. Nothing without a plan cache (cache_dir None: a worker built in-process, not by the CLI)."""
+    if cache_dir is None:
+        return
+    for info in infos:
+        ensure_tuned(info, engine, cache_dir, engine.kernel_tune_budget_s)
+    if torch.device(engine.device).type == "cuda":
+        torch.cuda.empty_cache()  # the tuner's layers and buffers go back before the KV cache is carved
 
 
 def _set_aside_if_unreadable(path: Path) -> None:

@@ -34,6 +34,7 @@ from worker.engine_thread import EngineThread
 from worker.heartbeat import Heartbeat
 from worker.intake import Intake
 from worker.job_stream import requeue
+from worker.kernel_plans import tune_at_start
 from worker.metrics import WorkerMetrics
 from worker.redis_retry import retrying
 from worker.results import CancelWatch, ResultPublisher
@@ -69,6 +70,9 @@ class Worker:
         if self.config.metrics_port:  # before the model loads: a taken port fails in seconds, not minutes
             metrics_server = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
             log.info("metrics_serving", host=self.config.metrics_host, port=self.config.metrics_port)
+        await asyncio.to_thread(
+            tune_at_start, self._residency.infos.values(), self.config.engine, self.config.kernel_plans_dir
+        )
         engines = await asyncio.to_thread(self._load_engines)
         loop = asyncio.get_running_loop()
         results = self._results.queue
