@@ -14,7 +14,7 @@ let the largest cover the model's prefill chunk), with min(T, --adapters) adapte
      overlap path once per shrink split), candidates in turn, --rounds times over, and records the
      candidate with the lowest median for batches of up to T tokens (--paths-only: only this step,
      on the stored configurations). Paths are chosen per layer, not per projection.
-Plans for shapes and ranks not re-tuned are kept from the existing file. `lorafleet tune` tunes a
+Plans of the shapes, ranks and buckets not tuned again are kept from the existing file. `lorafleet tune` tunes a
 model's own shapes the same way, from its checkpoint's config.
 """
 
@@ -28,7 +28,6 @@ import torch
 
 from bench.lora_kernels import MODELS
 from kernels.lora.configs import Plan, PlanKey, config_file, read_plans
-from kernels.lora.tiles import rank_pad
 from kernels.lora.tuning import LayerTuner, update_plan_file
 
 
@@ -59,7 +58,6 @@ def main() -> None:
     path = config_file(device)
     existing = read_plans(path)
     model = MODELS[args.model]
-    tuned_keys = {(k, widths, rank_pad(r)) for _, k, widths in model.projections for r in args.ranks}
     command = " ".join(["python -m bench.tune_lora", *sys.argv[1:]])
     tuned: dict[tuple[PlanKey, int], Plan] = {}
 
@@ -76,7 +74,7 @@ def main() -> None:
             print(f"  -> {result.chosen}   (layer us: {times})", flush=True)
             tuned |= {(key, num_tokens): plan for key, plan in zip(tuner.keys(), result.plans, strict=True)}
             # after every bucket, so an interrupted run keeps what it measured
-            total = update_plan_file(path, device, command, tuned, replace_shapes=tuned_keys)
+            total = update_plan_file(path, device, command, tuned)
         tuner.close()
     print(f"# wrote {total} plans to {path} in {time.time() - start:.0f} s")
 

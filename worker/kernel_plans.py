@@ -216,7 +216,10 @@ def tune_at_start(infos: Iterable[ModelInfo], engine: EngineConfig, cache_dir: P
     if cache_dir is None:
         return
     for info in infos:
-        ensure_tuned(info, engine, cache_dir, engine.kernel_tune_budget_s)
+        try:
+            ensure_tuned(info, engine, cache_dir, engine.kernel_tune_budget_s)
+        except Exception:  # a faster plan is an optimisation: serve on the tables and defaults rather than not at all
+            log.exception("kernel_tune_failed", model=info.name)
     if torch.device(engine.device).type == "cuda":
         torch.cuda.empty_cache()  # the tuner's layers and buffers go back before the KV cache is carved
 

@@ -37,11 +37,11 @@ def test_tuned_plans_join_the_files_others(cache_dir: Path) -> None:
     assert (document["device"], document["commands"]) == ("Test GPU", ["first", "second"])
 
 
-def test_a_shape_tuned_again_from_scratch_drops_its_old_buckets(cache_dir: Path) -> None:
+def test_a_bucket_tuned_again_replaces_its_plan_and_keeps_the_shapes_others(cache_dir: Path) -> None:
     path = config_file("Test GPU", cache_dir)
     update_plan_file(path, "Test GPU", "first", {(SHAPE, 8): Plan("fused"), (SHAPE, 64): Plan("fused")})
-    update_plan_file(path, "Test GPU", "first", {(SHAPE, 8): Plan("split")}, replace_shapes={SHAPE})
-    assert read_plans(path) == {(SHAPE, 8): Plan("split")}
+    update_plan_file(path, "Test GPU", "first", {(SHAPE, 8): Plan("split")})
+    assert read_plans(path) == {(SHAPE, 8): Plan("split"), (SHAPE, 64): Plan("fused")}
     assert json.loads(path.read_text())["commands"] == ["first"]  # listed once, last
 
 

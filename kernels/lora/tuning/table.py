@@ -11,7 +11,7 @@ import fcntl
 import json
 import os
 import tempfile
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from kernels.lora.configs import Plan, PlanKey, plan_entry, read_plans, reload_plans
@@ -22,20 +22,16 @@ def update_plan_file(
     device: str,
     command: str,
     plans: Mapping[tuple[PlanKey, int], Plan],
-    *,
-    replace_shapes: Collection[PlanKey] = (),
 ) -> int:
     """Merge `plans` ((shape, max_tokens) → plan) into the plan file at `path`, for GPU `device`,
     and list `command` among the commands that made it; returns how many plans the file holds.
-    The file's plans of `replace_shapes` not in `plans` are dropped (a shape tuned again from scratch).
-    Read and rewritten under a lock on the directory, and replaced whole (no reader sees half a file);
-    this process's next lookups read it again."""
+    A bucket tuned again replaces its stored plan; the file's other buckets stay (a tune of one
+    bucket completes a table rather than cutting it down). Read and rewritten under a lock on the
+    directory, and replaced whole (no reader sees half a file); this process's next lookups read it
+    again."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path.parent):
-        merged = {
-            (key, max_tokens): plan for (key, max_tokens), plan in read_plans(path).items() if key not in replace_shapes
-        }
-        merged |= plans
+        merged = read_plans(path) | dict(plans)
         commands = [c for c in _read_document(path).get("commands", []) if c != command] + [command]
         document = {
             "device": device,
