@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from kernels.lora import configs
 from kernels.lora.configs import Plan, config_file, set_plan_cache_dir
@@ -15,6 +16,7 @@ from kernels.lora.tiles import rank_pad
 from kernels.lora.tuning import ProjectionShape, update_plan_file
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
+from worker import kernel_plans
 from worker.kernel_plans import (
     TOKEN_LADDER,
     adapted_layer,
@@ -155,6 +157,18 @@ def test_a_worker_without_a_plan_cache_tunes_nothing_at_start(tmp_path: Path, ta
     assert configs.plan_cache_dir() is None
     tune_at_start([info], EngineConfig(device="cpu"), tables[1])
     assert configs.plan_cache_dir() == tables[1] and not tables[1].exists()
+
+
+def test_a_tune_that_fails_is_logged_and_the_worker_starts_anyway(
+    tmp_path: Path, tables: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object) -> None:
+        raise RuntimeError("no candidate compiled")
+
+    monkeypatch.setattr(kernel_plans, "ensure_tuned", broken)
+    with capture_logs() as logs:
+        tune_at_start([model_info(tmp_path, "llama")], EngineConfig(device="cpu"), tables[1])
+    assert [e["event"] for e in logs] == ["kernel_tune_failed"]
 
 
 def test_the_tune_budget_cannot_be_negative() -> None:
