@@ -1,13 +1,14 @@
 """When an engine whose decode-only steps replay CUDA graphs admits new sequences (torch-free).
 
-A step that admits new sequences prefills them, and a step with any prefill runs eagerly: host-bound
-kernel launches, several times as long as a graph-replayed decode step of the same batch. Under a
-steady stream of arrivals, admitting at every step makes nearly every step eager
-(docs/benchmarks.md, "Whole stack under load").
+A step that admits new sequences prefills them: it carries more tokens than a decode step and
+replays piecewise graphs (or runs eagerly, past their largest bucket) rather than one whole-step
+graph, so it takes longer than a decode step of the same batch. Under a steady stream of arrivals,
+admitting at every step makes nearly every step such a step (docs/benchmarks.md, "Whole stack
+under load", measured when those steps ran eagerly).
 
 The pacer spaces admitting steps: after one, new sequences wait until as much time again has gone
-to steps that admit nothing, so at least about half of the time goes to graph-replayed decode steps,
-and an arrival waits at most about one eager step (MAX_HOLD_S at most) longer for its first token.
+to steps that admit nothing, so at least about half of the time goes to decode steps, and an
+arrival waits at most about one admitting step (MAX_HOLD_S at most) longer for its first token.
 It never holds back while nothing runs. Sequences already running, prefill chunks included, are never held back.
 """
 
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable
 
 # The longest an arrival is held: an admitting step that compiled kernels (a first use) or waited on
-# something else must not hold admissions for as long again (an 8B model's eager steps take tens of ms).
+# something else must not hold admissions for as long again.
 MAX_HOLD_S = 0.1
 
 
