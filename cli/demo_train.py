@@ -8,7 +8,7 @@
 3. Each adapter is saved in PEFT's format with bfloat16 weights (1.8 MB each).
 
 The results are committed under cli/demo_assets/, so `lorafleet up` needs neither training nor peft.
-On a 2-core CPU this takes about ten minutes.
+On an idle 2-core CPU this takes about ten minutes (docs/demo-model.md).
 """
 
 from __future__ import annotations
