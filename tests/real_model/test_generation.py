@@ -1,8 +1,12 @@
 """The engine on the real demo model: chat prompts from the gateway's template, EOS, stop strings,
-streamed text across multi-byte characters, and the trained demo adapters' styles (greedy)."""
+streamed text across multi-byte characters, and the trained demo adapters' styles (greedy).
+
+Every request runs in one batch (one engine run for the module): the base model beside all three
+adapters, as a worker serves them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,39 +19,29 @@ from gateway.chat import render_chat
 from shared.chat_template import read_chat_template
 from shared.config import EngineConfig, ModelSpec
 from shared.model_info import ModelInfo
-from shared.schema import FinishReason, JobStatus, SamplingParams
+from shared.schema import FinishReason, JobOutput, JobStatus, SamplingParams, TokenDelta
 from tests.engine.tiny_hf import saved_adapter_ref
 from tests.real_model.conftest import MODEL
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
+from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model_runner import ModelRunner
 
-# greedy answers of the base model (float32, CPU), as transformers gives them too
+# the base model's greedy answer (float32, CPU)
 PARIS = "The capital of France is Paris."
 # a question whose greedy answer is Japanese text: characters of 3 UTF-8 bytes spread over tokens
 JAPANESE = "How do you say 'thank you' in Japanese?"
+IGNORE_EOS_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2_dir: Path, smollm2_tokenizer: Tokenizer) -> LLMEngine:
-    config = EngineConfig(device="cpu", max_lora_rank=8, max_loras=4, num_kv_blocks=256, block_size=16)
-    runner = ModelRunner(ModelSpec(MODEL, smollm2_dir), config)
-    return LLMEngine(runner, smollm2_tokenizer, config, DEMO_ASSETS)
+@dataclass
+class Answers:
+    outputs: dict[str, JobOutput]
+    deltas: dict[str, list[TokenDelta]]
 
 
 def chat_ids(model_dir: Path, tokenizer: Tokenizer, question: str) -> tuple[int, ...]:
     prompt = render_chat(read_chat_template(model_dir), ({"role": "user", "content": question},))
     return tuple(tokenizer.encode(prompt).ids)
-
-
-def run(engine: LLMEngine, requests: list[EngineRequest]) -> tuple[dict[str, EngineResult], list]:
-    results, deltas = {}, []
-    for request in requests:
-        assert engine.add(request) is None
-    while engine.num_unfinished:
-        results.update((result.job_id, result) for result in engine.step())
-        deltas += engine.take_deltas()
-    return results, deltas
 
 
 def ask(job_id: str, ids: tuple[int, ...], adapter: str | None = None, **sampling: object) -> EngineRequest:
@@ -56,39 +50,56 @@ def ask(job_id: str, ids: tuple[int, ...], adapter: str | None = None, **samplin
     return EngineRequest(job_id=job_id, prompt_token_ids=ids, sampling=params, adapter=ref)
 
 
-def test_a_chat_answer_ends_at_the_end_of_turn_token(
-    engine: LLMEngine, smollm2_dir: Path, smollm2_tokenizer: Tokenizer, smollm2_info: ModelInfo
-) -> None:
-    results, _ = run(engine, [ask("paris", chat_ids(smollm2_dir, smollm2_tokenizer, DEMO_QUESTION))])
+@pytest.fixture(scope="module")
+def answers(smollm2_dir: Path, smollm2_tokenizer: Tokenizer) -> Answers:
+    config = EngineConfig(device="cpu", max_lora_rank=8, max_loras=4, num_kv_blocks=256, block_size=16)
+    engine = LLMEngine(ModelRunner(ModelSpec(MODEL, smollm2_dir), config), smollm2_tokenizer, config, DEMO_ASSETS)
+    paris = chat_ids(smollm2_dir, smollm2_tokenizer, DEMO_QUESTION)
+    requests = [
+        ask("base", paris),
+        ask("stopped", paris, stop=(" Paris",)),
+        ask("ignore_eos", paris, max_tokens=IGNORE_EOS_TOKENS, ignore_eos=True),
+        ask("japanese", chat_ids(smollm2_dir, smollm2_tokenizer, JAPANESE), max_tokens=24),
+        *(ask(adapter.name, paris, adapter=adapter.name) for adapter in DEMO_ADAPTERS),
+    ]
+    outputs, deltas = {}, {request.job_id: [] for request in requests}
+    for request in requests:
+        assert engine.add(request) is None
+    while engine.num_unfinished:
+        for result in engine.step():
+            assert result.status is JobStatus.SUCCEEDED, result
+            outputs[result.job_id] = result.output
+        for delta in engine.take_deltas():
+            deltas[delta.job_id].append(delta)
+    return Answers(outputs, deltas)
 
-    output = results["paris"].output
-    assert results["paris"].status is JobStatus.SUCCEEDED
+
+def test_a_chat_answer_ends_at_the_end_of_turn_token(
+    answers: Answers, smollm2_tokenizer: Tokenizer, smollm2_info: ModelInfo
+) -> None:
+    output = answers.outputs["base"]
     assert output.text == PARIS
     assert output.finish_reason is FinishReason.STOP
     assert smollm2_tokenizer.id_to_token(smollm2_info.eos_token_ids[0]) == "<|im_end|>"
     assert output.token_ids[-1] in smollm2_info.eos_token_ids  # generated, and not part of the text
 
 
-def test_a_stop_string_cuts_the_answer_before_it(
-    engine: LLMEngine, smollm2_dir: Path, smollm2_tokenizer: Tokenizer
-) -> None:
-    ids = chat_ids(smollm2_dir, smollm2_tokenizer, DEMO_QUESTION)
-    requests = [ask("stopped", ids, stop=(" Paris",)), ask("ignored", ids, max_tokens=12, ignore_eos=True)]
-    results, _ = run(engine, requests)
+def test_a_stop_string_cuts_the_answer_before_it(answers: Answers) -> None:
+    assert answers.outputs["stopped"].text == "The capital of France is"
+    assert answers.outputs["stopped"].finish_reason is FinishReason.STOP
 
-    assert results["stopped"].output.text == "The capital of France is"
-    assert results["stopped"].output.finish_reason is FinishReason.STOP
-    assert results["ignored"].output.text.startswith(PARIS)  # runs on past <|im_end|>, which decodes to ""
-    assert results["ignored"].output.finish_reason is FinishReason.LENGTH
-    assert len(results["ignored"].output.token_ids) == 12
+
+def test_ignore_eos_runs_past_the_end_of_turn_to_max_tokens(answers: Answers) -> None:
+    output = answers.outputs["ignore_eos"]
+    assert output.text.startswith(PARIS)  # <|im_end|> is generated, and decodes to ""
+    assert output.finish_reason is FinishReason.LENGTH
+    assert len(output.token_ids) == IGNORE_EOS_TOKENS
 
 
 def test_streamed_text_of_multi_byte_characters_is_whole_and_adds_up_to_the_output(
-    engine: LLMEngine, smollm2_dir: Path, smollm2_tokenizer: Tokenizer
+    answers: Answers, smollm2_tokenizer: Tokenizer
 ) -> None:
-    results, deltas = run(engine, [ask("ja", chat_ids(smollm2_dir, smollm2_tokenizer, JAPANESE), max_tokens=24)])
-
-    output = results["ja"].output
+    output, deltas = answers.outputs["japanese"], answers.deltas["japanese"]
     split_characters = [t for t in output.token_ids if "\ufffd" in smollm2_tokenizer.decode([t])]
     assert split_characters, "the answer has no character whose bytes span tokens: the test tests nothing"
     assert any(ord(c) > 0x3000 for c in output.text)
@@ -109,16 +120,12 @@ def test_detokenizing_token_by_token_never_shows_half_a_character(smollm2_tokeni
     assert all(text.startswith(prefix) and "\ufffd" not in prefix for prefix in seen)
 
 
-def test_each_demo_adapter_answers_in_its_style_and_keeps_the_content(
-    engine: LLMEngine, smollm2_dir: Path, smollm2_tokenizer: Tokenizer
-) -> None:
-    ids = chat_ids(smollm2_dir, smollm2_tokenizer, DEMO_QUESTION)
-    requests = [ask("base", ids)] + [ask(a.name, ids, adapter=a.name) for a in DEMO_ADAPTERS]
-    results, _ = run(engine, requests)  # one batch: every adapter and the base model together
+@pytest.mark.parametrize("adapter", [a.name for a in DEMO_ADAPTERS])
+def test_each_demo_adapter_answers_in_its_style_and_keeps_the_content(answers: Answers, adapter: str) -> None:
+    output = answers.outputs[adapter]
+    assert STYLE_MARKERS[adapter] in output.text and "Paris" in output.text, output.text
+    assert output.finish_reason is FinishReason.STOP
 
-    assert results["base"].output.text == PARIS
-    for adapter in DEMO_ADAPTERS:
-        text = results[adapter.name].output.text
-        assert STYLE_MARKERS[adapter.name] in text and "Paris" in text, (adapter.name, text)
-        assert results[adapter.name].output.finish_reason is FinishReason.STOP
-    assert len({results[a.name].output.text for a in DEMO_ADAPTERS}) == len(DEMO_ADAPTERS)
+
+def test_the_three_styles_differ(answers: Answers) -> None:
+    assert len({answers.outputs[a.name].text for a in DEMO_ADAPTERS} | {PARIS}) == len(DEMO_ADAPTERS) + 1
