@@ -41,7 +41,6 @@ import random
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,10 +131,9 @@ def pinned_h2d_bandwidth() -> float:
 
 
 def read(ref: AdapterRef, model: CausalLM, root: Path) -> HostAdapter:
-    """Disk -> pinned host, as the pool's loader threads do it (hashing on a second thread)."""
-    with ThreadPoolExecutor(1) as hasher:
-        return read_host_adapter(ref, adapter_root=root, info=model.info, dtype=model.dtype, max_rank=MAX_RANK,
-                                 max_bytes=2 << 30, pin=True, hasher=hasher)  # fmt: skip
+    """Disk -> pinned host, as the pool's loader threads do it."""
+    return read_host_adapter(ref, adapter_root=root, info=model.info, dtype=model.dtype, max_rank=MAX_RANK,
+                             max_bytes=2 << 30, pin=True)  # fmt: skip
 
 
 @dataclass

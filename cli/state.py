@@ -19,6 +19,7 @@ DEFAULT_STATE_DIR = Path(".lorafleet")
 STATE_FILE = "lorafleet.json"
 DEMO_FILE = "demo.json"
 ADMIN_KEY_FILE = "admin_key"
+KERNEL_PLANS_DIR = "kernel-plans"  # LoRA plans tuned on this machine (worker/kernel_plans.py)
 
 
 class StateError(CommandError):

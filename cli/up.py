@@ -30,7 +30,7 @@ from cli.config_from_args import ConfigError, UpConfig
 from cli.demo import DemoTenant, ensure_demo_files, provision_demo
 from cli.embedded_redis import port_is_free, start_embedded_redis
 from cli.errors import CommandError
-from cli.state import FleetState, ensure_admin_key
+from cli.state import KERNEL_PLANS_DIR, FleetState, ensure_admin_key
 from cli.supervisor import Supervisor
 from shared import keys
 from shared.config import DEFAULT_DRAIN_GRACE_S, ModelSpec
@@ -169,7 +169,7 @@ class _Fleet:
         self.supervisor.start("gateway", self._cli(*gateway), _child_env(None))
         worker = ["worker", "--redis-url", self.redis_url, "--adapter-root", str(config.adapter_root)]
         worker += [arg for spec in models for arg in ("--model", f"{spec.name}={spec.path}")]
-        worker += ["--metrics-host", config.host]
+        worker += ["--metrics-host", config.host, "--kernel-plans-dir", str(config.state_dir / KERNEL_PLANS_DIR)]
         # (name, device flags, CUDA_VISIBLE_DEVICES): one per GPU, or one CPU worker with every GPU hidden.
         # The demo's checkpoint is float32 (exact on a CPU, where bfloat16 matmuls are slow); GPUs serve it in
         # bfloat16, as they would any model.

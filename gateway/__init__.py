@@ -36,6 +36,10 @@ HTTP contract decisions:
   401  missing_api_key, invalid_api_key (with WWW-Authenticate: Bearer); 403 tenant_disabled.
   404  job_not_found, model_not_found, adapter_not_found: another tenant's job or adapter gets exactly
        the answer a missing one gets; not_found for unknown routes. 405 method_not_allowed (+ Allow).
+  Adapter registration (load_lora_adapter, admin): a path outside the owner's directory of the
+       adapter root is 403 adapter_path_forbidden whether or not it exists; a missing directory of
+       its own 404 adapter_path_not_found; every other refusal a 400 naming the problem
+       (shared/errors.py, the README's table). 400 tenant_name_reserved for an admin's `shared`.
   413  payload_too_large: a body over limits.max_body_bytes, or a text prompt over
        limits.max_prompt_chars (then with param "prompt").
   429  rate_limit_exceeded (a tenant's requests/min, tokens/min or concurrent jobs) and queue_full (the

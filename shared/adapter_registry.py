@@ -1,6 +1,8 @@
 """The adapter registry: `lf:adapters` (names) and `lf:adapter:{name}` (the current version's record).
 
-An adapter name is global and owned by one tenant (or "shared", usable by all). Registering an
+An adapter name is global and owned by one tenant (or "shared", usable by all), and its files lie
+under the owner's own directory of the adapter root (`<root>/<owner>/...`, shared/adapter_paths.py):
+a path elsewhere is refused (ADAPTER_PATH_FORBIDDEN) before the filesystem is looked at. Registering an
 existing name again creates a new version with new weights identity (`AdapterRef.uid`): jobs
 already queued keep the version they were submitted with, and workers key every cached copy by
 that identity, so a reload never serves the old weights under the new version or the reverse.
@@ -14,6 +16,7 @@ jobs are swept by their status, a few sampled at every submit and all at unregis
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -23,10 +26,12 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.adapter_format import inspect_adapter, resolve_adapter_dir
+from shared.adapter_format import read_adapter
+from shared.adapter_paths import adapter_relative_path
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import ModelInfo
 from shared.schema import AdapterRef
+from shared.tenants import SHARED_OWNER
 
 # A tracked job whose record does not exist yet is being queued, not gone: the gateway tracks it
 # just before it creates the record.
@@ -74,7 +79,6 @@ return 0
 """
 )
 
-SHARED_OWNER = "shared"
 # no ':' — `BASE:ADAPTER` is how OpenAI-style clients name a base model plus an adapter
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -117,13 +121,15 @@ async def register_adapter(
     max_rank: int,
     max_bytes: int,
 ) -> AdapterRecord:
-    """Validate the adapter at `path` against `model`, then record it as a new version of `name`."""
+    """Validate the adapter at `path` (under `<adapter_root>/<tenant>/`) against `model`, then record it
+    as a new version of `name`. The files are read on a thread: up to `max_bytes` are hashed."""
     if not ADAPTER_NAME.match(name):
         raise LorafleetError(
             ErrorCode.INVALID_REQUEST, "adapter name must be 1-128 chars of letters, digits, '.', '_' or '-'"
         )
-    adapter_dir = resolve_adapter_dir(adapter_root, path)
-    manifest = inspect_adapter(adapter_dir, model, max_rank=max_rank, max_bytes=max_bytes)
+    relative = adapter_relative_path(adapter_root, path, owner=tenant)
+    files = await asyncio.to_thread(read_adapter, adapter_root, relative, model, max_rank=max_rank, max_bytes=max_bytes)
+    manifest = files.manifest
     existing = await get_adapter(redis, name)
     if existing is not None and existing.tenant != tenant:
         raise LorafleetError(ErrorCode.CONFLICT, f"adapter name {name!r} belongs to another tenant")
@@ -131,7 +137,7 @@ async def register_adapter(
         name=name,
         tenant=tenant,
         base_model=model.name,
-        path=str(adapter_dir.relative_to(Path(adapter_root).resolve())),
+        path=relative,
         version=1 if existing is None else existing.version + 1,
         rank=manifest.rank,
         lora_alpha=manifest.lora_alpha,

@@ -125,8 +125,13 @@ class EngineConfig:
     # hold at least max_loras of them (checked when the engine starts, knowing the model's shapes)
     adapter_host_cache_gb: float | None = None
     adapter_eviction: str = "lru"  # or "lfu": frequency-aware (worker/adapter_pool/eviction.py)
+    # seconds a worker may spend at start tuning the LoRA plans its GPU lacks for a model (0: none);
+    # what the budget does not reach is tuned at the next start (worker/kernel_plans.py)
+    kernel_tune_budget_s: float = 120.0
 
     def __post_init__(self) -> None:
+        if self.kernel_tune_budget_s < 0:
+            raise ValueError("kernel_tune_budget_s must be >= 0")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -172,6 +177,9 @@ class WorkerConfig:
     # Prometheus metrics over HTTP on this port (0: not served); bind 0.0.0.0 where Prometheus scrapes pods
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # LoRA plans tuned on this machine, searched before the packaged kernels/configs/ and written by the
+    # start-up tune (worker/kernel_plans.py). None: the packaged plans only
+    kernel_plans_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.drain_grace_s < 0:

@@ -31,9 +31,20 @@ class ErrorCode(StrEnum):
     MODEL_UNAVAILABLE = "model_unavailable"  # a known model that no live worker has served for a while
     ADMIN_DISABLED = "admin_disabled"  # the gateway has no admin key configured
     WEBHOOK_NOT_ALLOWED = "webhook_not_allowed"  # a webhook URL off the allow-list (or webhooks are off)
-    # adapter validation
-    INVALID_ADAPTER = "invalid_adapter"
-    ADAPTER_PATH_OUTSIDE_ROOT = "adapter_path_outside_root"
+    TENANT_NAME_RESERVED = "tenant_name_reserved"  # a name with a meaning of its own ("shared")
+    # adapter validation (shared/adapter_paths.py, adapter_config.py, safetensors_table.py, adapter_format.py)
+    INVALID_ADAPTER = "invalid_adapter"  # LoRA matrices missing, unpaired or incomplete
+    INVALID_ADAPTER_PATH = "invalid_adapter_path"  # empty, a NUL byte, too long, a control character
+    ADAPTER_PATH_OUTSIDE_ROOT = "adapter_path_outside_root"  # '..', or an absolute path elsewhere
+    ADAPTER_PATH_FORBIDDEN = "adapter_path_forbidden"  # not under the owner's own directory of the root
+    ADAPTER_PATH_NOT_FOUND = "adapter_path_not_found"  # no directory there (under the owner's own directory)
+    ADAPTER_SYMLINK = "adapter_symlink"  # a symlink at some level below the adapter root
+    ADAPTER_FILE_MISSING = "adapter_file_missing"  # no adapter_config.json / adapter_model.safetensors
+    ADAPTER_FILE_NOT_REGULAR = "adapter_file_not_regular"  # a FIFO, device, directory … or a hard link
+    INVALID_ADAPTER_CONFIG = "invalid_adapter_config"  # adapter_config.json unreadable, too large or deep, bad values
+    ADAPTER_CONFIG_MISMATCH = "adapter_config_mismatch"  # target_modules / target_parameters disagree with the weights
+    INVALID_SAFETENSORS = "invalid_safetensors"  # header, offsets or data length of the weights file
+    ADAPTER_DTYPE_UNSUPPORTED = "adapter_dtype_unsupported"  # weights not F16, BF16 or F32
     ADAPTER_UNSUPPORTED = "adapter_unsupported"
     ADAPTER_RANK_TOO_LARGE = "adapter_rank_too_large"
     ADAPTER_SHAPE_MISMATCH = "adapter_shape_mismatch"

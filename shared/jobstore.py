@@ -15,12 +15,23 @@ from typing import Any
 import msgpack
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from shared import keys
 from shared.auto_pipeline import AutoPipeline
 from shared.rate_limits import ADMIT_LUA, AdmissionCheck, AdmissionDenied, denial
-from shared.schema import JobError, JobMessage, JobOutput, JobRecord, JobStatus, TokenDelta, encode_job, encode_output
+from shared.schema import (
+    JobError,
+    JobMessage,
+    JobOutput,
+    JobRecord,
+    JobStatus,
+    SchemaError,
+    TokenDelta,
+    decode_status,
+    encode_job,
+    encode_output,
+)
 
 _CREATE = (
     ADMIT_LUA
@@ -172,18 +183,32 @@ class JobStore:
         return job_id.decode() if isinstance(job_id, bytes) else job_id, bool(created)
 
     async def get(self, job_id: str) -> JobRecord | None:
-        raw = await self._batched.hgetall(keys.job(job_id))
+        """The job's record, None when there is none; SchemaError when it cannot be read as one."""
+        try:
+            raw = await self._batched.hgetall(keys.job(job_id))
+        except ResponseError as exc:
+            _raise_if_unreadable(job_id, exc)
+            raise
         return JobRecord.from_hash(raw) if raw else None
 
     async def start(self, job_id: str, worker_id: str) -> tuple[JobStatus | None, int]:
         """Mark a job running on this worker; returns (status, attempts so far including this one).
 
         RUNNING: run it. A terminal status: skip it (canceled while queued, or already finished by
-        an earlier delivery). None: the record has expired.
+        an earlier delivery). None: the record has expired. SchemaError: the record cannot be read
+        (not a hash, a status that is no JobStatus, attempts that are not a count).
         """
-        status, attempts = await self._start(keys=[keys.job(job_id)], args=[worker_id, now_ms()])
-        status = status.decode()
-        return (None if status == "missing" else JobStatus(status)), int(attempts or 0)
+        try:
+            status, attempts = await self._start(keys=[keys.job(job_id)], args=[worker_id, now_ms()])
+        except ResponseError as exc:
+            _raise_if_unreadable(job_id, exc)
+            raise
+        status = status.decode(errors="replace")
+        try:
+            attempts = int(attempts or 0)
+        except ValueError as exc:
+            raise SchemaError(f"job {job_id}: attempts {attempts!r:.40} is not an integer") from exc
+        return (None if status == "missing" else decode_status(status)), attempts
 
     async def finish(
         self,
@@ -239,4 +264,12 @@ class JobStore:
         result = await self._cancel(
             keys=[keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS], args=[self._ttl_s, now_ms(), EVENTS_CAP]
         )
-        return None if result is None else JobStatus(result.decode())
+        return None if result is None else decode_status(result.decode(errors="replace"))
+
+
+def _raise_if_unreadable(job_id: str, exc: ResponseError) -> None:
+    """Raise SchemaError when a command failed because the job's record is not one (another Redis
+    type, a field that is no integer); other server errors are the caller's to re-raise."""
+    message = str(exc)
+    if "WRONGTYPE" in message or "not an integer" in message:
+        raise SchemaError(f"job {job_id}: the record cannot be read ({message[:120]})") from exc

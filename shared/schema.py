@@ -11,6 +11,10 @@ upgrade):
   before it existed were all streamed, so its absence decodes as True.)
 - Removing a field, making one required, or changing what a value means bumps SCHEMA_VERSION; a
   worker then refuses the other version's messages (dead-lettered), never misreads them.
+
+Decoding checks every field's type and range at the boundary (`decode_job`, `JobRecord.from_hash`,
+`decode_status`, through shared/wire_fields.py): whatever is wrong, the one error is SchemaError,
+naming the field, so a reader can refuse an entry without knowing how it went wrong.
 """
 
 from __future__ import annotations
@@ -21,11 +25,15 @@ from enum import StrEnum
 
 import msgpack
 
+from shared.wire_fields import Fields, SchemaError
+
 SCHEMA_VERSION = 1
-
-
-class SchemaError(ValueError):
-    """A message that does not decode into the schema this process speaks."""
+_MAX_TOKEN_ID = 2**31 - 1
+_MAX_PROMPT_TOKENS = 1 << 20
+_MAX_COUNT = 2**31 - 1  # max_tokens, top_k
+_MAX_SEED = 2**64 - 1
+_MAX_STOP_STRINGS, _MAX_STOP_CHARS = 64, 4096
+_MAX_NAME_CHARS = 1024  # ids, names, paths of the message
 
 
 class JobStatus(StrEnum):
@@ -140,37 +148,54 @@ def encode_job(message: JobMessage) -> bytes:
 
 
 def decode_job(payload: bytes) -> JobMessage:
+    """A queue message's bytes → JobMessage, every field's type and range checked; SchemaError otherwise."""
     try:
         data = msgpack.unpackb(payload)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise SchemaError(f"not a msgpack job message: {exc}") from exc
     if not isinstance(data, dict) or data.get("v") != SCHEMA_VERSION:
-        raise SchemaError(f"unsupported job schema version: {data.get('v') if isinstance(data, dict) else None!r}")
+        version = data.get("v") if isinstance(data, dict) else None
+        raise SchemaError(f"unsupported job schema version: {version!r:.40}")
+    fields = Fields(data)
+    sampling = fields.nested("sampling")
+    adapter = fields.nested("adapter", optional=True)
+    return JobMessage(
+        job_id=fields.text("job_id", _MAX_NAME_CHARS, min_chars=1),
+        tenant=fields.text("tenant", _MAX_NAME_CHARS, min_chars=1),
+        model=fields.text("model", _MAX_NAME_CHARS, min_chars=1),
+        prompt_token_ids=fields.integers(
+            "prompt_token_ids", 0, _MAX_TOKEN_ID, min_items=1, max_items=_MAX_PROMPT_TOKENS
+        ),
+        sampling=SamplingParams(
+            max_tokens=sampling.integer("max_tokens", 1, _MAX_COUNT),
+            temperature=sampling.number("temperature", 0.0, math.inf),
+            top_p=sampling.number("top_p", math.ulp(0.0), 1.0),
+            top_k=sampling.integer("top_k", 0, _MAX_COUNT),
+            seed=sampling.integer("seed", 0, _MAX_SEED, default=None),
+            stop=sampling.texts("stop", _MAX_STOP_CHARS, max_items=_MAX_STOP_STRINGS),
+            ignore_eos=sampling.flag("ignore_eos"),
+        ),
+        adapter=None
+        if adapter is None
+        else AdapterRef(
+            name=adapter.text("name", _MAX_NAME_CHARS, min_chars=1),
+            version=adapter.integer("version", 1, 2**63 - 1),
+            path=adapter.text("path", _MAX_NAME_CHARS, min_chars=1),
+            sha256=adapter.text("sha256", 64, min_chars=64),
+        ),
+        created_at=fields.number("created_at", 0.0, math.inf),
+        deadline=fields.number("deadline", 0.0, math.inf, default=None),
+        request_id=fields.text("request_id", _MAX_NAME_CHARS),
+        stream=fields.flag("stream", default=True),  # see the versioning rules above
+    )
+
+
+def decode_status(value: str) -> JobStatus:
+    """A job status as stored (a job hash's `status`, a script's reply); SchemaError for any other string."""
     try:
-        sampling = data["sampling"]
-        adapter = data["adapter"]
-        return JobMessage(
-            job_id=data["job_id"],
-            tenant=data["tenant"],
-            model=data["model"],
-            prompt_token_ids=tuple(data["prompt_token_ids"]),
-            sampling=SamplingParams(
-                max_tokens=sampling["max_tokens"],
-                temperature=sampling["temperature"],
-                top_p=sampling["top_p"],
-                top_k=sampling["top_k"],
-                seed=sampling["seed"],
-                stop=tuple(sampling["stop"]),
-                ignore_eos=sampling["ignore_eos"],
-            ),
-            adapter=None if adapter is None else AdapterRef(**adapter),
-            created_at=data["created_at"],
-            deadline=data["deadline"],
-            request_id=data["request_id"],
-            stream=bool(data.get("stream", True)),  # see the versioning rules above
-        )
-    except (KeyError, TypeError) as exc:
-        raise SchemaError(f"malformed job message: {exc!r}") from exc
+        return JobStatus(value)
+    except ValueError as exc:
+        raise SchemaError(f"status {value!r:.40} is not a job status") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,36 +252,50 @@ class JobRecord:
 
     @classmethod
     def from_hash(cls, raw: dict[bytes, bytes]) -> JobRecord:
-        fields = {k.decode(): v for k, v in raw.items()}
+        """The record from HGETALL's reply; SchemaError naming the field when one cannot be read
+        (a status that is not a JobStatus, a count that is not a non-negative integer, …)."""
+        fields = raw  # byte-string names and values, as redis-py returns them
 
-        def text(name: str) -> str:
-            return fields[name].decode() if name in fields else ""
+        def text(name: bytes) -> str:
+            value = fields.get(name)
+            if value is None:
+                return ""
+            try:
+                return value.decode()
+            except (AttributeError, UnicodeDecodeError) as exc:
+                raise SchemaError(f"job record field {name.decode()} is not UTF-8 text") from exc
 
-        def number(name: str) -> int:
-            return int(fields[name]) if name in fields else 0
+        def number(name: bytes) -> int:
+            value = fields.get(name)
+            if value is None:
+                return 0
+            try:
+                count = int(value)
+            except (TypeError, ValueError) as exc:
+                raise SchemaError(f"job record field {name.decode()} must be an integer, not {value!r:.40}") from exc
+            if count < 0:
+                raise SchemaError(f"job record field {name.decode()} must not be negative")
+            return count
 
-        output = None
-        if "output" in fields:
-            blob = msgpack.unpackb(fields["output"])
-            output = JobOutput(blob["text"], tuple(blob["token_ids"]), FinishReason(blob["finish_reason"]))
-        error = JobError(text("error_code"), text("error_message")) if "error_code" in fields else None
+        output = decode_output(fields[b"output"]) if b"output" in fields else None
+        error = JobError(text(b"error_code"), text(b"error_message")) if b"error_code" in fields else None
         return cls(
-            job_id=text("job_id"),
-            status=JobStatus(text("status")),
-            tenant=text("tenant"),
-            model=text("model"),
-            adapter=text("adapter") or None,
-            created_ms=number("created_ms"),
-            started_ms=number("started_ms"),
-            first_token_ms=number("first_token_ms"),
-            finished_ms=number("finished_ms"),
-            prompt_tokens=number("prompt_tokens"),
-            completion_tokens=number("completion_tokens"),
-            attempts=number("attempts"),
-            worker=text("worker"),
+            job_id=text(b"job_id"),
+            status=decode_status(text(b"status")),
+            tenant=text(b"tenant"),
+            model=text(b"model"),
+            adapter=text(b"adapter") or None,
+            created_ms=number(b"created_ms"),
+            started_ms=number(b"started_ms"),
+            first_token_ms=number(b"first_token_ms"),
+            finished_ms=number(b"finished_ms"),
+            prompt_tokens=number(b"prompt_tokens"),
+            completion_tokens=number(b"completion_tokens"),
+            attempts=number(b"attempts"),
+            worker=text(b"worker"),
             output=output,
             error=error,
-            webhook=text("webhook") or None,
+            webhook=text(b"webhook") or None,
         )
 
 
@@ -275,4 +314,23 @@ class TokenDelta:
 def encode_output(output: JobOutput) -> bytes:
     return msgpack.packb(
         {"text": output.text, "token_ids": list(output.token_ids), "finish_reason": output.finish_reason.value}
+    )
+
+
+def decode_output(blob: bytes) -> JobOutput:
+    """A job record's `output` field; SchemaError naming the field when it is not one."""
+    try:
+        data = msgpack.unpackb(blob)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise SchemaError(f"output is not msgpack: {exc}") from exc
+    fields = Fields(data, "output")
+    finish_reason = fields.text("finish_reason", 16)
+    try:
+        reason = FinishReason(finish_reason)
+    except ValueError as exc:
+        raise SchemaError(f"output.finish_reason {finish_reason!r} is not a finish reason") from exc
+    return JobOutput(
+        fields.text("text", 1 << 30),
+        fields.integers("token_ids", 0, _MAX_TOKEN_ID, min_items=0, max_items=1 << 30),
+        reason,
     )

@@ -3,6 +3,10 @@
 A key looks like `lf_<lookup>_<secret>`. Redis keeps `lookup → tenant` and, on the tenant, only a
 salted SHA-256 of the secret: the secret is 32 random bytes, so a slow password hash would add
 latency to every request without adding security. Comparison is constant-time.
+
+Reserved names: `shared` owns the adapters every tenant may use (and their directory of the adapter
+root), so no tenant may be called that; a tenant given such a name before it was reserved is
+refused at authentication.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from shared import keys
 from shared.errors import ErrorCode, LorafleetError
 
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+SHARED_OWNER = "shared"  # owner of the adapters every tenant may use
+RESERVED_TENANT_NAMES = frozenset({SHARED_OWNER})
 _KEY_FORMAT = re.compile(r"^lf_([A-Za-z0-9]{16})_([A-Za-z0-9_-]{20,})$")
 
 
@@ -44,6 +50,8 @@ async def create_tenant(redis: Redis, name: str) -> str:
         raise LorafleetError(
             ErrorCode.INVALID_REQUEST, "tenant name must be 1-63 chars of a-z, 0-9, '_' or '-', starting alphanumeric"
         )
+    if name in RESERVED_TENANT_NAMES:
+        raise LorafleetError(ErrorCode.TENANT_NAME_RESERVED, f"tenant name {name!r} is reserved")
     if not await redis.sadd(keys.TENANTS, name):
         raise LorafleetError(ErrorCode.CONFLICT, f"tenant {name!r} already exists")
     return await issue_key(redis, name)
@@ -76,13 +84,16 @@ async def authenticate(redis: Redis, api_key: str) -> Tenant:
     tenant_id = await redis.get(keys.api_key(lookup))
     if tenant_id is None:
         raise LorafleetError(ErrorCode.INVALID_API_KEY, "the API key is not valid")
-    stored = await redis.hmget(keys.tenant(tenant_id.decode()), ["key_salt", "key_hash", "disabled"])
+    tenant_id = tenant_id.decode()
+    stored = await redis.hmget(keys.tenant(tenant_id), ["key_salt", "key_hash", "disabled"])
     salt, key_hash, disabled = stored
     if salt is None or not hmac.compare_digest(_hash_secret(salt, secret), key_hash):
         raise LorafleetError(ErrorCode.INVALID_API_KEY, "the API key is not valid")
     if disabled == b"1":
         raise LorafleetError(ErrorCode.TENANT_DISABLED, "this tenant is disabled")
-    return Tenant(tenant_id.decode(), key_lookup=lookup)
+    if tenant_id in RESERVED_TENANT_NAMES:  # created before the name was reserved
+        raise LorafleetError(ErrorCode.FORBIDDEN, f"tenant name {tenant_id!r} is reserved: its key is refused")
+    return Tenant(tenant_id, key_lookup=lookup)
 
 
 async def tenant_exists(redis: Redis, tenant_id: str) -> bool:

@@ -4,7 +4,8 @@
 
 1. Assets: the preset's model (random weights, HF format) and adapters written under --workdir.
 2. The stack: Redis, the worker, the gateways (bench/e2e/stack.py); tenants and adapters registered.
-3. Warm-up: a burst of Zipf requests (Triton compiles, adapter slots filled).
+3. Warm-up: a request for every adapter, then a burst of Zipf requests (Triton compiles, every
+   adapter read once into the host tier, GPU slots filled): the runs measure the steady state.
 4. Calibration: per mode, a closed loop keeping max_num_seqs requests in flight (its lanes start
    over the first third); the output tok/s of its second half, over the output length, is the
    mode's saturation in requests/s.
@@ -38,6 +39,7 @@ import torch
 from bench.e2e.assets import adapter_specs, write_adapters, write_model
 from bench.e2e.client import LoadClient, RunRecord, Sample
 from bench.e2e.engine_alone import on_engine_thread, replay, run_to_completion
+from bench.e2e.floor import AdapterFloor, adapter_floor
 from bench.e2e.plots import plot_load, plot_timeline
 from bench.e2e.presets import PRESETS, Preset
 from bench.e2e.stack import Stack, start_stack
@@ -51,8 +53,9 @@ from bench.e2e.summary import (
     window_tok_s,
     worker_table,
 )
-from bench.e2e.traffic import Mode, PlannedRequest, RequestSource, TrafficShape, poisson_plan
+from bench.e2e.traffic import Mode, PlannedRequest, RequestSource, TrafficShape, poisson_plan, zipf_weights
 from bench.e2e.worker_metrics import difference
+from shared.adapter_format import WEIGHTS_FILE
 from shared.config import ModelSpec
 from worker.engine.engine import LLMEngine
 
@@ -102,6 +105,8 @@ class Bench:
         self.samples: list[tuple[RunSummary, list[Sample]]] = []
         self.capacity_rps: dict[str, float] = {}
         self.notes: dict[str, float | str] = {"device": _device_name(preset), "preset": preset.name}
+        self.bandwidth = _copy_bandwidth(preset)  # bytes/s; measured before the worker takes the GPU
+        self.floor: AdapterFloor | None = None
 
     def shape(self, mode: Mode) -> TrafficShape:
         p = self.preset
@@ -134,7 +139,10 @@ class Bench:
             client = LoadClient(stack.gateway_urls, stack.api_keys, self.model.name)
             started = time.monotonic()
             warmup = RequestSource(self.shape(Mode.ZIPF), seed=1)
-            burst = [warmup.draw(i, 0.0) for i in range(p.warmup_requests)]
+            # every adapter once, so each has been read from disk into the host tier (the cold path
+            # is bench.adapter_pool's), then a Zipf burst
+            burst = [warmup.draw(i, 0.0, adapter) for i, adapter in enumerate(self.adapters)]
+            burst += [warmup.draw(len(burst) + i, 0.0) for i in range(p.warmup_requests)]
             record = asyncio.run(client.open_loop(burst, _WARMUP_WAIT_S, stack.probe))
             self.timed("warmup", started)
             print(_row_line(summarize("warmup", Mode.ZIPF, 0.0, record.samples)), flush=True)
@@ -164,6 +172,15 @@ class Bench:
             self.rows.append(dataclasses.replace(row, output_tok_s=tok_s))
             self.samples.append((self.rows[-1], record.samples))
             print(f"calibration {mode}: {tok_s:.0f} tok/s = {self.capacity_rps[mode]:.2f} req/s", flush=True)
+        calibrated = {r.mode: r.worker for r in self.rows if r.phase == "calibration"}
+        zipf, base = calibrated.get(Mode.ZIPF), calibrated.get(Mode.BASE)
+        if self.bandwidth and zipf is not None and base is not None:
+            weights_file = self.adapter_root / self.adapters[0].path / WEIGHTS_FILE
+            weights = zipf_weights(p.num_adapters, p.zipf_alpha)
+            self.floor = adapter_floor(
+                weights, zipf.batch_seqs, weights_file.stat().st_size, self.bandwidth, base.step_ms
+            )
+            print(f"calibration: {self.floor.describe()}", flush=True)
 
     def load_run(self, client: LoadClient, stack: Stack, mode: Mode, load: float, seed: int) -> None:
         p = self.preset
@@ -238,6 +255,17 @@ def _device_name(preset: Preset) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def _copy_bandwidth(preset: Preset) -> float | None:
+    """The device's copy bandwidth (bytes/s, read + write) for the byte floor; None on a CPU."""
+    if torch.device(preset.engine.device).type != "cuda":
+        return None
+    from bench.lora_kernels import copy_bandwidth  # Triton's timing helpers: GPU runs only
+
+    bandwidth = copy_bandwidth()
+    torch.cuda.empty_cache()
+    return bandwidth
+
+
 def _preset_dict(preset: Preset) -> dict:
     return json.loads(json.dumps(asdict(preset), default=str))
 
@@ -276,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         overhead = bench.engine_alone()
     except Exception:  # report what was measured before the failure, then fail
         traceback.print_exc()
-    found = verdicts(bench.rows, bench.capacity_rps, overhead)
+    found = verdicts(bench.rows, bench.capacity_rps, overhead, preset.saturation_target, bench.floor)
     bench.write_results(found)
     print(
         f"\n{preset.name} on {bench.notes['device']}: prompt {preset.prompt_tokens} tokens, output "

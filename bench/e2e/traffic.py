@@ -62,10 +62,11 @@ class RequestSource:
         self._weights = zipf_weights(len(shape.adapters), shape.zipf_alpha)
         self._bos, _ = special_ids(shape.vocab_size)
 
-    def draw(self, index: int, at_s: float) -> PlannedRequest:
+    def draw(self, index: int, at_s: float, adapter: BenchAdapter | None = None) -> PlannedRequest:
+        """The next request; in Zipf mode for `adapter` when given, else for a Zipf draw."""
         shape, rng = self.shape, self._rng
         if shape.mode is Mode.ZIPF:
-            adapter = rng.choices(shape.adapters, weights=self._weights)[0]
+            adapter = adapter or rng.choices(shape.adapters, weights=self._weights)[0]
             tenant, adapter_name = adapter.tenant, adapter.name
         else:
             tenant, adapter_name = tenant_name(rng.randrange(shape.num_tenants)), None

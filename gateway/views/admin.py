@@ -16,7 +16,15 @@ from gateway.state import AUTHENTICATOR, CONFIG, REDIS
 from shared.adapter_registry import list_adapters, unregister_adapter
 from shared.errors import ErrorCode
 from shared.rate_limits import LIMIT_FIELDS, get_tenant_limits, set_tenant_limits
-from shared.tenants import create_tenant, get_tenant, list_tenants, rotate_key, set_disabled, tenant_exists
+from shared.tenants import (
+    SHARED_OWNER,
+    create_tenant,
+    get_tenant,
+    list_tenants,
+    rotate_key,
+    set_disabled,
+    tenant_exists,
+)
 
 
 def _string(body: dict[str, Any], name: str, *, required: bool = True) -> str | None:
@@ -96,7 +104,7 @@ async def register_adapter_view(request: web.Request) -> web.Response:
     body = _only(parse_json_object(await request.read()), {"name", "tenant", "path", "model"})
     owner = _string(body, "tenant")
     redis = request.app[REDIS]
-    if owner != "shared" and not await tenant_exists(redis, owner):
+    if owner != SHARED_OWNER and not await tenant_exists(redis, owner):
         raise RequestError(ErrorCode.TENANT_NOT_FOUND, f"tenant {owner!r} not found", param="tenant")
     record = await admin.register(
         redis,

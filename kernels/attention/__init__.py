@@ -40,10 +40,9 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [T, H, D] for q [T, H, D] over K/V already in the cache (shapes: reference.py)."""
-    if q.is_cuda:
-        return paged_attention_triton(
-            q, key_cache, value_cache, query_start_loc, context_lens, block_tables, scale, max_query_len
-        )
-    return paged_attention_reference(q, key_cache, value_cache, query_start_loc, context_lens, block_tables, scale)
+    """out [T, H, D] for q [T, H, D] over K/V already in the cache (shapes: reference.py); into
+    `out` [T, H, D] when given."""
+    attend = paged_attention_triton if q.is_cuda else paged_attention_reference
+    return attend(q, key_cache, value_cache, query_start_loc, context_lens, block_tables, scale, max_query_len, out)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.attention.reference import check_out
 
 _LOG2E = 1.4426950408889634
 
@@ -118,8 +119,10 @@ def paged_attention_triton(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, H, D] for q [T, H, D] over K/V already in the cache; same semantics as the reference.
+    Written into `out` [T, H, D] when given (any strides but a contiguous last axis).
 
     key_cache / value_cache [num_blocks, block_size, H_kv, D] (H a multiple of H_kv);
     query_start_loc int32 [B + 1]; context_lens int32 [B]; block_tables int32 [B, max_blocks_per_seq];
@@ -145,7 +148,7 @@ def paged_attention_triton(
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     if q.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1 or block_tables.stride(1) != 1:
         raise ValueError("q, the caches and block_tables must be contiguous along their last axis")
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else check_out(out, q)
     if num_tokens == 0 or num_seqs == 0:
         return out
 

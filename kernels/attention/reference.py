@@ -11,6 +11,13 @@ import torch
 import torch.nn.functional as F
 
 
+def check_out(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """`out` if it can take attention's output for q [T, H, D]: same shape and dtype, last axis contiguous."""
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be q's shape {tuple(q.shape)} and dtype {q.dtype}")
+    return out
+
+
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """[context_len, num_kv_heads, head_dim]: one sequence's cached K (or V), in position order.
 
@@ -31,15 +38,17 @@ def paged_attention_reference(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [T, num_heads, head_dim] for q [T, num_heads, head_dim] over K/V already in the cache.
+    """out [T, num_heads, head_dim] for q [T, num_heads, head_dim] over K/V already in the cache,
+    written into `out` when given (a static buffer a graph reads next).
 
     key_cache / value_cache [num_blocks, block_size, num_kv_heads, head_dim]; num_heads is a multiple
     of num_kv_heads (GQA: query head h reads kv head h // (num_heads / num_kv_heads)).
     query_start_loc int32 [B + 1]; context_lens int32 [B]; block_tables int32 [B, max_blocks_per_seq].
     max_query_len is accepted for the Triton path's signature and unused here.
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else check_out(out, q)
     starts = query_start_loc.tolist()  # host copies: the loop below is host-driven anyway
     for seq, context_len in enumerate(context_lens.tolist()):
         start, end = starts[seq], starts[seq + 1]

@@ -14,7 +14,7 @@ slot_pages[s] = [s] is the unpaged layout.
 The engine calls `lora_linear` (or `lora_linear_deferred`, where the next fused kernel adds the
 delta) for every adapted projection. CPU tensors take the reference; CUDA
 tensors take one of the Triton paths in paths.py ("fused", "split", "overlap"), chosen
-per GPU model, projection shape and token count by configs.py (tuned by bench/tune_lora.py).
+per GPU model, projection shape and token count by configs.py (tuned by tuning/).
 """
 
 from __future__ import annotations

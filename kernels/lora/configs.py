@@ -1,15 +1,20 @@
 """Launch configurations and the path each batch shape takes, tuned per GPU model.
 
-kernels/configs/<GPU name, spaces as underscores>.json (written by bench/tune_lora.py) holds one
-plan per projection shape (K, slice widths, padded rank) and token bucket:
+A plan file, <GPU name, spaces as underscores>.json, holds one plan per projection shape (K, slice
+widths, padded rank) and token bucket:
 
     {"device": "NVIDIA H100 80GB HBM3", "date": "...", "commands": ["python -m bench.tune_lora ..."],
      "plans": [{"k": 4096, "widths": [4096, 1024, 1024], "rank_pad": 16, "max_tokens": 32,
                 "path": "fused", "fused": {"block_m": 16, "block_n": 64, ...}}, ...]}
 
-A batch of T tokens takes the plan of its shape with the smallest max_tokens >= T (the largest
-if T exceeds them all). Shapes or GPUs without a file use `default_plan`. The bucket never enters
-a kernel: configurations are constexprs, T is a runtime argument, so no token count recompiles.
+Plans are looked up in two places, in this order: the process's plan cache directory
+(`set_plan_cache_dir`; the worker sets it from --kernel-plans-dir and tunes what its models lack
+into it at start, worker/kernel_plans.py) and the packaged kernels/configs/ (tuned tables committed
+with the code, written by bench/tune_lora.py or `lorafleet tune --packaged`). A plan in the cache
+wins over the packaged one of the same shape and bucket; the buckets of both serve. A batch of T
+tokens takes the plan of its shape with the smallest max_tokens >= T (the largest if T exceeds them
+all). Shapes or GPUs without a plan use `default_plan`. The bucket never enters a kernel:
+configurations are constexprs, T is a runtime argument, so no token count recompiles.
 
 Paths (see paths.py): "fused" (fused.py, then the base GEMM accumulates into its output),
 "split" (shrink.py + expand, likewise), "overlap" (shrink.py on a second stream beside the base
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+PACKAGED_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 PathName = Literal["fused", "split", "overlap"]
 PATHS: tuple[PathName, ...] = ("fused", "split", "overlap")
@@ -123,21 +128,79 @@ def default_plan(num_tokens: int, rank_pad: int) -> Plan:
     )
 
 
-def config_file(device_name: str) -> Path:
-    return CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
+# (K, slice widths, padded max rank): what a plan is tuned for, besides its token bucket
+PlanKey = tuple[int, tuple[int, ...], int]
+
+
+def config_file(device_name: str, directory: Path | None = None) -> Path:
+    """The plan file of a GPU model in `directory` (None: the packaged one)."""
+    return (directory or PACKAGED_DIR) / f"{device_name.replace(' ', '_')}.json"
+
+
+def plan_entry(key: PlanKey, max_tokens: int, plan: Plan) -> dict[str, Any]:
+    """One plan as a plan file lists it."""
+    k, widths, rank_pad = key
+    return {"k": k, "widths": list(widths), "rank_pad": rank_pad, "max_tokens": max_tokens} | plan.to_json()
+
+
+def read_plans(path: Path) -> dict[tuple[PlanKey, int], Plan]:
+    """A plan file's plans by (shape, max_tokens); none for a file that does not exist. A file that
+    is not a plan file raises ValueError naming it."""
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the LoRA plan file {path}: {exc}") from exc
+    try:
+        return {
+            ((entry["k"], tuple(entry["widths"]), entry["rank_pad"]), entry["max_tokens"]): Plan.from_json(entry)
+            for entry in document["plans"]
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path} is not a LoRA plan file: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass(slots=True)
+class _Search:
+    cache_dir: Path | None = None  # searched before PACKAGED_DIR
+
+
+_search = _Search()
+
+
+def set_plan_cache_dir(directory: Path | None) -> None:
+    """Where this process finds the plans tuned at run time, searched before the packaged ones
+    (None: the packaged ones only). Set once by the worker from its configuration; lookups made
+    before are forgotten."""
+    _search.cache_dir = directory
+    reload_plans()
+
+
+def plan_cache_dir() -> Path | None:
+    return _search.cache_dir
+
+
+def reload_plans() -> None:
+    """Forget every lookup, so that the next reads the plan files again (one was just written)."""
+    _tuned_plans.cache_clear()
+    plan_for.cache_clear()
+
+
+def plan_files(device_name: str) -> list[Path]:
+    """The plan files a lookup reads for this GPU model, the one that wins last."""
+    packaged = config_file(device_name)
+    return [packaged] if _search.cache_dir is None else [packaged, config_file(device_name, _search.cache_dir)]
 
 
 @functools.cache
-def _tuned_plans(device_name: str) -> dict[tuple[int, tuple[int, ...], int], list[tuple[int, Plan]]]:
-    path = config_file(device_name)
-    if not path.exists():
-        return {}
-    plans: dict[tuple[int, tuple[int, ...], int], list[tuple[int, Plan]]] = {}
-    for entry in json.loads(path.read_text())["plans"]:
-        key = (entry["k"], tuple(entry["widths"]), entry["rank_pad"])
-        plans.setdefault(key, []).append((entry["max_tokens"], Plan.from_json(entry)))
-    for bucket in plans.values():
-        bucket.sort(key=lambda item: item[0])
+def _tuned_plans(device_name: str) -> dict[PlanKey, list[tuple[int, Plan]]]:
+    merged: dict[tuple[PlanKey, int], Plan] = {}
+    for path in plan_files(device_name):
+        merged |= read_plans(path)
+    plans: dict[PlanKey, list[tuple[int, Plan]]] = {}
+    for (key, max_tokens), plan in sorted(merged.items(), key=lambda item: item[0][1]):
+        plans.setdefault(key, []).append((max_tokens, plan))
     return plans
 
 

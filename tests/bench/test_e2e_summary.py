@@ -10,7 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.e2e.client import Sample
+from bench.e2e.floor import adapter_floor, expected_distinct
 from bench.e2e.summary import JobTimes, summarize, verdicts
+from bench.e2e.traffic import zipf_weights
 from bench.e2e.worker_metrics import Snapshot, difference
 
 
@@ -66,7 +68,7 @@ def test_worker_counters_are_differenced_between_two_scrapes():
     assert stats.adapter_loads == 1 and math.isclose(stats.adapter_gpu_hit_pct, 75.0)
 
 
-def test_the_adapter_target_compares_the_highest_loads_within_the_ttft_objective():
+def test_the_ttft_target_looks_at_zipf_where_base_last_kept_the_objective():
     template = summarize("load", "base", 1.0, [sample(0, 0.0, 0.1, 1.0)])
     rows = [
         replace(template, mode="base", offered_rps=10.0, output_tok_s=1000.0, ttft_p99_ms=200.0),
@@ -74,7 +76,25 @@ def test_the_adapter_target_compares_the_highest_loads_within_the_ttft_objective
         replace(template, mode="zipf", offered_rps=10.0, output_tok_s=1000.0, ttft_p99_ms=300.0),
         replace(template, mode="zipf", offered_rps=20.0, output_tok_s=1500.0, ttft_p99_ms=4000.0),
     ]
-    adapter, failures, overhead = verdicts(rows, {"base": 25.0, "zipf": 15.0}, None)
-    assert adapter.met is False and "= 0.50×" in adapter.measured  # zipf held 10 req/s, base 20
+    saturation, ttft, failures, overhead = verdicts(rows, {"base": 25.0, "zipf": 15.0}, None, 0.85, None)
+    assert saturation.met is None  # no calibration rows
+    assert ttft.met is False and "zipf p99 4000 ms" in ttft.measured  # base kept 1 s up to 20 req/s
     assert failures.met is True and "in 3 runs" in failures.measured  # zipf at 20 req/s is past its saturation
     assert overhead.met is None
+
+
+def test_the_saturation_target_is_the_calibrations_ratio_with_its_byte_floor_beside_it():
+    template = summarize("calibration", "base", 0.0, [sample(0, 0.0, 0.1, 1.0)])
+    rows = [replace(template, output_tok_s=1000.0), replace(template, mode="zipf", output_tok_s=870.0)]
+    weights = zipf_weights(100, 1.0)
+    floor = adapter_floor(weights, 128.0, 84_000_000, 3.0e12, base_step_ms=14.0)
+    saturation = verdicts(rows, {}, None, 0.85, floor)[0]
+    assert saturation.met is True and "= 0.87×" in saturation.measured
+    assert "byte floor 0.91×" in saturation.measured  # the figures: ~48 distinct, ~1.3 ms
+
+
+def test_expected_distinct_adapters_of_a_zipf_batch():
+    assert math.isclose(expected_distinct([0.5, 0.5], 1), 1.0)
+    assert math.isclose(expected_distinct([0.5, 0.5], 2), 1.5)
+    assert 47 < expected_distinct(zipf_weights(100, 1.0), 128) < 50
+    assert 70 < expected_distinct(zipf_weights(1000, 1.0), 128) < 80

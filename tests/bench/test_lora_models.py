@@ -1,37 +1,27 @@
-"""bench.lora_kernels' model layers: the tuner keys plans by the projection shapes the engine looks up."""
+"""bench.lora_kernels' model layers: the benchmarks and bench.tune_lora time the layers a worker tunes
+for the same models (worker.kernel_plans.adapted_layer), so their plans serve the engine."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from bench.engine import LLAMA3_8B
-from bench.lora_kernels import HEAD_DIM, MODELS, Shapes, attention_heads
+from bench.lora_kernels import MODELS
 from bench.moe import QWEN3_30B_A3B
+from kernels.lora.tuning.timing import attention_heads
 from shared.model_info import ModelInfo
-from worker.engine.lora_linear import PAGE_RANK
-
-
-def engine_shapes(info: ModelInfo) -> Shapes:
-    """(name, K, slice widths) of each dense LoRALinear of one decoder layer of the engine's model."""
-    qkv = tuple(info.projection_shape(p)[1] for p in ("q_proj", "k_proj", "v_proj"))
-    o_k, o_n = info.projection_shape("o_proj")
-    attention = (("qkv", info.hidden_size, qkv), ("o", o_k, (o_n,)))
-    if info.is_moe:
-        return attention
-    down_k, down_n = info.projection_shape("down_proj")
-    gate_up = ("gate_up", info.hidden_size, (info.intermediate_size,) * 2)
-    return (*attention, gate_up, ("down", down_k, (down_n,)))
+from worker.kernel_plans import adapted_layer
 
 
 @pytest.mark.parametrize(("name", "info"), [("llama-3-8b", LLAMA3_8B), ("qwen3-30b-a3b", QWEN3_30B_A3B)])
-def test_a_models_layer_is_the_engines(name: str, info: ModelInfo) -> None:
-    model = MODELS[name]
-    assert model.shapes == engine_shapes(info)
-    assert info.head_dim == HEAD_DIM
-    assert attention_heads(model.shapes[0][2]) == (info.num_heads, info.num_kv_heads)
-    assert model.qk_norm == info.qk_norm
-    # worker.engine.model: an MoE model's adapters take one page of their whole max rank
-    assert model.page_rank == (0 if info.is_moe else PAGE_RANK)
+@pytest.mark.parametrize("rank", [16, 64])
+def test_a_models_layer_is_the_one_a_worker_tunes(name: str, info: ModelInfo, rank: int) -> None:
+    model, tuned = MODELS[name], adapted_layer(info, rank)
+    # the bench keeps one page size per model; an unpaged pool (0) is one page of the whole rank
+    assert dataclasses.replace(model, page_rank=model.page_rank or rank) == tuned
+    assert attention_heads(model.projections[0].widths, model.head_dim) == (info.num_heads, info.num_kv_heads)
 
 
 def test_qkv_widths_must_be_whole_heads_with_k_as_wide_as_v() -> None:
@@ -39,3 +29,5 @@ def test_qkv_widths_must_be_whole_heads_with_k_as_wide_as_v() -> None:
         attention_heads((4096, 1024, 512))
     with pytest.raises(ValueError, match="qkv widths"):
         attention_heads((4096, 1000, 1000))
+    with pytest.raises(ValueError, match="64-wide heads"):
+        attention_heads((4096, 1000, 1000), head_dim=64)

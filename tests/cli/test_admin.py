@@ -61,7 +61,9 @@ def test_tenant_create_shows_the_key_once_in_words(redis_url: str, capsys: pytes
 
 
 @pytest.mark.parametrize(
-    ("name", "code"), [("acme", "conflict"), ("Not A Name", "invalid_request")], ids=["existing", "bad-name"]
+    ("name", "code"),
+    [("acme", "conflict"), ("Not A Name", "invalid_request"), ("shared", "tenant_name_reserved")],
+    ids=["existing", "bad-name", "reserved-name"],
 )
 def test_tenant_create_refusal_exits_2_with_the_code_and_no_traceback(
     redis_url: str, capsys: pytest.CaptureFixture, name: str, code: str
@@ -107,6 +109,7 @@ def test_adapter_register_takes_the_model_from_the_registry_workers_publish(
     ("setup", "extra", "code"),
     [
         ("outside-root", (), "adapter_path_outside_root"),
+        ("others-path", (), "adapter_path_forbidden"),
         ("rank", ("--max-lora-rank", "4"), "adapter_rank_too_large"),
         ("no-model", (), "model_not_found"),
         ("no-tenant", (), "not_found"),
@@ -118,7 +121,10 @@ def test_adapter_register_refusal_exits_2_with_the_code_and_registers_nothing(
 ) -> None:
     cli("tenant", "create", "acme", "--redis-url", redis_url)
     model_path = () if setup == "no-model" else ("--model-path", str(demo_files.model.path))
-    path = str(demo_files.model.path) if setup == "outside-root" else ACME  # a real directory, but not under the root
+    path = {
+        "outside-root": str(demo_files.model.path),  # a real directory, but not under the root
+        "others-path": "globex/globex-legal",  # the demo's globex adapter, not acme's
+    }.get(setup, ACME)
     tenant = "nobody" if setup == "no-tenant" else "acme"
     capsys.readouterr()
 

@@ -245,3 +245,22 @@ def test_gateway_webhooks_are_off_by_default_and_need_a_secret_once_a_host_is_al
         False,
     )
     assert webhooks.enabled
+
+
+def test_worker_kernel_plans_live_in_the_state_dir_unless_given(demo_files: DemoFiles, cpu_only, tmp_path) -> None:
+    base = ("worker", "--redis-url", REDIS, "--model", f"demo={demo_files.model.path}", "--device", "cpu")
+    base += ("--adapter-root", str(demo_files.adapter_root))
+    default = cfa.worker_config(parse(*base))
+    assert default.kernel_plans_dir == tmp_path / ".lorafleet" / "kernel-plans"
+    assert default.engine.kernel_tune_budget_s == 120.0
+    config = cfa.worker_config(parse(*base, "--kernel-plans-dir", "plans", "--kernel-tune-budget-s", "0"))
+    assert (config.kernel_plans_dir, config.engine.kernel_tune_budget_s) == (tmp_path / "plans", 0.0)
+
+
+def test_tune_writes_the_cache_of_a_state_dir_or_the_packaged_table(demo_files: DemoFiles, tmp_path: Path) -> None:
+    model = ("tune", "--model", f"demo={demo_files.model.path}")
+    config = cfa.tune_config(parse(*model, "--state-dir", "state", "--tokens", "64", "1", "64", "--budget-s", "30"))
+    assert (config.plans_dir, config.buckets, config.budget_s) == (tmp_path / "state" / "kernel-plans", (1, 64), 30.0)
+    assert (config.model.name, config.max_lora_rank) == ("demo", 64)
+    assert cfa.tune_config(parse(*model, "--packaged")).plans_dir is None
+    assert cfa.tune_config(parse(*model)).buckets is None

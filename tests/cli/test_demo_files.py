@@ -14,7 +14,7 @@ import cli.demo
 from cli.demo import DEMO_MODEL, demo_model_dir, ensure_random_demo
 from cli.demo_adapters import DEMO_ADAPTERS, DemoAdapter
 from cli.demo_model import write_demo_model
-from shared.adapter_format import WEIGHTS_FILE, inspect_adapter
+from shared.adapter_format import WEIGHTS_FILE, read_adapter
 from shared.model_info import ModelInfo
 from tests.cli.conftest import DemoFiles
 
@@ -66,7 +66,8 @@ def test_model_info_reads_the_demo_config_as_a_small_gqa_llama(demo_files: DemoF
 @pytest.mark.parametrize("adapter", DEMO_ADAPTERS, ids=lambda a: a.name)
 def test_demo_adapter_passes_lorafleet_validation(demo_files: DemoFiles, adapter: DemoAdapter) -> None:
     info = ModelInfo.from_pretrained("demo", demo_files.model.path)
-    manifest = inspect_adapter(demo_files.adapter_root / adapter.path(DEMO_MODEL), info, max_rank=64, max_bytes=1 << 30)
+    files = read_adapter(demo_files.adapter_root, adapter.path(DEMO_MODEL), info, max_rank=64, max_bytes=1 << 30)
+    manifest = files.manifest
     assert manifest.rank == adapter.rank
     assert set(manifest.target_modules) == set(adapter.target_modules)
     assert manifest.use_rslora == adapter.use_rslora

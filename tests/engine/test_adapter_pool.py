@@ -7,7 +7,6 @@ import dataclasses
 import json
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,9 +49,8 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 def host_adapter(checkpoint: TinyCheckpoint, name: str, device: str) -> HostAdapter:
     directory = checkpoint.adapters[name]
     ref = saved_adapter_ref(name, directory)
-    with ThreadPoolExecutor(1) as hasher:
-        return read_host_adapter(ref, adapter_root=directory.parent, info=checkpoint.info, dtype=torch.float32,
-                                 max_rank=16, max_bytes=1 << 30, pin=device == "cuda", hasher=hasher)  # fmt: skip
+    return read_host_adapter(ref, adapter_root=directory.parent, info=checkpoint.info, dtype=torch.float32,
+                             max_rank=16, max_bytes=1 << 30, pin=device == "cuda")  # fmt: skip
 
 
 def make_runner(checkpoint: TinyCheckpoint, device: str) -> ModelRunner:
@@ -99,9 +97,8 @@ def test_a_file_in_the_models_dtype_is_used_in_place_and_matches_the_packed_form
     ref = saved_adapter_ref("mlp_k_r4", directory)
     dtypes = (torch.float32, torch.float64)
     limits = {"adapter_root": directory.parent, "info": llama.info, "max_rank": 16, "max_bytes": 1 << 30, "pin": False}
-    with ThreadPoolExecutor(1) as hasher:
-        # the file's dtype (read in place) and another one (packed)
-        read = {dtype: read_host_adapter(ref, dtype=dtype, hasher=hasher, **limits) for dtype in dtypes}
+    # the file's dtype (read in place) and another one (packed)
+    read = {dtype: read_host_adapter(ref, dtype=dtype, **limits) for dtype in dtypes}
     weights = (directory / WEIGHTS_FILE).read_bytes()
     data_section = len(weights) - 8 - int.from_bytes(weights[:8], "little")
     assert read[torch.float32].nbytes == data_section  # the file's tensor bytes, nothing repacked
@@ -124,9 +121,9 @@ def test_a_file_whose_tensors_overlap_is_refused(llama: TinyCheckpoint, tmp_path
     weights.write_bytes(len(encoded).to_bytes(8, "little") + encoded + raw[8 + length :])
     ref = AdapterRef("overlap", 1, "mlp_k_r4", file_sha256(weights))
 
-    with ThreadPoolExecutor(1) as hasher, pytest.raises(LorafleetError, match="overlap") as raised:
+    with pytest.raises(LorafleetError, match="overlap") as raised:
         read_host_adapter(ref, adapter_root=tmp_path, info=llama.info, dtype=torch.float32, max_rank=16,
-                          max_bytes=1 << 30, pin=False, hasher=hasher)  # fmt: skip
+                          max_bytes=1 << 30, pin=False)  # fmt: skip
     assert raised.value.code is ErrorCode.ADAPTER_LOAD_FAILED
 
 

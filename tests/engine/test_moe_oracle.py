@@ -4,7 +4,6 @@ slot writes of expert LoRAs."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,9 +83,8 @@ def test_adapter_pool_writes_expert_slots_as_set_adapter_slot_does_and_leaks_not
     def host(name: str) -> HostAdapter:
         directory = tiny_moe.adapters[name]
         ref = saved_adapter_ref(name, directory)
-        with ThreadPoolExecutor(1) as hasher:
-            return read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
-                                     max_rank=8, max_bytes=1 << 30, pin=False, hasher=hasher)  # fmt: skip
+        return read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
+                                 max_rank=8, max_bytes=1 << 30, pin=False)  # fmt: skip
 
     served = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
     writer = SlotWriter(served)
@@ -108,9 +106,8 @@ def test_adapter_pool_serves_peft_fused_expert_loras_at_their_doubled_rank(tiny_
     every LoRA buffer as the direct copy (which keeps attention at r) fills it."""
     directory = tiny_moe.adapters[FUSED]
     ref = saved_adapter_ref(FUSED, directory)
-    with ThreadPoolExecutor(1) as hasher:
-        host = read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
-                                 max_rank=8, max_bytes=1 << 30, pin=False, hasher=hasher)  # fmt: skip
+    host = read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
+                             max_rank=8, max_bytes=1 << 30, pin=False)  # fmt: skip
     served = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
     SlotWriter(served).write((0,), host).wait()
     direct = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)

@@ -97,7 +97,7 @@ class Fleet:
         return {"Authorization": f"Bearer {self.api_keys[tenant]}"}
 
     async def add_adapter(self, name: str, tenant: str, model: str, *, seed: int = 0) -> AdapterRecord:
-        path = write_adapter(self.adapter_root, f"{name}-{seed}", self.models[model], seed=seed)
+        path = write_adapter(self.adapter_root, f"{tenant}/{name}-{seed}", self.models[model], seed=seed)
         record = await register_adapter(
             self.redis,
             name=name,

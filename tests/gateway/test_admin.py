@@ -88,7 +88,7 @@ async def test_tenant_admin_bad_input(admin_client, fleet):
 
 
 async def test_admin_registers_lists_and_unregisters_adapters(admin_client, fleet):
-    path = write_adapter(fleet.adapter_root, "globex-new", fleet.models["tiny"], seed=3)
+    path = write_adapter(fleet.adapter_root, "globex/new", fleet.models["tiny"], seed=3)
     body = {"name": "globex-new", "tenant": "globex", "path": path, "model": "tiny"}
     registered = await admin_client.post("/v1/admin/adapters", json=body, headers=ADMIN)
     assert registered.status == 201, await registered.text()
@@ -135,14 +135,17 @@ async def test_ended_jobs_are_swept_from_an_adapters_in_flight_set(admin_client,
 
 
 async def test_admin_adapter_bad_input(admin_client, fleet):
-    path = write_adapter(fleet.adapter_root, "ok", fleet.models["tiny"])
-    big = write_adapter(fleet.adapter_root, "big", fleet.models["tiny"], rank=16)  # over max_lora_rank 8
+    path = write_adapter(fleet.adapter_root, "acme/ok", fleet.models["tiny"])
+    theirs = write_adapter(fleet.adapter_root, "globex/ok", fleet.models["tiny"])
+    big = write_adapter(fleet.adapter_root, "acme/big", fleet.models["tiny"], rank=16)  # over max_lora_rank 8
     cases = [
         ({"name": "x", "tenant": "nobody", "path": path, "model": "tiny"}, 404, "tenant_not_found"),
         ({"name": "x", "tenant": "acme", "path": "../../etc", "model": "tiny"}, 400, "adapter_path_outside_root"),
         ({"name": "x", "tenant": "acme", "path": path, "model": "missing"}, 404, "model_not_found"),
         ({"name": "x", "tenant": "acme", "path": path}, 400, "invalid_request"),  # two models served: name one
-        ({"name": "acme-support", "tenant": "globex", "path": path, "model": "tiny"}, 409, "conflict"),
+        ({"name": "acme-support", "tenant": "globex", "path": theirs, "model": "tiny"}, 409, "conflict"),
+        ({"name": "x", "tenant": "globex", "path": path, "model": "tiny"}, 403, "adapter_path_forbidden"),
+        ({"name": "x", "tenant": "shared", "path": path, "model": "tiny"}, 403, "adapter_path_forbidden"),
         ({"name": "x", "tenant": "acme", "path": big, "model": "tiny"}, 400, "adapter_rank_too_large"),
     ]
     for body, status, code in cases:
@@ -167,7 +170,7 @@ async def test_an_unknown_base_model_is_named_by_the_field_the_caller_sent(admin
 
 
 async def test_load_and_unload_lora_adapter_are_tenant_scoped(admin_client, fleet):
-    path = write_adapter(fleet.adapter_root, "acme-fresh", fleet.models["tiny"], seed=5)
+    path = write_adapter(fleet.adapter_root, "acme/fresh", fleet.models["tiny"], seed=5)
     body = {"lora_name": "acme-fresh", "lora_path": path, "base_model_name": "tiny"}
     response = await admin_client.post("/v1/load_lora_adapter", json=body, headers=fleet.auth("acme"))
     assert response.status == 200 and "acme-fresh" in await response.text()
@@ -176,13 +179,20 @@ async def test_load_and_unload_lora_adapter_are_tenant_scoped(admin_client, flee
     assert "acme-fresh" in {m["id"] for m in acme_models["data"]}
     assert "acme-fresh" not in {m["id"] for m in globex_models["data"]}
 
-    # globex can neither unload it nor take over its name
+    # globex can neither unload it, nor take over its name, nor serve its files under a name of its own
     response = await admin_client.post(
         "/v1/unload_lora_adapter", json={"lora_name": "acme-fresh"}, headers=fleet.auth("globex")
     )
     assert response.status == 404 and (await response.json())["error"]["code"] == "adapter_not_found"
-    response = await admin_client.post("/v1/load_lora_adapter", json=body, headers=fleet.auth("globex"))
+    theirs = write_adapter(fleet.adapter_root, "globex/fresh", fleet.models["tiny"], seed=6)
+    response = await admin_client.post(
+        "/v1/load_lora_adapter", json={**body, "lora_path": theirs}, headers=fleet.auth("globex")
+    )
     assert response.status == 409
+    response = await admin_client.post(
+        "/v1/load_lora_adapter", json={**body, "lora_name": "globex-copy"}, headers=fleet.auth("globex")
+    )
+    assert response.status == 403 and (await response.json())["error"]["code"] == "adapter_path_forbidden"
     response = await admin_client.post(
         "/v1/unload_lora_adapter", json={"lora_name": "acme-fresh"}, headers=fleet.auth("acme")
     )

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from cli.demo import SMOLLM2_MODEL, ensure_demo_files
 from cli.demo_adapters import DEMO_ADAPTERS
-from shared.adapter_format import WEIGHTS_FILE, inspect_adapter
+from shared.adapter_format import WEIGHTS_FILE, read_adapter
 from shared.model_info import ModelInfo
 
 
@@ -22,8 +22,9 @@ def test_the_demo_is_smollm2_with_small_trained_adapters_made_once(tmp_path: Pat
     assert spec.name == SMOLLM2_MODEL
     info = ModelInfo.from_pretrained(spec.name, spec.path)
     for adapter in DEMO_ADAPTERS:
-        adapter_dir = adapter_root / adapter.path(SMOLLM2_MODEL)
-        manifest = inspect_adapter(adapter_dir, info, max_rank=64, max_bytes=1 << 30)
+        path = adapter.path(SMOLLM2_MODEL)
+        adapter_dir = adapter_root / path
+        manifest = read_adapter(adapter_root, path, info, max_rank=64, max_bytes=1 << 30).manifest
         assert manifest.rank == 8 and set(manifest.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
         assert (adapter_dir / WEIGHTS_FILE).stat().st_size < 2_000_000
         with safe_open(adapter_dir / WEIGHTS_FILE, "pt") as weights:

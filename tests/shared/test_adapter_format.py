@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from shared.adapter_format import inspect_adapter, resolve_adapter_dir
+from shared.adapter_format import read_adapter
+from shared.adapter_paths import adapter_relative_path
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import ModelInfo
 
@@ -55,8 +56,8 @@ def write_adapter(directory: Path, *, rank: int = 4, targets=("q_proj", "v_proj"
     return directory
 
 
-def check(directory: Path):
-    return inspect_adapter(directory, MODEL, max_rank=16, max_bytes=1 << 20)
+def check(directory: Path, model: ModelInfo = MODEL, *, max_bytes: int = 1 << 20):
+    return read_adapter(directory.parent, directory.name, model, max_rank=16, max_bytes=max_bytes).manifest
 
 
 def refusal(directory: Path) -> ErrorCode:
@@ -113,19 +114,19 @@ def test_pickled_weights_are_never_loaded(tmp_path):
     (directory / "adapter_model.safetensors").rename(directory / "adapter_model.bin")
     with pytest.raises(LorafleetError, match="pickled weights are never loaded") as info:
         check(directory)
-    assert info.value.code is ErrorCode.INVALID_ADAPTER
+    assert info.value.code is ErrorCode.ADAPTER_FILE_MISSING
 
 
 def test_corrupt_safetensors_is_refused(tmp_path):
     directory = write_adapter(tmp_path / "a")
     (directory / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
-    assert refusal(directory) is ErrorCode.INVALID_ADAPTER
+    assert refusal(directory) is ErrorCode.INVALID_SAFETENSORS
 
 
 def test_oversized_adapter_is_refused(tmp_path):
     directory = write_adapter(tmp_path / "a")
     with pytest.raises(LorafleetError) as info:
-        inspect_adapter(directory, MODEL, max_rank=16, max_bytes=10)
+        check(directory, max_bytes=10)
     assert info.value.code is ErrorCode.ADAPTER_TOO_LARGE
 
 
@@ -134,12 +135,15 @@ def test_paths_are_confined_to_the_adapter_root(tmp_path):
     inside = write_adapter(root / "tenant" / "a")
     outside = write_adapter(tmp_path / "elsewhere")
     os.symlink(outside, root / "escape")
-    assert resolve_adapter_dir(root, "tenant/a") == inside.resolve()
-    assert resolve_adapter_dir(root, str(inside)) == inside.resolve()
-    for bad in ("../elsewhere", "escape", str(outside), "tenant/../../elsewhere"):
+    assert adapter_relative_path(root, "tenant/a") == "tenant/a"
+    assert adapter_relative_path(root, str(inside)) == "tenant/a"
+    for bad in ("../elsewhere", str(outside), "tenant/../../elsewhere"):
         with pytest.raises(LorafleetError) as info:
-            resolve_adapter_dir(root, bad)
+            adapter_relative_path(root, bad)
         assert info.value.code is ErrorCode.ADAPTER_PATH_OUTSIDE_ROOT, bad
+    with pytest.raises(LorafleetError) as info:
+        read_adapter(root, "escape", MODEL, max_rank=16, max_bytes=1 << 20)
+    assert info.value.code is ErrorCode.ADAPTER_SYMLINK
 
 
 @pytest.mark.parametrize(
@@ -160,11 +164,18 @@ def test_a_weight_dtype_other_than_f16_bf16_f32_is_refused(tmp_path):
     tensors = {f"{prefix}.lora_A.weight": np.ones((4, 32), np.float64), f"{prefix}.lora_B.weight": np.ones((32, 4))}
     with pytest.raises(LorafleetError, match="dtype") as info:
         check(write_adapter(tmp_path / "a", tensors=tensors))
-    assert info.value.code is ErrorCode.INVALID_ADAPTER
+    assert info.value.code is ErrorCode.ADAPTER_DTYPE_UNSUPPORTED
 
 
-@pytest.mark.parametrize(("config_text", "message"), [(None, "missing"), ("{", "not valid JSON"), ("[]", "object")])
-def test_a_missing_or_unreadable_config_is_refused(tmp_path, config_text, message):
+@pytest.mark.parametrize(
+    ("config_text", "message", "code"),
+    [
+        (None, "missing", ErrorCode.ADAPTER_FILE_MISSING),
+        ("{", "not valid JSON", ErrorCode.INVALID_ADAPTER_CONFIG),
+        ("[]", "object", ErrorCode.INVALID_ADAPTER_CONFIG),
+    ],
+)
+def test_a_missing_or_unreadable_config_is_refused(tmp_path, config_text, message, code):
     directory = write_adapter(tmp_path / "a")
     config = directory / "adapter_config.json"
     if config_text is None:
@@ -173,12 +184,12 @@ def test_a_missing_or_unreadable_config_is_refused(tmp_path, config_text, messag
         config.write_text(config_text)
     with pytest.raises(LorafleetError, match=message) as info:
         check(directory)
-    assert info.value.code is ErrorCode.INVALID_ADAPTER
+    assert info.value.code is code
 
 
-@pytest.mark.parametrize("rank", [0, "8", None])
+@pytest.mark.parametrize("rank", [0, "8", None, True, 4.0, -4])
 def test_a_rank_that_is_not_a_positive_integer_is_refused(tmp_path, rank):
-    assert refusal(write_adapter(tmp_path / "a", config_extra={"r": rank})) is ErrorCode.INVALID_ADAPTER
+    assert refusal(write_adapter(tmp_path / "a", config_extra={"r": rank})) is ErrorCode.INVALID_ADAPTER_CONFIG
 
 
 def test_an_adapter_without_lora_matrices_is_refused(tmp_path):
@@ -189,5 +200,5 @@ def test_an_adapter_for_another_base_model_is_refused_by_its_shapes(tmp_path):
     wider = dataclasses.replace(MODEL, name="wider", hidden_size=64)
     directory = write_adapter(tmp_path / "a")  # made for MODEL (hidden 32)
     with pytest.raises(LorafleetError) as info:
-        inspect_adapter(directory, wider, max_rank=16, max_bytes=1 << 20)
+        check(directory, wider)
     assert info.value.code is ErrorCode.ADAPTER_SHAPE_MISMATCH

@@ -13,7 +13,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
-from shared.adapter_format import WEIGHTS_FILE, inspect_adapter
+from shared.adapter_format import WEIGHTS_FILE, AdapterManifest, read_adapter
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import ModelInfo
 from tests.engine.tiny_moe import MOE_ADAPTERS, save_expert_adapter, save_tiny_moe
@@ -34,15 +34,19 @@ def adapter(moe: tuple[Path, ModelInfo, object], name: str) -> Path:
     return path
 
 
+def inspect(path: Path, info: ModelInfo, *, max_rank: int = 64) -> AdapterManifest:
+    return read_adapter(path.parent, path.name, info, max_rank=max_rank, max_bytes=1 << 30).manifest
+
+
 def refused(path: Path, info: ModelInfo) -> LorafleetError:
     with pytest.raises(LorafleetError) as caught:
-        inspect_adapter(path, info, max_rank=64, max_bytes=1 << 30)
+        inspect(path, info)
     return caught.value
 
 
 def test_per_expert_adapter_is_accepted_with_its_expert_targets(moe) -> None:
     _, info, _ = moe
-    manifest = inspect_adapter(adapter(moe, "ok"), info, max_rank=64, max_bytes=1 << 30)
+    manifest = inspect(adapter(moe, "ok"), info)
     assert manifest.rank == 8
     assert manifest.target_modules == ("q_proj", "o_proj", "experts.gate_proj", "experts.up_proj", "experts.down_proj")
 
@@ -85,14 +89,14 @@ def test_peft_fused_expert_parameters_are_accepted_at_their_own_ranks(moe, tmp_p
     get_peft_model(copy.deepcopy(base), config).save_pretrained(tmp_path)
     assert json.loads((tmp_path / "adapter_config.json").read_text())["target_parameters"]  # what PEFT 0.21 saves
 
-    manifest = inspect_adapter(tmp_path, info, max_rank=8, max_bytes=1 << 30)
+    manifest = inspect(tmp_path, info, max_rank=8)
 
     assert manifest.target_modules == ("q_proj", "experts.gate_up_proj", "experts.down_proj")
     assert manifest.fused_experts is not None
     assert dict(manifest.fused_experts.ranks) == {"gate_up_proj": 8, "down_proj": 4}  # gate and up fused: 2r
     assert manifest.rank == 4 and manifest.serving_rank == 8
     with pytest.raises(LorafleetError) as caught:  # the doubled rank counts against the slot rank
-        inspect_adapter(tmp_path, info, max_rank=4, max_bytes=1 << 30)
+        inspect(tmp_path, info, max_rank=4)
     assert caught.value.code is ErrorCode.ADAPTER_RANK_TOO_LARGE
 
 

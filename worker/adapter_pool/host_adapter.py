@@ -1,32 +1,25 @@
 """Disk → host: an adapter read once, validated, and held in one flat (pinned) buffer, so the copy to
 the device is one large transfer at full host-to-device bandwidth.
 
-The common case goes straight from the file into the pinned buffer (`_read_direct`): a PEFT file
-whose tensors are dense projections' A/B in the model's dtype already is what the slots take, so
-the host copies nothing and a loader thread makes a handful of calls (each one a GIL hand-off
-with the engine thread, which is what made per-tensor packing slow under load). Other files (MoE
-experts, fused expert forms, another dtype) are parsed and packed tensor by tensor (`_pack`)."""
+The file is read once, its data section straight into a pinned buffer. In the common case that
+buffer is used in place (`_parts_in_place`): a PEFT file whose tensors are dense projections' A/B
+in the model's dtype already is what the slots take, so the host copies nothing and a loader thread
+makes a handful of calls (each one a GIL hand-off with the engine thread, which is what made
+per-tensor packing slow under load). Other files (MoE experts, fused expert forms, another dtype)
+are packed tensor by tensor from the bytes read (`_pack`), never read again."""
 
 from __future__ import annotations
 
-import hashlib
-import math
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 
-from shared.adapter_format import (
-    AdapterManifest,
-    manifest_of,
-    read_adapter_files,
-    read_adapter_into,
-    resolve_adapter_dir,
-)
+from shared.adapter_format import AdapterManifest, read_adapter
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import EXPERT_PROJECTIONS, PROJECTIONS, ModelInfo
+from shared.safetensors_table import TensorEntry
 from shared.schema import AdapterRef
 from worker.engine.moe_adapter import expert_loras
 from worker.engine.peft_adapter import peft_key
@@ -139,58 +132,40 @@ def read_host_adapter(
     max_rank: int,
     max_bytes: int,
     pin: bool,
-    hasher: Executor,
 ) -> HostAdapter:
-    """Read `ref`'s files (path confined to the root), check them against the base model and the
-    registered sha256, and hold them in `dtype`. Raises LorafleetError(ADAPTER_LOAD_FAILED) naming
-    the problem. Thread-safe: the pool runs it on its loader threads (file reads and hashing release
-    the GIL); when packing, the bytes are hashed on `hasher` meanwhile."""
-    try:
-        adapter_dir = resolve_adapter_dir(adapter_root, ref.path)
-        direct = _read_direct(ref, adapter_dir, info, dtype, max_rank=max_rank, max_bytes=max_bytes, pin=pin)
-        if direct is not None:
-            return direct
-        config, data = read_adapter_files(adapter_dir, max_rank=max_rank, max_bytes=max_bytes)
-        digest = hasher.submit(_sha256, data)
-        # the manifest takes the registered digest: `digest` must equal it before anything is returned
-        manifest = manifest_of(config, data, info, sha256=ref.sha256)
-    except LorafleetError as exc:
-        raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, exc.message) from exc
-    adapter = _pack(ref, manifest, data, info, dtype, pin)
-    if digest.result() != ref.sha256:
-        # the registry names exact weights: never serve other bytes under this identity
-        raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "adapter files changed since registration")
-    return adapter
-
-
-def _read_direct(
-    ref: AdapterRef, adapter_dir: Path, info: ModelInfo, dtype: torch.dtype, *, max_rank: int, max_bytes: int, pin: bool
-) -> HostAdapter | None:
-    """The file's tensor data read straight into one pinned buffer and used in place; None when the
-    file needs packing (the caller reads it again that way)."""
+    """Read `ref`'s files once (shared/adapter_format.read_adapter: confined to the root, validated
+    against the base model, hashed), check them against the registered sha256, and hold them in
+    `dtype`. Raises LorafleetError(ADAPTER_LOAD_FAILED) naming the problem. Thread-safe: the pool
+    runs it on its loader threads (file reads and hashing release the GIL)."""
     raw: list[torch.Tensor] = []
 
     def allocate(nbytes: int) -> memoryview:
         raw.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
         return memoryview(raw[0].numpy())
 
-    manifest, header = read_adapter_into(adapter_dir, info, max_rank=max_rank, max_bytes=max_bytes, allocate=allocate)
-    if manifest.sha256 != ref.sha256:
+    try:
+        files = read_adapter(adapter_root, ref.path, info, max_rank=max_rank, max_bytes=max_bytes, allocate=allocate)
+    except LorafleetError as exc:
+        raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, exc.message) from exc
+    if files.manifest.sha256 != ref.sha256:
+        # the registry names exact weights: never serve other bytes under this identity
         raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "adapter files changed since registration")
-    parts = _parts_in_place(header, raw[0].numel(), info, dtype, manifest)
-    if parts is None:
-        return None
+    manifest = files.manifest
+    parts = _parts_in_place(files.tensors, info, dtype, manifest)
+    if parts is None:  # the read bytes, packed tensor by tensor
+        return _pack(ref, manifest, files.weights_file(), info, dtype, pin)
     try:
         return HostAdapter(ref.uid, manifest.rank, manifest.scaling, raw[0].view(dtype), parts)
-    except ValueError as exc:  # overlapping tensors: the safetensors format allows none
+    except ValueError as exc:  # overlapping tensors: the safetensors table allows none
         raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, str(exc)) from exc
 
 
 def _parts_in_place(
-    header: dict[str, dict], nbytes: int, info: ModelInfo, dtype: torch.dtype, manifest: AdapterManifest
+    tensors: dict[str, TensorEntry], info: ModelInfo, dtype: torch.dtype, manifest: AdapterManifest
 ) -> tuple[AdapterPart, ...] | None:
     """Where each projection's A [r, in] and B [out, r] already sit in the file's data section, in
-    elements of `dtype`; None unless every tensor is one of those, in `dtype`, at the adapter's rank."""
+    elements of `dtype`; None unless every tensor is one of those, in `dtype`, at the adapter's rank
+    (the table's offsets were checked against the shapes and the data's length when it was read)."""
     if manifest.serving_rank != manifest.rank or manifest.fused_experts is not None:
         return None
     itemsize = dtype.itemsize
@@ -198,24 +173,15 @@ def _parts_in_place(
     for layer in range(info.num_layers):
         for projection in manifest.target_modules:
             keys = (peft_key(layer, projection, "A"), peft_key(layer, projection, "B"))
-            if keys[0] not in header:
+            if keys[0] not in tensors:
                 continue  # PEFT's layers_to_transform may skip layers
-            offsets = []
-            for key in keys:
-                entry = header[key]
-                begin, end = entry.get("data_offsets", (-1, -1))
-                if entry["dtype"] != _SAFETENSORS_DTYPE.get(dtype) or begin % itemsize:
-                    return None
-                if not 0 <= begin <= end <= nbytes or end - begin != math.prod(entry["shape"]) * itemsize:
-                    raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, f"{key}: data offsets do not match its shape")
-                offsets.append(begin // itemsize)
+            entries = [tensors[key] for key in keys]
+            if any(entry.dtype != _SAFETENSORS_DTYPE.get(dtype) or entry.begin % itemsize for entry in entries):
+                return None
             in_features, out_features = info.projection_shape(projection)
-            parts.append(AdapterPart(layer, projection, offsets[0], offsets[1], in_features, out_features))
-    return tuple(parts) if 2 * len(parts) == len(header) else None  # anything else (experts): pack
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+            a_offset, b_offset = (entry.begin // itemsize for entry in entries)
+            parts.append(AdapterPart(layer, projection, a_offset, b_offset, in_features, out_features))
+    return tuple(parts) if 2 * len(parts) == len(tensors) else None  # anything else (experts): pack
 
 
 def _pack(

@@ -100,7 +100,6 @@ class AdapterPool:
         self._writer = SlotWriter(model)
         self._pin = self._writer.device.type == "cuda"
         self._executor = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="adapter-load")
-        self._hasher = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="adapter-hash")
         self._demand: Counter[str] = Counter()  # uid → unfinished requests naming it
         self._refs: dict[str, AdapterRef] = {}  # for every uid with demand
         self._pending: dict[str, None] = {}  # uids with demand not READY on the device, in arrival order
@@ -204,7 +203,6 @@ class AdapterPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._hasher.shutdown(wait=False, cancel_futures=True)
 
     def bookkeeping_size(self) -> int:
         """Entries across every map the pool keeps (a no-leak check: bounded by the tiers' sizes)."""
@@ -269,6 +267,5 @@ class AdapterPool:
             max_rank=self._config.max_lora_rank,
             max_bytes=self._config.max_adapter_bytes,
             pin=self._pin,
-            hasher=self._hasher,
         )
         return adapter, time.perf_counter() - started

@@ -19,9 +19,10 @@ def paged_attention(
     value_cache: torch.Tensor,
     batch: ForwardBatch,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over each sequence's whole context, this
-    step's tokens included. Returns [T, num_heads, head_dim]."""
+    step's tokens included. Returns [T, num_heads, head_dim], written into `out` when given."""
     return attend(
         q,
         key_cache,
@@ -31,4 +32,5 @@ def paged_attention(
         batch.block_tables,
         scale,
         batch.max_query_len,
+        out,
     )

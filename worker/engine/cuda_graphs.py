@@ -19,8 +19,10 @@ and the LoRA plan is chosen from shapes (the token count b, the projection shape
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+from collections.abc import Callable, Iterator
 
 import structlog
 import torch
@@ -44,6 +46,52 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+@contextlib.contextmanager
+def capture_session(device: torch.device) -> Iterator[torch.cuda.Stream]:
+    """The setting every capture of a runner's graphs runs in: the capture stream (after the work
+    queued so far on the current one, such as the static buffers' fills), inference mode, and no
+    garbage collection.
+
+    This may run on a loader thread while another model of the worker serves (a switch prepared
+    beside it): captures only record kernels (thread-local mode, on a stream only captures use),
+    so the serving model's launches go on and are never captured. A CUDA graph destroyed while
+    another is being captured invalidates that capture (the next cuBLAS call fails): an earlier
+    runner's graphs (a test's, a switched-out model's) may wait in unreachable reference cycles, so
+    they are collected first and no collection runs mid-capture."""
+    stream = _capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            yield stream
+    finally:
+        if collecting:
+            gc.enable()
+        stream.synchronize()
+
+
+def capture(run: Callable[[], None], pool: tuple[int, int]) -> torch.cuda.CUDAGraph:
+    """A graph of what `run` launches, its memory from `pool` (inside a capture_session)."""
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        run()
+    finally:
+        graph.capture_end()
+    return graph
+
+
+def warm_up_cache(kv_cache: KVCache) -> KVCache:
+    """A one-block cache shaped like `kv_cache`, for the eager runs before captures: they compile
+    Triton kernels and create cuBLAS handles without writing the real cache, which a model serving
+    beside the capture may be reading."""
+    key = kv_cache.key[0]
+    layout = KVLayout(len(kv_cache.key), kv_cache.block_size, key.shape[2], key.shape[3], key.dtype)
+    return KVCache.allocate(layout, 1, key.device)
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then 16, 24, 32, 48, 64, 96, 128, 192 … (powers of two and their 1.5×), capped by
     and always including max_batch: padding wastes at most a third of a step's rows past 8."""
@@ -56,9 +104,18 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, *, max_batch: int, max_blocks_per_seq: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        *,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        pool: tuple[int, int],
+    ) -> None:
         """Capture decode graphs for batches of up to `max_batch` sequences whose block tables hold
-        at most `max_blocks_per_seq` blocks. The cache's last block is the padding rows' scratch."""
+        at most `max_blocks_per_seq` blocks, their memory from `pool` (graphs replayed one at a
+        time may share one). The cache's last block is the padding rows' scratch."""
         self.model = model
         self.kv_cache = kv_cache
         self.sizes = capture_sizes(max_batch)
@@ -74,7 +131,7 @@ class DecodeGraphs:
             self._query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
             self._logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._capture_all()
+        self._capture_all(pool)
 
     @property
     def max_batch(self) -> int:
@@ -121,47 +178,21 @@ class DecodeGraphs:
             self._graphs[size, any(s >= 0 for s in adapter_slots)].replay()
         return self._logits[:n]
 
-    def _capture_all(self) -> None:
-        """Warm each graph's kernels up eagerly (Triton compiles, cuBLAS handles), then capture it;
-        largest first, so smaller graphs fit in the memory the larger ones' activations freed in
-        the shared pool.
-
-        This may run on a loader thread while another model of the worker serves from the same KV
-        storage (a switch prepared beside it): warm-ups run against a one-block cache of their own,
-        never writing the real one, and capture only records kernels (thread-local mode, on a stream
-        only captures use), so the serving model's launches go on and are never captured.
-
-        A CUDA graph destroyed while another is being captured invalidates that capture (the next
-        cuBLAS call fails): an earlier runner's graphs (a test's, a switched-out model's) may wait in
-        unreachable reference cycles, so they are collected first and no collection runs mid-capture."""
-        pool = torch.cuda.graph_pool_handle()
-        key = self.kv_cache.key[0]
-        layout = KVLayout(len(self.kv_cache.key), self.kv_cache.block_size, key.shape[2], key.shape[3], key.dtype)
-        warm_up_cache = KVCache.allocate(layout, 1, key.device)
-        stream = _capture_stream(key.device)
-        stream.wait_stream(torch.cuda.current_stream(key.device))  # the static buffers' fills, made there
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.inference_mode(), torch.cuda.stream(stream):
-                self._stage_padding(scratch_block=0)  # the warm-up cache's one block
-                for size in reversed(self.sizes):
-                    for with_lora in (False, True):
-                        self._forward(size, with_lora, warm_up_cache)
-                        stream.synchronize()
-                        graph = torch.cuda.CUDAGraph()
-                        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                        try:
-                            self._forward(size, with_lora, self.kv_cache)
-                        finally:
-                            graph.capture_end()
-                        self._graphs[size, with_lora] = graph
-                self._stage_padding(scratch_block=self.scratch_block)
-        finally:
-            if collecting:
-                gc.enable()
-        stream.synchronize()
+    def _capture_all(self, pool: tuple[int, int]) -> None:
+        """Warm each graph's kernels up eagerly (on a cache of its own, see warm_up_cache), then
+        capture it; largest first, so smaller graphs fit in the memory the larger ones' activations
+        freed in the pool."""
+        warm_cache = warm_up_cache(self.kv_cache)
+        with capture_session(self.kv_cache.key[0].device) as stream:
+            self._stage_padding(scratch_block=0)  # the warm-up cache's one block
+            for size in reversed(self.sizes):
+                for with_lora in (False, True):
+                    self._forward(size, with_lora, warm_cache)
+                    stream.synchronize()
+                    self._graphs[size, with_lora] = capture(
+                        functools.partial(self._forward, size, with_lora, self.kv_cache), pool
+                    )
+            self._stage_padding(scratch_block=self.scratch_block)
         log.info("decode_graphs_captured", sizes=self.sizes)
 
     def _stage_padding(self, scratch_block: int) -> None:

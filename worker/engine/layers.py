@@ -60,9 +60,7 @@ class VocabEmbedding(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(
-        self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
+    def __init__(self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.num_heads = info.num_heads
         self.num_kv_heads = info.num_kv_heads
@@ -87,30 +85,32 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(info.head_dim, info.rms_norm_eps, dtype=dtype, device=device) if info.qk_norm else None
         self.k_norm = RMSNorm(info.head_dim, info.rms_norm_eps, dtype=dtype, device=device) if info.qk_norm else None
 
-    def forward(
+    def queries(
         self,
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        batch: ForwardBatch,
+        slot_mapping: torch.Tensor,
+        lora: LoRABatch | None,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        residual: torch.Tensor,
     ) -> torch.Tensor:
-        """hidden [T, hidden_size] → [T, hidden_size]; writes this step's K/V into this layer's cache.
-
-        rope: (cos, sin) [T, head_dim] for the step's positions. residual [T, hidden_size]: the
-        stream the output is added to next, which may take o_proj's LoRA delta (LoRALinear.forward).
-        """
+        """The attention's input side: hidden [T, hidden_size] → rotated q [T, num_heads, head_dim];
+        writes this step's rotated K and V into this layer's cache at int64 slot_mapping [T].
+        rope: (cos, sin) [T, head_dim] for the step's positions."""
         # the LoRA deltas of qkv (decode sizes, CUDA) are computed beside its GEMM and added by RoPE
-        qkv, delta = self.qkv_proj.forward_deferred(hidden, batch.lora)
+        qkv, delta = self.qkv_proj.forward_deferred(hidden, lora)
         if self.q_norm is not None and self.k_norm is not None:
             if delta is not None:
                 qkv.add_(delta)
                 delta = None
             self._norm_heads(qkv, self.q_norm, self.k_norm)
-        q = rope_and_cache_kv(qkv, *rope, key_cache, value_cache, batch.slot_mapping, self.num_heads, delta)
-        attended = paged_attention(q, key_cache, value_cache, batch, self.scale)
-        return self.o_proj(attended.reshape(hidden.shape[0], -1), batch.lora, residual)
+        return rope_and_cache_kv(qkv, *rope, key_cache, value_cache, slot_mapping, self.num_heads, delta)
+
+    def output(self, attended: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor) -> torch.Tensor:
+        """The attention's output side: attended [T, num_heads, head_dim] → [T, hidden_size].
+        residual [T, hidden_size]: the stream the output is added to next, which may take o_proj's
+        LoRA delta (LoRALinear.forward)."""
+        return self.o_proj(attended.reshape(attended.shape[0], -1), lora, residual)
 
     def _norm_heads(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
         """RMS-normalise each q and k head of qkv [T, (H + 2 H_kv) * D] in place."""
@@ -122,9 +122,7 @@ class SelfAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    def __init__(
-        self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
+    def __init__(self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         width = info.intermediate_size
         self.gate_up_proj = LoRALinear(
@@ -173,6 +171,39 @@ class DecoderLayer(nn.Module):
             return attention
         return (*attention, self.mlp.gate_up_proj, self.mlp.down_proj)
 
+    def attention_input(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        lora: LoRABatch | None,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block up to attention: (q [T, num_heads, head_dim], the residual stream [T, hidden_size]).
+
+        Pre-norm residual block over [T, hidden_size] tensors, with each residual add deferred into
+        the next norm (one kernel): takes the previous block's output and the residual stream before
+        it (None for the first block, whose input is the embedding); on CUDA the stream is updated in
+        place, so the returned one is `residual` itself."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        return self.self_attn.queries(normed, rope, slot_mapping, lora, key_cache, value_cache), residual
+
+    def attention_output(
+        self, attended: torch.Tensor, residual: torch.Tensor, lora: LoRABatch | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block after attention: (its output, the residual stream before it), both [T, hidden_size],
+        from attended [T, num_heads, head_dim]; the stream after the block is their sum."""
+        attended = self.self_attn.output(attended, lora, residual)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attended, residual)
+        if isinstance(self.mlp, MoEBlock):  # sums its expert deltas into its own output (topk_sum)
+            return self.mlp(normed, lora), residual
+        return self.mlp(normed, lora, residual), residual
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -182,16 +213,9 @@ class DecoderLayer(nn.Module):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm residual block over [T, hidden_size] tensors, with each residual add deferred into
-        the next norm (one kernel): takes the previous block's output and the residual stream before
-        it (None for the first block, whose input is the embedding) and returns the same pair, so
-        the stream after this block is their sum."""
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attended = self.self_attn(normed, rope, batch, key_cache, value_cache, residual)
-        normed, residual = self.post_attention_layernorm.add_and_norm(attended, residual)
-        if isinstance(self.mlp, MoEBlock):  # sums its expert deltas into its own output (topk_sum)
-            return self.mlp(normed, batch.lora), residual
-        return self.mlp(normed, batch.lora, residual), residual
+        """The whole block: attention_input, paged attention over the cache, attention_output."""
+        q, residual = self.attention_input(
+            hidden, residual, rope, batch.slot_mapping, batch.lora, key_cache, value_cache
+        )
+        attended = paged_attention(q, key_cache, value_cache, batch, self.self_attn.scale)
+        return self.attention_output(attended, residual, batch.lora)

@@ -1,8 +1,9 @@
 """The one place the engine touches the device: builds the step's tensors, runs the model, samples.
 
 Owns the model, its KV cache and the LoRA slot tensors; knows nothing about requests beyond what
-the scheduler hands it. On CUDA, pure-decode steps replay captured graphs (cuda_graphs.py); prefill
-and mixed steps, and every step on CPU, run the model eagerly.
+the scheduler hands it. On CUDA, pure-decode steps replay captured graphs (cuda_graphs.py), and
+steps with prefill chunks replay graphs of everything but attention (piecewise_graphs.py); every
+step on CPU runs the model eagerly.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from worker.engine.forward_batch import ForwardBatch
 from worker.engine.kv_cache import KVCache, KVLayout
 from worker.engine.model import CausalLM, resolve_dtype
 from worker.engine.peft_adapter import load_adapter_weights
+from worker.engine.piecewise_graphs import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from worker.engine.sampled_tokens import SampledTokens
 from worker.engine.sampler import sample
 from worker.engine.scheduler import ScheduledSequence
@@ -148,17 +150,22 @@ class ModelRunner:
             if self.num_blocks < 1:
                 raise RuntimeError(f"the KV storage holds no block of {name}")
             self.kv_cache = KVCache.carve(layout, self.num_blocks + scratch, kv_storage)
-        # None: every step runs eagerly (CPU; tests compare graphs against eager by clearing it)
+        # None: those steps run eagerly (CPU; tests compare graphs against eager by clearing them)
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         # int64 [B] tokens the last step sampled, still on the device: the next step's inputs take a
         # token id -(r + 1) (a sequence whose newest token the host has not read yet) from row r
         self._last_sampled: torch.Tensor | None = None
         if on_cuda:
+            pool = torch.cuda.graph_pool_handle()  # replayed one at a time, the graphs share their memory
+            max_tokens = min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
+            self.piecewise = PiecewiseGraphs(model, self.kv_cache, max_tokens=max_tokens, pool=pool)
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_cache,
                 max_batch=config.max_num_seqs,
                 max_blocks_per_seq=-(-self.info.max_context // config.block_size),
+                pool=pool,
             )
         log.info("model_loaded", model=name, dtype=str(self.dtype), device=str(self.device), kv_blocks=self.num_blocks)
 
@@ -177,7 +184,12 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and len(scheduled) <= graphs.max_batch and all(s.num_new_tokens == 1 for s in scheduled):
             return self._replay_decode(graphs, scheduled, slot_of, block_size, self._last_sampled)
-        batch = self._build_batch(scheduled, slot_of, block_size)
+        batch, token_slots = self._build_batch(scheduled, slot_of, block_size)
+        if self.piecewise is not None and batch.num_tokens <= self.piecewise.max_tokens:
+            return self.piecewise.run(batch, token_slots)
+        if token_slots is not None:
+            model = self.model
+            batch.lora = LoRABatch.build(token_slots, model.slot_ranks, model.slot_scales, model.slot_pages)
         with torch.inference_mode():
             return self.model.forward(batch, self.kv_cache)
 
@@ -217,7 +229,9 @@ class ModelRunner:
 
     def _build_batch(
         self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int
-    ) -> ForwardBatch:
+    ) -> tuple[ForwardBatch, torch.Tensor | None]:
+        """The step's batch without LoRA metadata, and int32 [T] token slots (-1: base model) when
+        any token has an adapter: a graph builds the metadata itself, an eager step from these."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -244,15 +258,10 @@ class ModelRunner:
             pin = self.device.type == "cuda"
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
-        lora = None
-        if any(s >= 0 for s in token_slots):
-            lora = LoRABatch.build(
-                tensor(token_slots, torch.int32), self.model.slot_ranks, self.model.slot_scales, self.model.slot_pages
-            )
         token_ids = tensor(input_ids, torch.int64)
         if min(input_ids) < 0:  # tokens the previous step sampled: read where they are, on the device
             token_ids = torch.where(token_ids < 0, self._last_sampled[(-token_ids - 1).clamp(min=0)], token_ids)
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=token_ids,
             positions=tensor(positions, torch.int64),
             slot_mapping=tensor(slots, torch.int64),
@@ -262,5 +271,5 @@ class ModelRunner:
             logits_indices=tensor(logits_indices, torch.int64),
             max_query_len=max(item.num_new_tokens for item in scheduled),
             max_context_len=max(context_lens),
-            lora=lora,
         )
+        return batch, tensor(token_slots, torch.int32) if any(s >= 0 for s in token_slots) else None

@@ -1,4 +1,4 @@
-"""A PEFT LoRA adapter's tensors, read from its directory after shared/adapter_format validated it."""
+"""A PEFT LoRA adapter's tensors, from the bytes shared/adapter_format read once and validated."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load
 
-from shared.adapter_format import WEIGHTS_FILE, inspect_adapter
+from shared.adapter_format import read_adapter
 from shared.model_info import ModelInfo
 from worker.engine.moe_adapter import expert_loras
 
@@ -35,11 +35,19 @@ def peft_key(layer: int, projection: str, matrix: str) -> str:
     return f"base_model.model.model.layers.{layer}.{block}.{projection}.lora_{matrix}.weight"
 
 
+def _buffer(nbytes: int) -> memoryview:
+    return memoryview(bytearray(nbytes))
+
+
 def load_adapter_weights(adapter_dir: Path, info: ModelInfo, *, max_rank: int, max_bytes: int) -> AdapterWeights:
-    """Validate `adapter_dir` against the base model (raising LorafleetError naming the problem),
-    then read its matrices onto the CPU in the file's dtype."""
-    manifest = inspect_adapter(Path(adapter_dir), info, max_rank=max_rank, max_bytes=max_bytes)
-    tensors = load_file(Path(adapter_dir) / WEIGHTS_FILE)
+    """Read `adapter_dir` once, confined to its parent directory, validate it against the base model
+    (raising LorafleetError naming the problem), and give its matrices on the CPU in the file's dtype."""
+    adapter_dir = Path(adapter_dir)
+    files = read_adapter(
+        adapter_dir.parent, adapter_dir.name, info, max_rank=max_rank, max_bytes=max_bytes, allocate=_buffer
+    )
+    manifest = files.manifest
+    tensors = load(files.weights_file())
     lora = {}
     # validation guarantees every tensor is a paired A/B of a target module; PEFT may still skip
     # layers (layers_to_transform), hence the membership test

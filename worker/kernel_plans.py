@@ -1,0 +1,221 @@
+"""The LoRA launch plans of the models a worker serves, tuned on its GPU where no table has them.
+
+A GPU without a tuned table runs every LoRA projection on `default_plan`, which costs several times
+what tuned plans cost over the base layer (docs/benchmarks.md, "H100: the first tuned table"). So
+before a model's engine is built, `ensure_tuned` tunes the (projection shape, token bucket) plans
+that neither the packaged table (kernels/configs/) nor the worker's plan cache holds for this GPU:
+
+- the plan cache is a directory of plan files like the packaged ones (--kernel-plans-dir, by
+  default STATE_DIR/kernel-plans), searched first by every lookup of the process
+  (kernels.lora.configs.set_plan_cache_dir);
+- within a time budget (--kernel-tune-budget-s; 0 tunes nothing), buckets in ascending order:
+  decode sizes first, which every step of a busy server has, prefill sizes last;
+- the cache file is rewritten after every bucket, so a tune cut short by the budget or a restart
+  resumes at the next start where it stopped;
+- a bucket the budget did not reach takes, for now, the plan of the nearest tuned bucket of its
+  shape (configs.plan_for: the smallest bucket above, else the largest), or `default_plan` where
+  the shape has none.
+
+`lorafleet tune` runs the same tuner by hand (cli/tune.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from kernels.lora.configs import Plan, PlanKey, config_file, read_plans, set_plan_cache_dir
+from kernels.lora.tiles import rank_pad
+from kernels.lora.tuning import (
+    BucketResult,
+    Echo,
+    LayerShapes,
+    LayerTuner,
+    ProjectionShape,
+    TuneDeadline,
+    silent,
+    update_plan_file,
+)
+from shared.config import EngineConfig
+from shared.model_info import ModelInfo
+from worker.engine.lora_linear import PAGE_RANK
+
+log = structlog.get_logger(__name__)
+
+# The token buckets plans are tuned for, as the committed tables were (bench/tune_lora.py's default):
+# a batch of T tokens takes the smallest bucket >= T.
+TOKEN_LADDER = (1, 8, 32, 64, 256, 1024, 4096)
+
+
+def page_rank(info: ModelInfo, max_lora_rank: int) -> int:
+    """Rank rows per adapter page, as CausalLM pages its pool: PAGE_RANK, except for MoE models (whose
+    expert buffers are not paged) and pools of max rank <= PAGE_RANK, which take one page per adapter."""
+    return max_lora_rank if info.is_moe or max_lora_rank <= PAGE_RANK else PAGE_RANK
+
+
+def pool_rank(info: ModelInfo, max_lora_rank: int) -> int:
+    """The max rank the kernels see (whole pages of a max-rank adapter), whose padding keys the plans."""
+    rows = page_rank(info, max_lora_rank)
+    return -(-max_lora_rank // rows) * rows
+
+
+def adapted_layer(info: ModelInfo, max_lora_rank: int) -> LayerShapes:
+    """The dense projections the engine adapts in a decoder layer of this model: attention's qkv and
+    o, and the MLP's gate_up and down unless every layer's MLP is a mixture of experts (the experts
+    keep their own adapter buffers and kernels, kernels/moe/)."""
+    q_widths = tuple(info.projection_shape(p)[1] for p in ("q_proj", "k_proj", "v_proj"))
+    o_k, o_n = info.projection_shape("o_proj")
+    projections = [ProjectionShape("qkv", info.hidden_size, q_widths), ProjectionShape("o", o_k, (o_n,))]
+    if len(info.moe_layers) < info.num_layers:
+        down_k, down_n = info.projection_shape("down_proj")
+        projections.append(ProjectionShape("gate_up", info.hidden_size, (info.intermediate_size,) * 2))
+        projections.append(ProjectionShape("down", down_k, (down_n,)))
+    return LayerShapes(
+        tuple(projections), page_rank=page_rank(info, max_lora_rank), qk_norm=info.qk_norm, head_dim=info.head_dim
+    )
+
+
+def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """The ladder's buckets a step of at most this many tokens can take: those below it and the
+    first at or above it (or itself, past the ladder)."""
+    below = tuple(b for b in TOKEN_LADDER if b < max_num_batched_tokens)
+    return (*below, next((b for b in TOKEN_LADDER if b >= max_num_batched_tokens), max_num_batched_tokens))
+
+
+def plan_keys(shapes: LayerShapes, rank: int) -> list[PlanKey]:
+    """What each projection's plans are keyed by at this pool rank."""
+    return [(k, widths, rank_pad(rank)) for _, k, widths in shapes.projections]
+
+
+def missing_buckets(
+    device_name: str, shapes: LayerShapes, rank: int, buckets: Sequence[int], cache_dir: Path
+) -> list[int]:
+    """The buckets for which some projection of the layer has no plan for this GPU, neither packaged
+    nor in the cache, in the order they are worth tuning (ascending: decode sizes first)."""
+    present = read_plans(config_file(device_name)) | read_plans(config_file(device_name, cache_dir))
+    keys = plan_keys(shapes, rank)
+    return sorted(b for b in set(buckets) if any((key, b) not in present for key in keys))
+
+
+def describe(shapes: LayerShapes) -> str:
+    """`qkv 4096->4096|1024|1024, o 4096->4096, ...`"""
+    return ", ".join(f"{name} {k}->{'|'.join(map(str, widths))}" for name, k, widths in shapes.projections)
+
+
+@dataclass(frozen=True)
+class TuneRun:
+    """What one tuning run did: the buckets it tuned, in order, and those it did not reach."""
+
+    results: tuple[BucketResult, ...]
+    not_reached: tuple[int, ...]
+    elapsed_s: float
+    plan_file: Path
+
+
+def tune_buckets(
+    shapes: LayerShapes,
+    rank: int,
+    buckets: Sequence[int],
+    plan_file: Path,
+    *,
+    device_name: str,
+    command: str,
+    budget_s: float | None = None,
+    on_bucket: Callable[[BucketResult, float, Sequence[int]], None] = lambda result, elapsed, left: None,
+    echo: Echo = silent,
+) -> TuneRun:
+    """Tune the layer at pool rank `rank` for `buckets` in order on the current CUDA device, merging
+    each bucket's plans into `plan_file` as soon as it is tuned (and then calling on_bucket with it,
+    the seconds since the start and the buckets left). budget_s: stop once that many seconds have
+    passed, dropping the bucket in progress (None: no limit)."""
+    start = time.monotonic()
+    deadline = None if budget_s is None else start + budget_s
+    results: list[BucketResult] = []
+    tuner = LayerTuner(shapes, rank, echo=echo)
+    try:
+        keys = tuner.keys()
+        for index, num_tokens in enumerate(buckets):
+            try:
+                result = tuner.tune(num_tokens, deadline=deadline)
+            except TuneDeadline:
+                break
+            plans: dict[tuple[PlanKey, int], Plan] = {
+                (key, num_tokens): plan for key, plan in zip(keys, result.plans, strict=True)
+            }
+            update_plan_file(plan_file, device_name, command, plans)
+            results.append(result)
+            on_bucket(result, time.monotonic() - start, buckets[index + 1 :])
+    finally:
+        tuner.close()
+    return TuneRun(
+        results=tuple(results),
+        not_reached=tuple(buckets[len(results) :]),
+        elapsed_s=time.monotonic() - start,
+        plan_file=plan_file,
+    )
+
+
+def ensure_tuned(info: ModelInfo, engine: EngineConfig, cache_dir: Path, budget_s: float) -> TuneRun | None:
+    """Tune, within budget_s seconds, the plans this GPU lacks for the model's LoRA projections at
+    the engine's max rank and token buckets, into cache_dir, which this process's plan lookups then
+    search first. None where nothing is tuned: a CPU engine, a budget of 0, or no plan missing."""
+    set_plan_cache_dir(cache_dir)
+    device = torch.device(engine.device)
+    if device.type != "cuda":
+        return None
+    device_name = torch.cuda.get_device_name(device)
+    _set_aside_if_unreadable(config_file(device_name, cache_dir))
+    shapes = adapted_layer(info, engine.max_lora_rank)
+    rank = pool_rank(info, engine.max_lora_rank)
+    missing = missing_buckets(device_name, shapes, rank, token_buckets(engine.max_num_batched_tokens), cache_dir)
+    fields = {"model": info.name, "device": device_name, "rank_pad": rank_pad(rank), "shapes": describe(shapes)}
+    if not missing:
+        return None
+    if budget_s <= 0:
+        log.warning("kernel_tune_off", missing_buckets=missing, **fields)
+        return None
+    log.info("kernel_tune_start", missing_buckets=missing, budget_s=budget_s, cache_dir=str(cache_dir), **fields)
+
+    def progress(result: BucketResult, elapsed_s: float, left: Sequence[int]) -> None:
+        log.info(
+            "kernel_tune_progress",
+            bucket=result.num_tokens,
+            path=result.chosen,
+            over_base=round(result.over_base, 3),
+            elapsed_s=round(elapsed_s, 1),
+            left=list(left),
+            **fields,
+        )
+
+    with torch.cuda.device(device):
+        run = tune_buckets(
+            shapes,
+            rank,
+            missing,
+            config_file(device_name, cache_dir),
+            device_name=device_name,
+            command=f"lorafleet worker: first-start tune of {info.name} at max_lora_rank {engine.max_lora_rank}",
+            budget_s=budget_s,
+            on_bucket=progress,
+        )
+    tuned = [result.num_tokens for result in run.results]
+    log.info(
+        "kernel_tune_done", tuned=tuned, not_reached=list(run.not_reached), elapsed_s=round(run.elapsed_s, 1), **fields
+    )
+    return run
+
+
+def _set_aside_if_unreadable(path: Path) -> None:
+    """A cache file that is not a plan file (written by hand, or by another version) would fail
+    every lookup: it is renamed beside itself and tuned again."""
+    try:
+        read_plans(path)
+    except ValueError as exc:
+        aside = path.with_name(f"{path.name}.unreadable")
+        path.replace(aside)
+        log.warning("kernel_plans_unreadable", file=str(path), moved_to=str(aside), error=str(exc))
