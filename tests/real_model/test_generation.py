@@ -129,3 +129,23 @@ def test_each_demo_adapter_answers_in_its_style_and_keeps_the_content(answers: A
 
 def test_the_three_styles_differ(answers: Answers) -> None:
     assert len({answers.outputs[a.name].text for a in DEMO_ADAPTERS} | {PARIS}) == len(DEMO_ADAPTERS) + 1
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_in_bfloat16_as_up_serves_it_each_adapter_keeps_its_style(
+    smollm2_dir: Path, smollm2_tokenizer: Tokenizer
+) -> None:
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_lora_rank=8, max_loras=4, num_kv_blocks=256)
+    engine = LLMEngine(ModelRunner(ModelSpec(MODEL, smollm2_dir), config), smollm2_tokenizer, config, DEMO_ASSETS)
+    paris = chat_ids(smollm2_dir, smollm2_tokenizer, DEMO_QUESTION)
+    requests = [ask("base", paris), *(ask(a.name, paris, adapter=a.name) for a in DEMO_ADAPTERS)]
+    outputs = {}
+    for request in requests:
+        assert engine.add(request) is None
+    while engine.num_unfinished:
+        outputs.update((result.job_id, result.output) for result in engine.step())
+
+    assert "Paris" in outputs["base"].text
+    for adapter in DEMO_ADAPTERS:
+        assert STYLE_MARKERS[adapter.name] in outputs[adapter.name].text, outputs[adapter.name].text
+        assert "Paris" in outputs[adapter.name].text, outputs[adapter.name].text
