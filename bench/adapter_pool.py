@@ -45,22 +45,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, models
 
-from bench.engine import LLAMA3_8B, prompts
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, file_sha256
+from bench.engine import LLAMA3_8B, load_adapters, prompts, random_engine, random_model, random_runner, word_tokenizer
+from bench.engine import write_adapter as write_bench_adapter
+from shared.adapter_format import WEIGHTS_FILE
 from shared.config import EngineConfig
-from shared.model_info import PROJECTIONS, ModelInfo
+from shared.model_info import ModelInfo
 from shared.schema import AdapterRef, SamplingParams
 from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
-from worker.adapter_pool.pool import AdapterPool
 from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model import CausalLM
 from worker.engine.model_runner import ModelRunner
-from worker.engine.peft_adapter import peft_key
-from worker.metrics import EngineMetrics, WorkerMetrics
+from worker.metrics import WorkerMetrics
+from worker.model.model import CausalLM
 
 MAX_LORAS = 32  # the GPU pool's memory, in adapters of MAX_RANK: 128 pages of 16 ranks
 MAX_RANK = 64
@@ -68,36 +65,9 @@ SMALL = dataclasses.replace(LLAMA3_8B, name="small", hidden_size=1024, intermedi
                             num_heads=8, num_kv_heads=2, vocab_size=32000)  # fmt: skip
 
 
-def random_model(info: ModelInfo, max_loras: int) -> CausalLM:
-    torch.manual_seed(0)
-    model = CausalLM(info, max_loras=max_loras, max_lora_rank=MAX_RANK, dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02)
-    return model
-
-
 def write_adapter(directory: Path, info: ModelInfo, rank: int, seed: int) -> str:
     """A PEFT adapter of `rank` on every projection (bf16); returns its sha256."""
-    directory.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(info.num_layers):
-        for projection in PROJECTIONS:
-            fan_in, fan_out = info.projection_shape(projection)
-            tensors[peft_key(layer, projection, "A")] = (torch.randn(rank, fan_in, generator=gen) * fan_in**-0.5).to(
-                torch.bfloat16
-            )
-            tensors[peft_key(layer, projection, "B")] = (torch.randn(fan_out, rank, generator=gen) * 0.01).to(
-                torch.bfloat16
-            )
-    save_file(tensors, str(directory / WEIGHTS_FILE))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS)}
-    (directory / CONFIG_FILE).write_text(json.dumps(config))
-    return file_sha256(directory / WEIGHTS_FILE)
+    return write_bench_adapter(directory, info, rank, seed).sha256
 
 
 def drop_page_cache(path: Path) -> str:
@@ -223,22 +193,16 @@ class ZipfEngine:
                  *, all_resident: bool) -> None:  # fmt: skip
         info = runner.model.info
         self.metrics = WorkerMetrics(device="cuda")
-        tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(info.vocab_size)}, unk_token="w0"))
+        tokenizer = word_tokenizer(info.vocab_size)
         self.engine = LLMEngine(runner, tokenizer, runner.config, root, self.metrics.engine(info.name))
         self.refs, self.args, self.all_resident = refs, args, all_resident
         self.token_ids = prompts(64, args.prompt, info.vocab_size)
         self.passes = 0
-        # all resident: as many adapters as the pages hold (rank 16: one page each), refs[i]'s weights
-        # in page i and READY, so no load ever happens
+        # all resident: as many adapters as the pages hold (rank 16: one page each), brought up through
+        # the pool before any pass, so no load happens in one
         self.resident = runner.model.num_pages
         if all_resident:
-            writer = SlotWriter(runner.model)
-            copies = {ref.path: read(ref, runner.model, root) for ref in refs[: self.resident]}
-            for page in range(self.resident):
-                reservation = self.engine.adapter_slots.reserve(refs[page].uid, 1, evictable=lambda _: False)
-                assert reservation is not None and reservation.pages == (page,)
-                writer.write((page,), copies[refs[page].path]).wait()
-                self.engine.adapter_slots.mark_ready(refs[page].uid)
+            load_adapters(self.engine, refs[: self.resident])
 
     def counters(self) -> dict[str, float]:
         """The pool's cumulative counters, as "{tier}_{count}" (a pass reports their differences)."""
@@ -319,11 +283,11 @@ class ZipfEngine:
         self.engine.adapter_pool.close()
 
 
-def zipf_bench(model: CausalLM, root: Path, args: argparse.Namespace) -> list[ZipfRow]:
+def zipf_bench(info: ModelInfo, root: Path, args: argparse.Namespace) -> list[ZipfRow]:
     """Per concurrency and backlog: the all-resident run, then the pool's cold pass and its steady pass
     (the same stream again through the same engine, host tier warm, GPU pages as the cold pass left
     them)."""
-    distinct = [(f"zipf-files-{i}", write_adapter(root / f"zipf-files-{i}", model.info, 16, seed=100 + i))
+    distinct = [(f"zipf-files-{i}", write_adapter(root / f"zipf-files-{i}", info, 16, seed=100 + i))
                 for i in range(args.files)]  # fmt: skip
     refs = [AdapterRef(f"tenant-{i}", 1, *distinct[i % len(distinct)]) for i in range(args.adapters)]
     rng = random.Random(0)
@@ -335,7 +299,7 @@ def zipf_bench(model: CausalLM, root: Path, args: argparse.Namespace) -> list[Zi
                               num_kv_blocks=concurrency * -(-context // 16) + 64, block_size=16, max_loras=MAX_LORAS,
                               max_lora_rank=MAX_RANK, adapter_host_cache_gb=args.adapter_host_cache_gb,
                               adapter_eviction=args.adapter_eviction)  # fmt: skip
-        runner = ModelRunner.from_model(model, config)  # decode graphs captured once per batch size
+        runner = random_runner(info, config)  # decode graphs captured once per batch size
         warm_up = ZipfEngine(runner, root, refs, args, all_resident=True)
         warm_up.run(order[: 2 * concurrency], "warm-up", 0)  # Triton JIT
         warm_up.close()
@@ -366,9 +330,9 @@ def host_memory() -> tuple[int, int]:
 
 def churn(root: Path, cycles: int) -> dict[str, float]:
     info = SMALL
-    model = random_model(info, 2)
-    config = EngineConfig(device="cuda", max_loras=2, max_lora_rank=MAX_RANK)
-    pool = AdapterPool(model, config, root, EngineMetrics.unregistered("churn").adapters)
+    config = EngineConfig(device="cuda", max_loras=2, max_lora_rank=MAX_RANK, num_kv_blocks=16)
+    engine = random_engine(info, config, root)
+    pool = engine.adapter_pool  # driven here without engine steps
     # ranks 8, 16, 24 in turn: pages are reused by adapters of one and two pages
     sources = [(f"churn-{i}", write_adapter(root / f"churn-{i}", info, 8 * (i + 1), seed=i)) for i in range(3)]
 
@@ -424,15 +388,14 @@ def main() -> None:
     latency: list[LatencyRow] = []
     zipf: list[ZipfRow] = []
     memory: dict[str, float] = {}
-    if "latency" not in args.skip or "zipf" not in args.skip:
-        model = random_model(LLAMA3_8B, MAX_LORAS)
-        if "latency" not in args.skip:
-            latency = load_latency(model, root, bandwidth)
-        if "zipf" not in args.skip:
-            zipf = zipf_bench(model, root, args)
+    if "latency" not in args.skip:
+        model = random_model(LLAMA3_8B, EngineConfig(device="cuda", max_loras=MAX_LORAS, max_lora_rank=MAX_RANK))
+        latency = load_latency(model, root, bandwidth)
         del model
         gc.collect()
         torch.cuda.empty_cache()
+    if "zipf" not in args.skip:
+        zipf = zipf_bench(LLAMA3_8B, root, args)
     if "churn" not in args.skip:
         memory = churn(root, args.cycles)
         print(memory, flush=True)

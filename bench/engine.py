@@ -3,11 +3,14 @@ transformers(+PEFT) on the same workload and the decode roofline.
 
     python -m bench.engine [--batches 1 8 32 64 128] [--prompts 128 1024] [--new-tokens 128]
                            [--adapters 0 8 32] [--hf-batch 32 --hf-prompt 128 --hf-new-tokens N --hf-adapters 0 8]
-                           [--profile-batch 32]
+                           [--profile-batch 32] [--adapter-dir DIR]
 
 Engine rows: all requests are added at once to an LLMEngine (scheduler, paged KV, multi-LoRA, the
-GPU sampler; greedy, ignore_eos) and stepped to completion. Adapters are rank 16 on all seven
-projections, spread round-robin over the batch, preloaded into their slots (loading is not timed).
+GPU sampler; greedy, ignore_eos) and stepped to completion. The engine is built as a worker builds
+one (the memory plan, then the model, its KV storage and runner), over random weights. Adapters are
+rank 16 on all seven projections, PEFT files written under --adapter-dir (kept, so a later run
+reuses them), spread round-robin over the batch, and loaded through the engine's adapter pool
+before any row is timed.
 Each (batch, prompt) shape first runs once untimed (prefill and one decode, with adapters), so no row
 pays a first-use compile.
     tok/s   output tokens / wall time of the whole run (prefill included)
@@ -32,23 +35,30 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, file_sha256
 from shared.config import EngineConfig
 from shared.model_info import PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef, SamplingParams
+from worker.adapter_pool.host_adapter import max_adapter_bytes
+from worker.adapter_pool.peft_adapter import peft_key
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model import CausalLM
 from worker.engine.model_runner import ModelRunner
-from worker.engine.peft_adapter import AdapterWeights
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
+from worker.memory_plan import DeviceMemory, plan_memory
+from worker.metrics import WorkerMetrics
+from worker.model.model import CausalLM
 
 LLAMA3_8B = ModelInfo(
     name="llama-3-8b-random",
@@ -116,9 +126,13 @@ def roofline(info: ModelInfo, batch: int, context: float, bandwidth: float) -> f
     return batch / ((weight_bytes(info) + kv) / bandwidth)
 
 
-def random_model(info: ModelInfo, max_loras: int, rank: int = RANK) -> CausalLM:
+def random_model(info: ModelInfo, config: EngineConfig) -> CausalLM:
+    """`info`'s model on config.device in bf16 with random weights (N(0, 0.02), norms 1): a checkpoint
+    of this size is not written to disk for a benchmark."""
     torch.manual_seed(0)
-    model = CausalLM(info, max_loras=max_loras, max_lora_rank=rank, dtype=torch.bfloat16, device="cuda")
+    model = CausalLM(
+        info, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, dtype=torch.bfloat16, device=config.device
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -128,16 +142,76 @@ def random_model(info: ModelInfo, max_loras: int, rank: int = RANK) -> CausalLM:
     return model
 
 
-def random_adapter(info: ModelInfo, seed: int) -> AdapterWeights:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    lora = {}
-    for layer in range(info.num_layers):
-        for projection in PROJECTIONS:
-            fan_in, fan_out = info.projection_shape(projection)
-            a = torch.randn(RANK, fan_in, device="cuda", generator=gen, dtype=torch.bfloat16) * fan_in**-0.5
-            b = torch.randn(fan_out, RANK, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.01
-            lora[(layer, projection)] = (a, b)
-    return AdapterWeights(rank=RANK, scaling=2.0, lora=lora, sha256=f"{seed:064x}")
+def word_tokenizer(vocab_size: int) -> Tokenizer:
+    return Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+
+
+def random_runner(info: ModelInfo, config: EngineConfig) -> ModelRunner:
+    """A runner over random weights, built in the order a worker builds one
+    (worker/switching/residency.py): the memory plan first, which fails naming the setting to change
+    if the configuration cannot fit, then the model, the plan's KV storage and the runner (its decode
+    graphs captured)."""
+    plan = plan_memory({info.name: info}, config, memory=DeviceMemory.measure(torch.device(config.device)))
+    print(f"memory plan: {json.dumps(plan.summary())}", flush=True)
+    model = random_model(info, config)
+    storage = torch.zeros(plan.kv_storage_bytes, dtype=torch.uint8, device=config.device)
+    return ModelRunner(model, config, storage, plan.kv_blocks(info.name))
+
+
+def random_engine(
+    info: ModelInfo, config: EngineConfig, adapter_root: Path, metrics: WorkerMetrics | None = None
+) -> LLMEngine:
+    """The engine around random_runner(info, config); adapters reach it through its adapter pool, from
+    PEFT files under `adapter_root`."""
+    runner = random_runner(info, config)
+    metrics = metrics or WorkerMetrics(config.device)
+    return LLMEngine(runner, word_tokenizer(info.vocab_size), config, adapter_root, metrics.engine(info.name))
+
+
+def write_adapter(directory: Path, info: ModelInfo, rank: int, seed: int) -> AdapterRef:
+    """A PEFT adapter of `rank` on every projection, random bf16 A (std fan_in^-0.5) and B (std 0.01),
+    scale 2 (alpha = 2 * rank), in `directory` (kept if it is already there: the same seed writes the
+    same file); returns its registry reference, its path relative to `directory`'s parent."""
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for layer in range(info.num_layers):
+            for projection in PROJECTIONS:
+                fan_in, fan_out = info.projection_shape(projection)
+                a = torch.randn(rank, fan_in, generator=gen) * fan_in**-0.5
+                tensors[peft_key(layer, projection, "A")] = a.to(torch.bfloat16)
+                tensors[peft_key(layer, projection, "B")] = (torch.randn(fan_out, rank, generator=gen) * 0.01).to(
+                    torch.bfloat16
+                )
+        save_file(tensors, str(weights))
+        config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS)}
+        (directory / CONFIG_FILE).write_text(json.dumps(config))
+    return AdapterRef(directory.name, 1, directory.name, file_sha256(weights))
+
+
+def adapter_dir(path: str | None) -> Path:
+    """Where adapter files go: `path` (made if missing), else a new temporary directory."""
+    if path is None:
+        return Path(tempfile.mkdtemp(prefix="bench-adapters-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None))
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return Path(path)
+
+
+def load_adapters(engine: LLMEngine, refs: list[AdapterRef]) -> None:
+    """Bring every adapter of `refs` onto the device through the engine's adapter pool, as a worker does
+    for the requests naming them: one one-token request each, run to completion."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for index, ref in enumerate(refs):
+        engine.add(EngineRequest(job_id=f"load-{index}", prompt_token_ids=(1, 2, 3), sampling=params, adapter=ref))
+    results = []
+    while engine.num_unfinished:
+        results += engine.step()
+    failed = [r for r in results if r.error is not None]
+    assert not failed, f"adapters did not load: {failed[0].error}"
+    resident = set(engine.adapter_slots.resident)
+    assert all(ref.uid in resident for ref in refs), "an adapter was evicted: the pool is smaller than the set"
 
 
 def prompts(batch: int, length: int, vocab: int) -> list[tuple[int, ...]]:
@@ -152,12 +226,14 @@ class EngineBench:
         max_adapters: int,
         max_seqs: int,
         max_context: int,
+        adapter_root: Path,
         *,
         rank: int = RANK,
-        make_adapter: Callable[[ModelInfo, int], AdapterWeights] = random_adapter,
+        make_adapter: Callable[[Path, ModelInfo, int, int], AdapterRef] = write_adapter,
     ) -> None:
-        """KV cache sized for max_seqs sequences of max_context tokens (block size 16); slot i holds
-        make_adapter(info, i) of rank `rank`."""
+        """KV cache sized for max_seqs sequences of max_context tokens (block size 16); the pool holds
+        max_adapters adapters of rank `rank`, make_adapter(adapter_root / f"bench{i}", info, rank, i),
+        loaded before any run."""
         self.info = info
         self.config = EngineConfig(
             device="cuda",
@@ -168,27 +244,21 @@ class EngineBench:
             block_size=16,
             max_loras=max(max_adapters, 1),
             max_lora_rank=rank,
+            # a max-rank adapter's file (an MoE one's experts: GBs), with room for its header
+            max_adapter_bytes=max(
+                EngineConfig().max_adapter_bytes, 2 * max_adapter_bytes(info, max_rank=rank, dtype=torch.bfloat16)
+            ),
         )
-        model = random_model(info, self.config.max_loras, rank)
         start = time.perf_counter()
-        self.runner = ModelRunner.from_model(model, self.config)
-        self.setup_s = time.perf_counter() - start  # KV cache allocation + decode graph capture
-        self.tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(info.vocab_size)}, unk_token="w0"))
-        self.refs = [AdapterRef(f"bench{i}", 1, f"bench{i}", f"{i:064x}") for i in range(max_adapters)]
-        for slot in range(max_adapters):
-            self.runner.model.set_adapter_slot(slot, make_adapter(info, slot))
-
-    def engine(self) -> LLMEngine:
-        engine = LLMEngine(self.runner, self.tokenizer, self.config, adapter_root=None)
-        for slot, ref in enumerate(self.refs):  # the slots already hold these weights: mark them resident
-            reservation = engine.adapter_slots.reserve(ref.uid, 1, evictable=lambda _: False)
-            assert reservation is not None and reservation.slot == slot
-            engine.adapter_slots.mark_ready(ref.uid)
-        return engine
+        self.engine = random_engine(info, self.config, adapter_root)  # first: it says if the sizes fit
+        self.runner = self.engine.runner
+        self.setup_s = time.perf_counter() - start  # memory plan, weights, KV cache, decode graph capture
+        self.refs = [make_adapter(adapter_root / f"bench{i}", info, rank, i) for i in range(max_adapters)]
+        load_adapters(self.engine, self.refs)
 
     def run(self, batch: int, prompt: int, new_tokens: int, adapters: int) -> tuple[float, float, float]:
         """(wall s, mean TTFT s, mean TPOT s) of one batch run to completion."""
-        engine = self.engine()
+        engine = self.engine
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         for i, tokens in enumerate(prompts(batch, prompt, self.info.vocab_size)):
             adapter = self.refs[i % adapters] if adapters else None
@@ -275,7 +345,7 @@ def profile_decode(bench: EngineBench, batch: int, prompt: int, adapters: int, s
     """Milliseconds per decode step of `batch` sequences of `prompt` tokens: "wall" under the profiler
     and the GPU kernel time by kind (kernels inside graph replays included; kernels that run at once
     on two streams both count, so "gpu" can exceed the wall time)."""
-    engine = bench.engine()
+    engine = bench.engine
     prefill_steps = -(-batch * prompt // PREFILL_TOKENS_PER_STEP)
     params = SamplingParams(max_tokens=prefill_steps + steps + 4, temperature=0.0, ignore_eos=True)
     for i, tokens in enumerate(prompts(batch, prompt, bench.info.vocab_size)):
@@ -298,6 +368,8 @@ def profile_decode(bench: EngineBench, batch: int, prompt: int, adapters: int, s
             kind = kernel_kind(event.key)
             times[kind] = times.get(kind, 0.0) + event.self_device_time_total / 1e3 / steps
     times["gpu"] = sum(v for k, v in times.items() if k != "wall")
+    while engine.num_unfinished:  # the engine is the bench's for its whole run: leave it empty
+        engine.step()
     return times
 
 
@@ -311,25 +383,27 @@ def mixed_step_ms(bench: EngineBench, batch: int, context: int, chunk: int, adap
     decoding = []
     for i in range(batch):
         seq = Sequence(seq_id=str(i), prompt_token_ids=list(tokens[i][:context]), sampling=None, seed=0)
-        seq.adapter_uid = str(i % adapters) if adapters else None
+        seq.adapter_uid = bench.refs[i % adapters].uid if adapters else None
         blocks.allocate(seq, context + 1)
         seq.num_computed_tokens = context
         seq.output_token_ids.append(1)
         decoding.append(seq)
     new = Sequence(seq_id="new", prompt_token_ids=list(tokens[batch]), sampling=None, seed=0)
-    new.adapter_uid = str(batch % adapters) if adapters else None
+    new.adapter_uid = bench.refs[batch % adapters].uid if adapters else None
     blocks.allocate(new, context + chunk)
     new.num_computed_tokens = context  # a later chunk of a long prompt: attends to what is cached
     decode = [ScheduledSequence(s, 1) for s in decoding]
     mixed = [*decode, ScheduledSequence(new, chunk)]
 
+    slot_of = bench.engine.adapter_slots.slot_of  # the adapters' slots, as the pool loaded them
+
     def timed(scheduled: list[ScheduledSequence], steps: int = 20) -> float:
         for _ in range(3):
-            runner.execute(scheduled, int, block_size)
+            runner.execute(scheduled, slot_of, block_size)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
-            runner.execute(scheduled, int, block_size)
+            runner.execute(scheduled, slot_of, block_size)
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3 / steps
 
@@ -358,11 +432,14 @@ def main() -> None:
     parser.add_argument("--mixed-steps", type=int, help="time steps admitting requests beside this many decodes")
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 1024], help="prefill chunks (--mixed-steps)")
     parser.add_argument("--out", help="write the rows as JSON lines here")
+    parser.add_argument("--adapter-dir", help="where the adapters' PEFT files are written, or found from an "
+                        "earlier run (default: a new temporary directory)")  # fmt: skip
     args = parser.parse_args()
     info = LLAMA3_8B
+    root = adapter_dir(args.adapter_dir)
     if args.profile_batch:
         prompt = args.prompts[0]
-        bench = EngineBench(info, max(args.adapters), args.profile_batch, prompt + 64)
+        bench = EngineBench(info, max(args.adapters), args.profile_batch, prompt + 64, root)
         graphs = bench.runner.graphs
         for adapters in args.adapters:
             for mode in ("graphs", "eager"):
@@ -374,7 +451,7 @@ def main() -> None:
         return
     if args.mixed_steps:
         batch, context = args.mixed_steps, args.prompts[0]
-        bench = EngineBench(info, max(args.adapters), batch + 1, context + max(args.chunks) + 1)
+        bench = EngineBench(info, max(args.adapters), batch + 1, context + max(args.chunks) + 1, root)
         print(f"{'batch':>6}{'chunk':>7}{'adapt':>6}{'decode ms':>11}{'piecewise ms':>14}{'eager ms':>10}")
         for adapters in args.adapters:
             decode = mixed_step_ms(bench, batch, context, 0, adapters)["decode"]
@@ -400,9 +477,9 @@ def main() -> None:
         system = "transformers+peft" if adapters else "transformers"
         report(Row(system, b, p, n, adapters, tok_s, 0.0, 0.0, 0.0, roofline(info, b, p + n / 2, bandwidth)))
 
-    bench = EngineBench(info, max(args.adapters), max(args.batches), max(args.prompts) + args.new_tokens)
+    bench = EngineBench(info, max(args.adapters), max(args.batches), max(args.prompts) + args.new_tokens, root)
     sizes = bench.runner.graphs.sizes if bench.runner.graphs else []
-    print(f"runner ready in {bench.setup_s:.1f} s (KV cache, decode graphs for batch sizes {sizes})", flush=True)
+    print(f"engine ready in {bench.setup_s:.1f} s (KV cache, decode graphs for batch sizes {sizes})", flush=True)
     # warm-up: Triton compiles and cuBLAS handles, for every prefill shape of the grid (a LoRA launch
     # configuration's first use at a new token count stalled that row's TTFT by 1-2 s on the H200)
     for prompt in args.prompts:

@@ -57,8 +57,8 @@ QWEN3_30B_A3B_ATTENTION = (
     ProjectionShape("qkv", 2048, (4096, 512, 512)),
     ProjectionShape("o", 4096, (2048,)),
 )
-PAGE_RANK = 16  # worker.engine.lora_linear.PAGE_RANK
-# worker.engine.model: MoE models take one page of the whole max rank per adapter
+PAGE_RANK = 16  # worker.model.lora_linear.PAGE_RANK
+# worker.model.model: MoE models take one page of the whole max rank per adapter
 MODELS = {
     "llama-3-8b": LayerShapes(LLAMA3_8B, page_rank=PAGE_RANK),
     "qwen3-30b-a3b": LayerShapes(QWEN3_30B_A3B_ATTENTION, page_rank=0, qk_norm=True),

@@ -15,7 +15,7 @@
               serving engine, activate the new one) until the new model's first step is launched; the
               time that step (a 32 x 128-token prefill) then takes is printed beside it
     during    decode tok/s of the serving model while the side-stream copy runs, vs before it
-The cold and warm rows run the code the worker runs (worker/models/loader.py); the overlap row takes
+The cold and warm rows run the code the worker runs (worker/switching/loader.py); the overlap row takes
 the steps ModelResidency takes (prepare on a loader thread, evict, activate) beside a serving LLMEngine.
 
 --part share: two base models (--pair) on one GPU, each fed batches of 32 requests (prompt 128,
@@ -49,11 +49,13 @@ from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from shared.schema import SamplingParams
 from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model import CausalLM
-from worker.engine.model_runner import ModelRunner, kv_layout
-from worker.engine.weights import INDEX_FILE, checkpoint_files
-from worker.models.host_cache import HostWeights
-from worker.models.loader import PageLock, copy_to_model, read_to_host
+from worker.engine.model_runner import ModelRunner
+from worker.memory_plan import kv_storage_bytes, model_footprint
+from worker.metrics import WorkerMetrics
+from worker.model.model import CausalLM
+from worker.model.weights import INDEX_FILE, checkpoint_files
+from worker.switching.checkpoint_cache import HostWeights
+from worker.switching.loader import PageLock, copy_to_model, new_model, read_to_host
 
 
 def llama(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, tied: bool) -> ModelInfo:
@@ -241,19 +243,27 @@ def engine_config(context: int = PROMPT + NEW_TOKENS) -> EngineConfig:
     )
 
 
-def empty_model(info: ModelInfo, config: EngineConfig) -> CausalLM:
-    return CausalLM(
-        info, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, dtype=torch.bfloat16, device=config.device
-    )
-
-
 def word_tokenizer() -> Tokenizer:
     return Tokenizer(models.WordLevel({"w0": 0}, unk_token="w0"))
 
 
+def new_runner(model: CausalLM, config: EngineConfig, kv_storage: torch.Tensor | None = None) -> ModelRunner:
+    """The runner of `model` with config.num_kv_blocks blocks, carved from `kv_storage` (a resident
+    slot's, shared by the models that take turns in it) or from storage of its own."""
+    if kv_storage is None:
+        nbytes = kv_storage_bytes(model_footprint(model.info, config), config.num_kv_blocks, config)
+        kv_storage = torch.zeros(nbytes, dtype=torch.uint8, device=config.device)
+    return ModelRunner(model, config, kv_storage, config.num_kv_blocks)
+
+
 def new_engine(model: CausalLM, config: EngineConfig, kv_storage: torch.Tensor | None = None) -> LLMEngine:
-    runner = ModelRunner.from_model(model, config, kv_storage=kv_storage)
-    return LLMEngine(runner, word_tokenizer(), config, adapter_root=Path())
+    return LLMEngine(
+        new_runner(model, config, kv_storage),
+        word_tokenizer(),
+        config,
+        Path(),
+        WorkerMetrics(config.device).engine(model.info.name),
+    )
 
 
 def add_batch(engine: LLMEngine, tag: str, new_tokens: int = NEW_TOKENS) -> None:
@@ -312,7 +322,7 @@ def measure_cold(info: ModelInfo, directory: Path, disk_bps: float, stream: torc
     start = time.perf_counter()
     host = read_to_host(info.name, directory, pin=torch.cuda.is_available())
     read_s = time.perf_counter() - start
-    model = empty_model(info, config)
+    model = new_model(info, config)
     copy_start = time.perf_counter()
     copy_to_model(model, host, stream)
     copy_s = time.perf_counter() - copy_start
@@ -325,7 +335,7 @@ def measure_cold(info: ModelInfo, directory: Path, disk_bps: float, stream: torc
 
 def measure_warm(info: ModelInfo, host: HostWeights, h2d_bps: float, stream: torch.cuda.Stream | None) -> SwitchRow:
     config = engine_config()
-    model = empty_model(info, config)
+    model = new_model(info, config)
     sync()
     start = time.perf_counter()
     copy_to_model(model, host, stream)
@@ -345,8 +355,7 @@ def kv_storage_for(*infos: ModelInfo) -> torch.Tensor:
     needs = []
     for info, context in [(infos[0], PROMPT + SERVING_TOKENS), *[(i, PROMPT + NEW_TOKENS) for i in infos[1:]]]:
         config = engine_config(context)
-        layout = kv_layout(info, config, torch.bfloat16)
-        needs.append((config.num_kv_blocks + 1) * layout.bytes_per_block)  # + the graphs' padding block
+        needs.append(kv_storage_bytes(model_footprint(info, config), config.num_kv_blocks, config))
     return torch.empty(max(needs), dtype=torch.uint8, device=device())
 
 
@@ -355,7 +364,7 @@ def serving_engine(
 ) -> LLMEngine:
     """The model that serves while another is prepared: 1B-shaped (tiny on a CPU smoke run)."""
     info, config = SHAPES["tiny" if tiny else "1b"], engine_config(PROMPT + SERVING_TOKENS)
-    engine = new_engine(empty_model(info, config), config, kv_storage)
+    engine = new_engine(new_model(info, config), config, kv_storage)
     copy_to_model(engine.runner.model, host_weights(info, block), stream)
     return engine
 
@@ -370,7 +379,7 @@ def measure_overlap(
     config = engine_config()
     # a worker switching between models it served before has their kernels compiled (Triton JITs
     # each new shape once per process): compile them here so the pause below is the steady state
-    warm = new_engine(empty_model(info, config), config)
+    warm = new_engine(new_model(info, config), config)
     add_batch(warm, "compile", new_tokens=2)
     while warm.num_unfinished:
         warm.step()
@@ -388,11 +397,11 @@ def measure_overlap(
     prepared: dict[str, object] = {}
 
     def prepare() -> None:
-        model = empty_model(info, config)
+        model = new_model(info, config)
         started = time.perf_counter()
         copy_to_model(model, host, stream)
         built = time.perf_counter()
-        prepared["runner"] = ModelRunner.from_model(model, config, kv_storage=kv_storage)
+        prepared["runner"] = new_runner(model, config, kv_storage)
         prepared["copy_s"], prepared["build_s"] = built - started, time.perf_counter() - built
 
     loader = threading.Thread(target=prepare)
@@ -414,7 +423,8 @@ def measure_overlap(
     sync()
     pause_start = time.perf_counter()
     del serving  # evict
-    incoming = LLMEngine(prepared.pop("runner"), word_tokenizer(), config, adapter_root=Path())  # activate
+    metrics = WorkerMetrics(config.device).engine(info.name)
+    incoming = LLMEngine(prepared.pop("runner"), word_tokenizer(), config, Path(), metrics)  # activate
     add_batch(incoming, "after", new_tokens=2)
     incoming.step()  # launches the new model's first step (a 32 x 128-token prefill)
     pause_s = time.perf_counter() - pause_start
@@ -480,7 +490,7 @@ def serve(shape: str, seconds: float) -> None:
     batches for `seconds`; prints one JSON line with its generated tokens and wall time."""
     config = engine_config()
     block = random_block(device())
-    engine = new_engine(empty_model(SHAPES[shape], config), config)
+    engine = new_engine(new_model(SHAPES[shape], config), config)
     copy_to_model(engine.runner.model, host_weights(SHAPES[shape], block), side_stream())
     run_batch(engine, "warmup")
     print("ready", flush=True)
@@ -528,7 +538,7 @@ def part_share(args: argparse.Namespace) -> None:
         stream = side_stream()
         hosts = {shape: host_weights(SHAPES[shape], block) for shape in args.pair}
         for shape in args.pair:
-            engine = new_engine(empty_model(SHAPES[shape], config), config)
+            engine = new_engine(new_model(SHAPES[shape], config), config)
             copy_to_model(engine.runner.model, hosts[shape], stream)
             run_batch(engine, "warmup")
             tokens, start = 0, time.perf_counter()
@@ -541,7 +551,7 @@ def part_share(args: argparse.Namespace) -> None:
         switches, start = 0, time.perf_counter()
         while time.perf_counter() - start < args.seconds:
             for shape in args.pair:  # a warm switch (copy + KV + graphs), then one batch
-                engine = new_engine(empty_model(SHAPES[shape], config), config)
+                engine = new_engine(new_model(SHAPES[shape], config), config)
                 copy_to_model(engine.runner.model, hosts[shape], stream)
                 tokens_by[shape] += run_batch(engine, "t")
                 del engine

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-machine session for model switching and MPS: GPU tests of worker/models, then
+# One device-machine session for model switching and MPS: GPU tests of worker/switching, then
 # bench/model_switch.py (switch part; share part without MPS; share part under the real MPS daemon
 # started and stopped by deploy/mps/); logs and JSON rows under $OUT, the tables printed last.
 set -o pipefail
@@ -8,7 +8,7 @@ export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 SECONDS_PER_SETUP=${SECONDS_PER_SETUP:-10}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
-timeout 90 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/models 2>&1 | tee "$OUT/tests.log" | tail -4
+timeout 90 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/switching 2>&1 | tee "$OUT/tests.log" | tail -4
 timeout 260 python3 -m bench.model_switch --part switch --out "$OUT/rows.jsonl" "$@" 2>&1 \
     | grep -v model_loaded | tee "$OUT/switch.log" | grep -v '^|'
 timeout 150 python3 -m bench.model_switch --part share --seconds "$SECONDS_PER_SETUP" --out "$OUT/rows.jsonl" 2>&1 \

@@ -337,9 +337,13 @@ def _run_gateway(args: argparse.Namespace) -> int:
 
 def _run_worker(args: argparse.Namespace) -> int:
     from worker.main import run_worker
+    from worker.memory_plan import MemoryPlanError
 
     configure_logging("worker", level=args.log_level)
-    return run_worker(cfa.worker_config(args))
+    try:
+        return run_worker(cfa.worker_config(args))
+    except MemoryPlanError as exc:  # a configuration the device cannot hold: the message names the settings
+        raise CommandError(str(exc), exit_code=2) from exc
 
 
 def _run_tune(args: argparse.Namespace) -> int:

@@ -10,7 +10,8 @@ Modules, one job each:
   metrics.py      the Prometheus registry of one app (requests, latency, queue depth)
   errors.py       error code → HTTP status, the JSON error body, RequestError (an error naming a field)
   json_response.py  JSON responses (orjson)
-  auth.py         Bearer API key → tenant
+  auth.py         Bearer API key → tenant (the Authenticator remembers it for a few seconds)
+  auto_pipeline.py  one Redis pipeline for the commands of one event-loop turn (turn_batch.py)
   json_body.py    strict JSON decoding of request bodies
   job_request.py  POST /v1/jobs body → JobRequest, field by field
   openai_request.py  /v1/completions and /v1/chat/completions bodies → prompt/messages + sampling
@@ -32,7 +33,9 @@ HTTP contract decisions:
   400  invalid_json (not UTF-8 JSON, NaN/Infinity literals, duplicate keys, nesting too deep),
        invalid_request (wrong type or value, unknown field; `param` names it), empty_prompt,
        invalid_token_id, context_length_exceeded, adapter_model_mismatch, webhook_not_allowed (a
-       `webhook` URL off the allow-list or not https, or webhooks off on this gateway).
+       `webhook` URL off the allow-list or not https, or webhooks off on this gateway),
+       adapter_exceeds_model_limits (an adapter, at registration or in a job, needing a LoRA rank or
+       projections the model's live workers have no slots for, as they publish in its record).
   401  missing_api_key, invalid_api_key (with WWW-Authenticate: Bearer); 403 tenant_disabled.
   404  job_not_found, model_not_found, adapter_not_found: another tenant's job or adapter gets exactly
        the answer a missing one gets; not_found for unknown routes. 405 method_not_allowed (+ Allow).

@@ -7,6 +7,7 @@ holds the key itself. A tenant's API key on an admin route is FORBIDDEN, whateve
 from __future__ import annotations
 
 import hmac
+import time
 
 from aiohttp import web
 from redis.asyncio import Redis
@@ -16,7 +17,7 @@ from gateway.state import CONFIG
 from shared.adapter_registry import AdapterRecord, register_adapter
 from shared.config import GatewayConfig
 from shared.errors import ErrorCode
-from shared.model_registry import get_model, list_models
+from shared.model_registry import adapter_limits, get_model, list_models
 from shared.tenants import hash_admin_key
 
 
@@ -38,9 +39,9 @@ def require_admin(request: web.Request) -> None:
 async def register(
     redis: Redis, config: GatewayConfig, *, name: str, owner: str, path: str, model: str | None, model_field: str
 ) -> AdapterRecord:
-    """Validate the adapter at `path` (under config.adapter_root) and register it for `owner`. `model`
-    may be omitted when the fleet serves exactly one base model; errors about it name `model_field`, the
-    body field the caller sent it in."""
+    """Validate the adapter at `path` (under config.adapter_root), against the model and what its
+    workers can serve, and register it for `owner`. `model` may be omitted when the fleet serves
+    exactly one base model; errors about it name `model_field`, the body field the caller sent it in."""
     if config.adapter_root is None:
         raise RequestError(ErrorCode.FORBIDDEN, "this gateway has no adapter root: it cannot register adapters")
     if model is None:
@@ -54,6 +55,7 @@ async def register(
         info = await get_model(redis, model)
         if info is None:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} not found", param=model_field)
+    since_ms = time.time() * 1000 - config.model_unserved_after_s * 1000  # the workers serving it now
     return await register_adapter(
         redis,
         name=name,
@@ -63,4 +65,5 @@ async def register(
         path=path,
         max_rank=config.max_lora_rank,
         max_bytes=config.max_adapter_bytes,
+        limits=await adapter_limits(redis, info.name, since_ms=since_ms),
     )

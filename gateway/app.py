@@ -9,16 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from gateway.authenticator import Authenticator
+from gateway.auth import AUTHENTICATOR, Authenticator
+from gateway.auto_pipeline import AutoPipeline
 from gateway.job_events import JobEventReader
 from gateway.job_service import JobService
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_middleware
 from gateway.routes import setup_routes
-from gateway.state import AUTHENTICATOR, CONFIG, JOBS, METRICS, REDIS
+from gateway.state import CONFIG, JOBS, METRICS, REDIS
 from gateway.tokenization import TokenizerCache
 from gateway.webhooks import WebhookDispatcher
-from shared.auto_pipeline import AutoPipeline
 from shared.config import GatewayConfig
 from shared.jobstore import JobStore
 from shared.rate_limits import Admission

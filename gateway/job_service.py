@@ -33,7 +33,7 @@ from shared.adapter_registry import get_adapter, track_adapter_job
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore
 from shared.model_info import ModelInfo
-from shared.model_registry import get_chat_template, get_model, served_ms
+from shared.model_registry import AdapterLimits, adapter_limits, get_chat_template, get_model, served_ms
 from shared.rate_limits import Admission, AdmissionDenied, Denial
 from shared.schema import AdapterRef, JobMessage, JobRecord, JobStatus, SamplingParams
 from shared.tenants import Tenant
@@ -165,6 +165,8 @@ class JobService:
         # few seconds' cache keeps the check off the submit's Redis round trip
         self._served: TtlCache[str, int] = TtlCache(MODEL_CACHE_TTL_S, max_entries=1024)
         self._models: TtlCache[str, ModelInfo] = TtlCache(MODEL_CACHE_TTL_S, max_entries=1024)
+        # what each model's live workers can serve of adapters (one tuple: "none published" is cached too)
+        self._limits: TtlCache[str, tuple[AdapterLimits | None]] = TtlCache(MODEL_CACHE_TTL_S, max_entries=1024)
 
     async def submit(
         self, tenant: Tenant, request: JobRequest, *, request_id: str, idempotency_key: str | None
@@ -367,4 +369,12 @@ class JobService:
                 f"adapter {name!r} was trained for model {adapter.base_model!r}, not {model.name!r}",
                 param="adapter",
             )
+        cached = self._limits.get(model.name)  # no coroutine for the common case, as for models
+        (limits,) = cached or await self._limits.get_or_load(model.name, lambda: self._live_limits(model.name))
+        refusal = None if limits is None else adapter.refusal(limits)
+        if refusal is not None:
+            raise RequestError(ErrorCode.ADAPTER_EXCEEDS_MODEL_LIMITS, f"adapter {name!r} {refusal}", param="adapter")
         return adapter.ref()
+
+    async def _live_limits(self, model: str) -> tuple[AdapterLimits | None]:
+        return (await adapter_limits(self._redis, model, since_ms=time.time() * 1000 - self._unserved_after_ms),)

@@ -2,8 +2,8 @@
 no lone UTF-16 surrogates (`"\\ud800"` decodes in Python but no tokenizer, Redis key or msgpack
 string can hold it).
 
-Most bodies are read by orjson (a fifth of the standard library's time with the checks below: 0.4
-against 2.0 µs for a submit's body), which refuses all of the above itself except repeated keys
+Most bodies are read by orjson (a fifth of the standard library's time, with the checks below:
+docs/benchmarks.md, "Figures behind code comments"), which refuses all of the above itself except repeated keys
 (it keeps the last) and reads an integer outside 64 bits as a float. So its answer is taken only when
 neither can have happened: the body holds one object (one `{`), whose keys account for every `:` in
 it (a key is always followed by one, so a repeated key or a `:` in a string leaves more colons than

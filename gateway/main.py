@@ -19,7 +19,7 @@ SHUTDOWN_GRACE_S = 10.0
 # default is 700. A request's short-lived objects (its task, coroutines, futures, dicts) are freed by
 # reference counting, but the requests in flight hold ~3,000 of them at concurrency 64: at 700 a young
 # collection ran every ~100 submits, traversed them and moved them to older generations, whose
-# collections followed (a full one over the start-up heap, ~70,000 objects: 20-30 ms). At 10,000 the
+# collections followed (a full one traverses the whole start-up heap: docs/benchmarks.md). At 10,000 the
 # collector runs when cyclic garbage builds up, not for every hundred requests.
 GC_YOUNG_THRESHOLD = 10_000
 

@@ -2,7 +2,7 @@
 plain numbers and turned into Prometheus families only when scraped.
 
 prometheus_client's Counter and Histogram children take a lock and go through several Python calls on
-every update (three updates a request: ~190 of a submit's ~5,600 bytecodes); a request here costs two
+every update (three updates a request; their share of a submit: docs/benchmarks.md); a request here costs two
 dict lookups, a bisect and three additions. Event-loop use only (not thread-safe): the middleware
 records, and `/metrics` collects, on the loop.
 """

@@ -3,13 +3,12 @@
 Parsing a tokenizer.json and encoding a long prompt are CPU work (tens of milliseconds for a
 Llama-3-sized vocabulary), so both run on the executor the app owns, never on the event loop. A
 short prompt (up to INLINE_CHARS) is encoded on the loop: that takes tens of microseconds, less
-than handing it to a thread and back (measured with bench/gateway.py).
+than handing it to a thread and back (bench/gateway.py).
 
 The short prompts a model's tokenizer is asked for in one event-loop turn are encoded together, in
-one call at the end of the turn (shared/turn_batch.py): alone between two requests' other work, an encode finds its
-tokenizer's tables out of the CPU caches and cost ~2.5x its time in a loop of encodes (a 26-character
-prompt: ~20-29 µs against 8; bench/gateway.py measured ~30 µs of gateway CPU per submit for it);
-a batch pays that once.
+one call at the end of the turn (gateway/turn_batch.py): alone between two requests' other work, an
+encode finds its tokenizer's tables out of the CPU caches and costs several times its time in a loop
+of encodes (docs/benchmarks.md, "Figures behind code comments"); a batch pays that once.
 
 A tokenizer is kept for the life of the process: republishing a model with a different
 tokenizer needs a gateway restart.
@@ -24,9 +23,9 @@ from concurrent.futures import Executor
 from redis.asyncio import Redis
 from tokenizers import Tokenizer
 
+from gateway.turn_batch import Batch, TurnBatch, settle
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_registry import get_tokenizer_json
-from shared.turn_batch import Batch, TurnBatch, settle
 
 INLINE_CHARS = 1024
 
@@ -97,7 +96,7 @@ class TurnBatchEncoder:
 
 def _token_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """`tokenizer.encode(text).ids`, without the character offsets `encode` also works out: the batch
-    call's fast path skips them (0.88x the instructions of `encode` for a short prompt under callgrind)."""
+    call's fast path skips them."""
     return tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
 

@@ -4,10 +4,9 @@ Triton kernels: the fused norm, RoPE + KV write and SiLU·up kernels, and paged 
 Launched with PDL, a kernel is scheduled while the kernel before it on the stream is still finishing
 and waits inside (`griddepcontrol.wait`) until that kernel has completed and its writes are visible;
 it then lets the kernel after it be scheduled the same way. At decode sizes the gap between two
-dependent launches is a sizeable part of a small kernel's time. On an H200 (Llama-3-8B shapes,
-bench/engine.py, docs/benchmarks.md) it raised decode tok/s by ~1% at batch 8 and 32, with and without
-adapters. The LoRA kernels are not launched this way: they run on the side stream beside the base
-GEMM, and there it slowed the adapter rows by 0.6% (why was not measured).
+dependent launches is a sizeable part of a small kernel's time (what hiding it gains a decode step:
+docs/benchmarks.md, "Engine"). The LoRA kernels are not launched this way: they run on the side stream
+beside the base GEMM, and there PDL slowed the adapter rows.
 
 The rule that keeps it correct: a kernel launched with `launch_pdl=True` calls `wait_for_previous`
 before any other load or store, in every program (`launch_options` passes both flags together). Its
@@ -26,8 +25,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Decode sizes. A decode-sized kernel runs for microseconds, so the launch gap PDL hides is a large part
-# of it. Unbounded, PDL cost Qwen3-MoE's prefill ~10% (H200, bench.moe at concurrency 8: TTFT 247 ->
-# 272 ms, cause not found); bounded here, its TTFT is unchanged and its decode with adapters +0.9%.
+# of it. Launched with PDL at every size it slowed Qwen3-MoE's prefill, for a cause not found
+# (docs/benchmarks.md, "Figures behind code comments"); bounded here, prefill is as fast as without.
 MAX_ROWS = 256
 
 

@@ -30,6 +30,7 @@ from shared.adapter_format import read_adapter
 from shared.adapter_paths import adapter_relative_path
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import ModelInfo
+from shared.model_registry import AdapterLimits
 from shared.schema import AdapterRef
 from shared.tenants import SHARED_OWNER
 
@@ -97,12 +98,17 @@ class AdapterRecord:
     size_bytes: int
     sha256: str
     created_ms: int
+    slot_rank: int = 0  # the LoRA slot rank a worker needs: `rank`, or a fused expert gate_up LoRA's 2r
 
     def ref(self) -> AdapterRef:
         return AdapterRef(name=self.name, version=self.version, path=self.path, sha256=self.sha256)
 
     def visible_to(self, tenant_id: str) -> bool:
         return self.tenant in (tenant_id, SHARED_OWNER)
+
+    def refusal(self, limits: AdapterLimits) -> str | None:
+        """Why the workers with `limits` cannot serve this adapter, or None (model_registry.AdapterLimits)."""
+        return limits.refusal(rank=self.slot_rank or self.rank, target_modules=self.target_modules)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -120,9 +126,11 @@ async def register_adapter(
     path: str,
     max_rank: int,
     max_bytes: int,
+    limits: AdapterLimits | None = None,
 ) -> AdapterRecord:
-    """Validate the adapter at `path` (under `<adapter_root>/<tenant>/`) against `model`, then record it
-    as a new version of `name`. The files are read on a thread: up to `max_bytes` are hashed."""
+    """Validate the adapter at `path` (under `<adapter_root>/<tenant>/`) against `model` and, given
+    them, the `limits` of the workers serving it (ADAPTER_EXCEEDS_MODEL_LIMITS), then record it as a
+    new version of `name`. The files are read on a thread: up to `max_bytes` are hashed."""
     if not ADAPTER_NAME.match(name):
         raise LorafleetError(
             ErrorCode.INVALID_REQUEST, "adapter name must be 1-128 chars of letters, digits, '.', '_' or '-'"
@@ -146,7 +154,11 @@ async def register_adapter(
         size_bytes=manifest.size_bytes,
         sha256=manifest.sha256,
         created_ms=int(time.time() * 1000),
+        slot_rank=manifest.serving_rank,
     )
+    refusal = None if limits is None else record.refusal(limits)
+    if refusal is not None:
+        raise LorafleetError(ErrorCode.ADAPTER_EXCEEDS_MODEL_LIMITS, f"adapter {name!r} {refusal}")
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.adapter(name), mapping={"record": json.dumps(record.to_dict()), "tenant": tenant})
         pipe.sadd(keys.ADAPTERS, name)

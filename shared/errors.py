@@ -49,6 +49,8 @@ class ErrorCode(StrEnum):
     ADAPTER_RANK_TOO_LARGE = "adapter_rank_too_large"
     ADAPTER_SHAPE_MISMATCH = "adapter_shape_mismatch"
     ADAPTER_TOO_LARGE = "adapter_too_large"
+    # valid, but over what the model's workers can serve (their --max-lora-rank, their LoRA slots)
+    ADAPTER_EXCEEDS_MODEL_LIMITS = "adapter_exceeds_model_limits"
     # failures on the worker side (job.error.code)
     ADAPTER_LOAD_FAILED = "adapter_load_failed"
     NUMERICAL_ERROR = "numerical_error"

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 import msgpack
 from redis.asyncio import Redis
@@ -18,7 +19,6 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
 
 from shared import keys
-from shared.auto_pipeline import AutoPipeline
 from shared.rate_limits import ADMIT_LUA, AdmissionCheck, AdmissionDenied, denial
 from shared.schema import (
     JobError,
@@ -115,12 +115,23 @@ redis.call('EXPIRE', KEYS[2], ARGV[1])
 )
 
 
+class BatchedClient(Protocol):
+    """What `create` and `get` need of their client: a Redis client, or a gateway's auto-pipeline
+    (gateway/auto_pipeline.py), which sends the commands of one event-loop turn together."""
+
+    def hgetall(self, key: str) -> Awaitable[dict[bytes, bytes]]: ...
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Awaitable[Any]: ...
+
+    async def script_load(self, script: str) -> str: ...
+
+
 # Events kept per job stream (approximately): a streaming reader further behind than this misses
 # token events; the offsets in the rest (and the final record) let it notice and recover the text.
 EVENTS_CAP = 1000
 
 
-async def _load_and_run(client: Redis | AutoPipeline, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
+async def _load_and_run(client: BatchedClient, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
     """After NOSCRIPT (a restarted Redis): load the script, then send its EVALSHA again."""
     script.sha = await client.script_load(script.script)
     return await client.evalsha(script.sha, len(keys), *keys, *args)
@@ -133,11 +144,11 @@ def now_ms() -> int:
 class JobStore:
     """Owns the `lf:job:*` hashes and `lf:out:*` event streams; queues are written only through `create`."""
 
-    def __init__(self, redis: Redis, job_ttl_s: int, *, batched: AutoPipeline | None = None) -> None:
+    def __init__(self, redis: Redis, job_ttl_s: int, *, batched: BatchedClient | None = None) -> None:
         """`batched`: send `create` and `get` through this auto-pipeline (a gateway's many concurrent
         requests then share Redis round trips); otherwise every call is its own round trip."""
         self._redis = redis
-        self._batched: Redis | AutoPipeline = batched or redis
+        self._batched: BatchedClient = batched or redis
         self._ttl_s = job_ttl_s
         self._create = redis.register_script(_CREATE)
         self._start = redis.register_script(_START)
@@ -158,7 +169,7 @@ class JobStore:
         and AdmissionDenied is raised, with nothing written, when it is not."""
         idem_key = keys.idempotency(record.tenant, idempotency_key) if idempotency_key else keys.job(record.job_id)
         # everything but the message travels as one msgpack argument: hiredis formats each argument's length
-        # with sprintf, which cost more than msgpack's packing (bench/gateway.py: this commit)
+        # with sprintf, which cost more than msgpack's packing (bench/gateway.py)
         packed = msgpack.packb(
             [
                 bool(idempotency_key),

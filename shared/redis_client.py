@@ -22,7 +22,7 @@ CONNECT_TIMEOUT_S = 5.0
 def resilient_redis(url: str, *, socket_timeout_s: float | None) -> Redis:
     """A client for `url` whose commands retry through a restart. `socket_timeout_s` must outlast the
     longest blocking command the caller issues (XREAD/XREADGROUP BLOCK); None: no socket timeout, for a
-    caller that times its commands itself (shared/auto_pipeline.py)."""
+    caller that times its commands itself (gateway/auto_pipeline.py)."""
     return Redis.from_url(
         url,
         socket_timeout=socket_timeout_s,

@@ -87,7 +87,7 @@ class EngineThread:
     def _run(self) -> None:
         try:
             for engine in self.engines.values():
-                engine.metrics.record_state(engine)  # sizes are known before the first step
+                engine.metrics.record_load(engine.load())  # sizes are known before the first step
             while True:
                 # block only while idle; with work in flight, take whatever commands are waiting
                 command = self._inbox.get() if not self._busy() else self._next_nowait()
@@ -100,7 +100,7 @@ class EngineThread:
                     if engine.num_unfinished:
                         started = time.perf_counter()
                         results = engine.step()
-                        engine.metrics.record_step(engine, time.perf_counter() - started)
+                        engine.metrics.record_step(engine.last_step, engine.load(), time.perf_counter() - started)
                         deltas = engine.take_deltas()
                         if deltas and self._on_deltas is not None:
                             self._on_deltas(deltas)  # before the results: a stream's tokens precede its end

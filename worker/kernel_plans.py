@@ -22,7 +22,7 @@ that neither the packaged table (kernels/configs/) nor the worker's plan cache h
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +43,7 @@ from kernels.lora.tuning import (
 )
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
-from worker.engine.lora_linear import PAGE_RANK
+from worker.model.lora_linear import LoRAPages
 
 log = structlog.get_logger(__name__)
 
@@ -53,9 +53,8 @@ TOKEN_LADDER = (1, 8, 32, 64, 256, 1024, 4096)
 
 
 def page_rank(info: ModelInfo, max_lora_rank: int) -> int:
-    """Rank rows per adapter page, as CausalLM pages its pool: PAGE_RANK, except for MoE models (whose
-    expert buffers are not paged) and pools of max rank <= PAGE_RANK, which take one page per adapter."""
-    return max_lora_rank if info.is_moe or max_lora_rank <= PAGE_RANK else PAGE_RANK
+    """Rank rows per adapter page, as CausalLM pages its pool (LoRAPages.for_pool)."""
+    return LoRAPages.for_pool(info, max_loras=1, max_lora_rank=max_lora_rank).page_rank
 
 
 def pool_rank(info: ModelInfo, max_lora_rank: int) -> int:
@@ -208,6 +207,18 @@ def ensure_tuned(info: ModelInfo, engine: EngineConfig, cache_dir: Path, budget_
         "kernel_tune_done", tuned=tuned, not_reached=list(run.not_reached), elapsed_s=round(run.elapsed_s, 1), **fields
     )
     return run
+
+
+def tune_at_start(infos: Iterable[ModelInfo], engine: EngineConfig, cache_dir: Path | None) -> None:
+    """The first-start tune of every model a worker serves (`ensure_tuned` each, engine.kernel_tune_budget_s
+    seconds apiece), before any is loaded: tuning beside a serving model would slow it and skew the
+    timings. Nothing without a plan cache (cache_dir None: a worker built in-process, not by the CLI)."""
+    if cache_dir is None:
+        return
+    for info in infos:
+        ensure_tuned(info, engine, cache_dir, engine.kernel_tune_budget_s)
+    if torch.device(engine.device).type == "cuda":
+        torch.cuda.empty_cache()  # the tuner's layers and buffers go back before the KV cache is carved
 
 
 def _set_aside_if_unreadable(path: Path) -> None:

@@ -1,8 +1,9 @@
 """The worker's Prometheus metrics, served over HTTP from the worker process (`lorafleet worker --metrics-port`).
 
 Three groups, one registry per worker (so several workers in one test process never collide):
-- engine series, per served model: the engine thread records them once per step from counts the
-  engine already keeps (no device sync, nothing per token, a few lock-protected adds per step);
+- engine series, per served model: the engine thread records them once per step from the counts
+  the engine keeps (`StepStats`, `EngineLoad`: plain numbers, so this module knows nothing of the
+  engine; no device sync, nothing per token, a few lock-protected adds per step);
 - adapter-pool series, per model and tier (gpu / cpu / disk): the adapter pool records hits, misses,
   evictions, load latency and residency through `AdapterMetrics`;
 - GPU utilisation and memory, read from NVML at scrape time (worker/gpu_metrics.py); a worker
@@ -11,6 +12,7 @@ Three groups, one registry per worker (so several workers in one test process ne
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -21,12 +23,30 @@ from worker.gpu_metrics import GpuCollector
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from worker.engine.engine import LLMEngine
-
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one step ran: sequences in its batch, tokens it processed, tokens it sampled."""
+
+    num_seqs: int = 0
+    num_tokens: int = 0
+    num_sampled: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """An engine's queues and KV cache at one moment; `preemptions` counts since the engine started."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    preemptions: int
 
 
 class AdapterTier(StrEnum):
@@ -134,7 +154,7 @@ class AdapterMetrics:
 
 
 class EngineMetrics:
-    """Recorder for one model's engine; `unregistered(model)` gives one that exports nowhere (tests, tools)."""
+    """Recorder for one model's engine (`WorkerMetrics.engine(model)`)."""
 
     def __init__(self, metrics: WorkerMetrics, model: str) -> None:
         self.adapters = AdapterMetrics(metrics, model)
@@ -149,27 +169,21 @@ class EngineMetrics:
         self._kv_total = metrics.kv_blocks_total.labels(model)
         self._preemptions_seen = 0
 
-    @classmethod
-    def unregistered(cls, model: str) -> EngineMetrics:
-        return WorkerMetrics(device="cpu").engine(model)
-
-    def record_step(self, engine: LLMEngine, seconds: float) -> None:
-        """After one `engine.step()` that took `seconds`: its batch, and the queues and KV cache it left."""
-        step = engine.last_step
+    def record_step(self, step: StepStats, load: EngineLoad, seconds: float) -> None:
+        """After one engine step that took `seconds`: its batch, and the queues and KV cache it left."""
         if step.num_seqs:
             self._batch_size.observe(step.num_seqs)
             self._batch_tokens.observe(step.num_tokens)
             self._generated.inc(step.num_sampled)
             self._step_seconds.observe(seconds)
-        self.record_state(engine)
+        self.record_load(load)
 
-    def record_state(self, engine: LLMEngine) -> None:
-        """The queues and KV cache as `engine` has them now (the adapter pool records its own tiers)."""
-        scheduler = engine.scheduler
-        self._running.set(len(scheduler.running))
-        self._waiting.set(len(scheduler.waiting))
-        self._kv_used.set(engine.blocks.num_blocks - engine.blocks.num_free_blocks)
-        self._kv_total.set(engine.blocks.num_blocks)
-        if scheduler.num_preemptions != self._preemptions_seen:
-            self._preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = scheduler.num_preemptions
+    def record_load(self, load: EngineLoad) -> None:
+        """The queues and KV cache as an engine has them now (the adapter pool records its own tiers)."""
+        self._running.set(load.running)
+        self._waiting.set(load.waiting)
+        self._kv_used.set(load.kv_blocks_used)
+        self._kv_total.set(load.kv_blocks_total)
+        if load.preemptions != self._preemptions_seen:
+            self._preemptions.inc(load.preemptions - self._preemptions_seen)
+            self._preemptions_seen = load.preemptions

@@ -56,8 +56,9 @@ from bench.e2e.summary import (
 from bench.e2e.traffic import Mode, PlannedRequest, RequestSource, TrafficShape, poisson_plan, zipf_weights
 from bench.e2e.worker_metrics import difference
 from shared.adapter_format import WEIGHTS_FILE
-from shared.config import ModelSpec
-from worker.engine.engine import LLMEngine
+from shared.config import ModelSpec, WorkerConfig
+from worker.metrics import WorkerMetrics
+from worker.switching.residency import ModelResidency
 
 LOW_FRACTION = 0.6  # the lowest offered load, of the slower mode's saturation
 HIGH_FRACTION = 0.95  # the highest, of the faster mode's: near saturation
@@ -206,7 +207,13 @@ class Bench:
         if not self.budget.allows(load_s + self.preset.run_s + 10, "the engine-alone replay"):
             return None
         started = time.monotonic()
-        engine = LLMEngine.from_spec(self.model, self.preset.engine, self.adapter_root)
+        # built as a worker builds it (one resident model), the stack's worker having stopped
+        residency = ModelResidency(
+            WorkerConfig(redis_url="redis://unused", models=(self.model,), adapter_root=self.adapter_root,
+                         engine=self.preset.engine),
+            WorkerMetrics(self.preset.engine.device),
+        )  # fmt: skip
+        engine = residency.activate(residency.prepare(self.model.name))
         source = RequestSource(self.shape(Mode.BASE), seed=2)
         # compiled kernels come from Triton's disk cache; this fills the process's own caches
         warmup = [source.draw(i, 0.0) for i in range(self.preset.engine.max_num_seqs // 4)]

@@ -27,7 +27,7 @@ from bench.e2e.presets import Preset
 from cli.demo_model import model_config
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.model_info import PROJECTIONS, ModelInfo
-from worker.engine.peft_adapter import peft_key
+from worker.adapter_pool.peft_adapter import peft_key
 
 BOS, EOS = "<s>", "</s>"
 INIT_STD = 0.02

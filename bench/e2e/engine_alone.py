@@ -1,7 +1,7 @@
 """The same requests into an in-process LLMEngine, with no gateway, Redis or worker process around it.
 
-Built from the model directory exactly as the worker builds it (`LLMEngine.from_spec` with the
-same EngineConfig) and driven the way the worker's engine thread drives it, on a thread of its own:
+Built from the model directory exactly as the worker builds it (ModelResidency with the same
+EngineConfig) and driven the way the worker's engine thread drives it, on a thread of its own:
 requests are added at their planned arrival times and the engine steps while it has work. A request's first token is
 the end of the step that produced it, its end the end of its last step. The difference from the
 stack's latencies on the same plan is what the gateway, Redis, the worker's I/O loop and the

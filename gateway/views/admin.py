@@ -8,11 +8,12 @@ from typing import Any
 from aiohttp import web
 
 from gateway import admin
+from gateway.auth import AUTHENTICATOR
 from gateway.errors import RequestError
 from gateway.job_request import boolean, invalid
 from gateway.json_body import parse_json_object
 from gateway.json_response import json_response
-from gateway.state import AUTHENTICATOR, CONFIG, REDIS
+from gateway.state import CONFIG, REDIS
 from shared.adapter_registry import list_adapters, unregister_adapter
 from shared.errors import ErrorCode
 from shared.rate_limits import LIMIT_FIELDS, get_tenant_limits, set_tenant_limits

@@ -2,7 +2,7 @@
 and RoPE of q and k together with the KV-cache write.
 
 Unfused, each is several elementwise torch kernels whose launches and extra passes over the
-activations cost more than the work; a decode step of Llama-3-8B ran ~2.8 ms of them (H200).
+activations cost more than the work (what they cost a decode step: docs/benchmarks.md, "Engine").
 CUDA tensors take the Triton kernels; anything else takes the torch references (reference.py),
 which are also the kernels' oracle.
 """

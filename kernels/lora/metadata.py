@@ -5,7 +5,7 @@ tokens of slot g (empty when the slot's rank is 0), group S ("no LoRA") holds ba
 tokens of rank-0 slots. Everything here is computed with device ops of fixed output size, so
 building it never waits on the GPU and can be captured in a CUDA graph. On CUDA, batches of up to
 MAX_KERNEL_TOKENS tokens are built by one Triton program (a sort of (group, token) keys in
-registers); about twenty small torch ops took 52-108 us a step on the H200. Larger batches, and CPU
+registers) in place of about twenty small torch ops (docs/benchmarks.md, "Engine"). Larger batches, and CPU
 tensors, take the torch ops, which are also the kernel's oracle.
 
 Adapter weights live in pages of PR rank rows (S-LoRA's unified paging, see tiles.py): slot_pages

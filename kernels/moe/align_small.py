@@ -24,9 +24,9 @@ import triton.language as tl
 
 from kernels.moe.pair_blocks import PairBlocks, max_blocks
 
-# Measured on the H200 inside CUDA graphs (2026-11-24): this kernel 6.5-9 µs up to 256 pairs, even
-# with align_large.py's three launches (20 µs) at 2,048, 30 µs against 19 at 4,096, 0.63 ms against
-# 0.03-0.05 at 102,400 (the serial walk grows with the pairs).
+# Up to this many pairs the one program beats align_large.py's three launches; past it its serial
+# walk, which grows with the pairs, loses (per-size figures: docs/benchmarks.md, "Figures behind
+# code comments").
 SMALL_PAIRS = 2048
 
 

@@ -37,9 +37,9 @@ from kernels.moe.reference import ExpertLoRA
 from kernels.moe.topk_sum import topk_sum
 from kernels.streams import beside, join
 
-# One Qwen3-30B-A3B layer with 8 adapters in a CUDA graph on the H200 (2026-11-24): beside / inline
-# 0.158 / 0.168 ms at 64 pairs (base 0.143), 0.333 / 0.339 at 256, 0.502 / 0.501 at 2,048; eager at
-# 12,800 pairs 1.13 / 0.78 and at 102,400 4.21 / 4.07 (the delta buffers' zeroing and extra passes).
+# Up to this many pairs the LoRA work beside the GEMMs is at least as fast as inline; past it, the
+# delta buffers' zeroing and extra passes cost more than the overlap saves (per-size figures for a
+# Qwen3-30B-A3B layer: docs/benchmarks.md, "Figures behind code comments").
 BESIDE_PAIRS = 2048
 
 
@@ -163,6 +163,6 @@ def _lora_inline(
 
 
 def _halves(two_width: int, plan: MoEPlan) -> bool:
-    """The slots hold gate and up LoRAs block-diagonally (worker/engine/moe.py): expand programs whose
+    """The slots hold gate and up LoRAs block-diagonally (worker/model/moe.py): expand programs whose
     columns stay inside one half read only its ranks; the whole B gives the same sum otherwise."""
     return (two_width // 2) % (plan.expand_up.block_n * plan.expand_up.n_tiles) == 0

@@ -10,8 +10,8 @@ pass: each (pair, column) belongs to exactly one block and one column tile, so t
 needs no atomics. With the down projection the routing weight the base GEMM applied is applied to
 the delta too. Grid and block ordering as in gemm.py (B[s, e] plays the expert weight), except that a program
 walks config.n_tiles column tiles of BLOCK_N with z loaded once: at prefill sizes (~100 pairs a
-group) one program over a whole half of gate_up or all of down is 20% faster than a program per tile
-(H200, 102,400 pairs: 0.24 / 0.31 ms against 0.30 / 0.37); at decode sizes the tile per program wins.
+group) one program over a whole half of gate_up or all of down beats a program per tile
+(docs/benchmarks.md, "Figures behind code comments"); at decode sizes the tile per program wins.
 
 block_diagonal: B [N, R] is [[B_0, 0], [0, B_1]] (gate and up LoRAs stacked, rank R/2 each), so a
 program in the first N/2 columns reads only ranks [0, R/2) of z and B, one in the second half only

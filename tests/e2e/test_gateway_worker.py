@@ -16,11 +16,11 @@ from tokenizers import Tokenizer
 from cli.demo_adapters import DEMO_ADAPTERS
 from shared import keys
 from shared.adapter_registry import get_adapter
-from shared.config import EngineConfig, ModelSpec
 from shared.schema import AdapterRef, SamplingParams
 from tests.e2e.processes import wait_until
+from tests.engine.engines import load_engine
 from tests.fleet import MODEL, Fleet
-from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.engine import EngineRequest
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def stack(fleet: Fleet):
 
 def engine_outputs(model_dir: Path, adapter_root: Path, jobs: list[dict], redis_url: str) -> list[tuple[int, ...]]:
     """The same jobs run by an in-process engine (greedy), for comparison."""
-    engine = LLMEngine.from_spec(ModelSpec(MODEL, model_dir), EngineConfig(device="cpu"), adapter_root)
+    engine = load_engine(model_dir, adapter_root, name=MODEL, device="cpu")
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
     async def adapter_refs() -> dict[str, AdapterRef]:

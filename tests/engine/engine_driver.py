@@ -1,39 +1,18 @@
-"""Drives the engine model in tests: loading it with adapters in slots, and just enough of a
-scheduler and block manager to run steps (sequences owning scattered cache blocks, and the
-ForwardBatch of one step over some of their tokens)."""
+"""Drives the model in tests (loaded by tests/engine/engines.py): just enough of a scheduler and block
+manager to run steps (sequences owning scattered cache blocks, and the ForwardBatch of one step over
+some of their tokens)."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from kernels.lora import LoRABatch
-from shared.model_info import ModelInfo
-from worker.engine.forward_batch import ForwardBatch
-from worker.engine.kv_cache import KVCache, KVLayout
-from worker.engine.model import CausalLM
-from worker.engine.peft_adapter import load_adapter_weights
-
-
-def load_engine(
-    model_dir: Path,
-    info: ModelInfo,
-    adapters: dict[int, Path],
-    *,
-    max_loras: int = 4,
-    max_lora_rank: int = 8,
-    dtype: torch.dtype = torch.float32,
-) -> CausalLM:
-    """The engine's model loaded from `model_dir`, with the PEFT adapter directory `adapters[slot]`
-    in each listed slot."""
-    model = CausalLM(info, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype)
-    model.load_weights(model_dir)
-    for slot, adapter_dir in adapters.items():
-        model.set_adapter_slot(slot, load_adapter_weights(adapter_dir, info, max_rank=max_lora_rank, max_bytes=1 << 30))
-    return model
+from worker.model.forward_batch import ForwardBatch
+from worker.model.kv_cache import KVCache, KVLayout
+from worker.model.model import CausalLM
 
 
 class BlockPool:

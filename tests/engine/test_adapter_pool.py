@@ -14,27 +14,25 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared.adapter_format import WEIGHTS_FILE, file_sha256
-from shared.config import EngineConfig, ModelSpec
 from shared.errors import ErrorCode, LorafleetError
 from shared.schema import AdapterRef, JobStatus
+from tests.engine.engines import host_adapter, load_engine
 from tests.engine.test_engine_generation import (
     assert_matches_oracle,
     expected_tokens,
     greedy_request,
     make_engine,
     run_to_completion,
-    word_tokenizer,
 )
 from tests.engine.tiny_hf import TinyCheckpoint, saved_adapter_ref
 from worker.adapter_pool import pool as pool_module
 from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.block_manager import BlockManager
-from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
-from worker.metrics import EngineMetrics, WorkerMetrics
+from worker.metrics import WorkerMetrics
 
 DEVICES = [
     "cpu",
@@ -46,16 +44,10 @@ DEVICES = [
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
-def host_adapter(checkpoint: TinyCheckpoint, name: str, device: str) -> HostAdapter:
-    directory = checkpoint.adapters[name]
-    ref = saved_adapter_ref(name, directory)
-    return read_host_adapter(ref, adapter_root=directory.parent, info=checkpoint.info, dtype=torch.float32,
-                             max_rank=16, max_bytes=1 << 30, pin=device == "cuda")  # fmt: skip
-
-
 def make_runner(checkpoint: TinyCheckpoint, device: str) -> ModelRunner:
-    config = EngineConfig(device=device, dtype="float32", max_loras=2, max_lora_rank=16, num_kv_blocks=16, block_size=4)
-    return ModelRunner(ModelSpec(checkpoint.family, checkpoint.model_dir), config)
+    settings = {"device": device, "dtype": "float32", "max_loras": 2, "max_lora_rank": 16}
+    root = next(iter(checkpoint.adapters.values())).parent
+    return load_engine(checkpoint.model_dir, root, num_kv_blocks=16, block_size=4, **settings).runner
 
 
 def slot_logits(runner: ModelRunner, slot: int) -> torch.Tensor:
@@ -80,11 +72,11 @@ def test_an_evicted_slot_leaks_nothing_into_a_lower_rank_adapter(llama: TinyChec
     # all_r8: rank 8 on every projection; mlp_k_r4: rank 4 on four of them
     reused, fresh = make_runner(llama, device), make_runner(llama, device)
     writer = SlotWriter(reused.model)
-    writer.write((1,), host_adapter(llama, "all_r8", device)).wait()
+    writer.write((1,), host_adapter(llama.adapters["all_r8"], reused.model)).wait()
     old = slot_logits(reused, 1)
 
-    writer.write((1,), host_adapter(llama, "mlp_k_r4", device)).wait()
-    SlotWriter(fresh.model).write((1,), host_adapter(llama, "mlp_k_r4", device)).wait()
+    writer.write((1,), host_adapter(llama.adapters["mlp_k_r4"], reused.model)).wait()
+    SlotWriter(fresh.model).write((1,), host_adapter(llama.adapters["mlp_k_r4"], fresh.model)).wait()
 
     assert torch.equal(slot_logits(reused, 1), slot_logits(fresh, 1))
     assert not torch.allclose(slot_logits(reused, 1), old)
@@ -125,16 +117,6 @@ def test_a_file_whose_tensors_overlap_is_refused(llama: TinyCheckpoint, tmp_path
         read_host_adapter(ref, adapter_root=tmp_path, info=llama.info, dtype=torch.float32, max_rank=16,
                           max_bytes=1 << 30, pin=False)  # fmt: skip
     assert raised.value.code is ErrorCode.ADAPTER_LOAD_FAILED
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_slot_written_by_the_pool_equals_one_set_from_the_peft_files(llama: TinyCheckpoint, device: str):
-    pooled, direct = make_runner(llama, device), make_runner(llama, device)
-    SlotWriter(pooled.model).write((0,), host_adapter(llama, "attn_r4_rslora", device)).wait()
-    direct.load_adapter(0, llama.adapters["attn_r4_rslora"])
-
-    assert torch.equal(slot_logits(pooled, 0), slot_logits(direct, 0))
-    assert pooled.model.slot_scales.tolist() == direct.model.slot_scales.tolist()
 
 
 def test_steps_run_other_requests_while_an_adapter_is_still_on_disk(llama: TinyCheckpoint, monkeypatch):
@@ -189,10 +171,7 @@ def test_adapters_are_read_to_the_host_while_every_gpu_slot_is_busy(llama: TinyC
 
 def test_an_adapter_evicted_from_the_gpu_comes_back_from_the_host_tier(llama: TinyCheckpoint):
     metrics = WorkerMetrics(device="cpu")
-    config = EngineConfig(device="cpu", max_loras=1, max_lora_rank=8, num_kv_blocks=64, block_size=4)
-    runner = ModelRunner(ModelSpec(llama.family, llama.model_dir), config)
-    root = llama.adapters["all_r8"].parent
-    engine = LLMEngine(runner, word_tokenizer(), config, root, metrics.engine(llama.info.name))
+    engine = make_engine(llama, max_loras=1, metrics=metrics)
     for job, adapter in [("first", "all_r8"), ("other", "mlp_k_r4"), ("again", "all_r8")]:
         result = run_to_completion(engine, [greedy_request(llama, job, adapter)])[job]
         assert list(result.output.token_ids) == expected_tokens(llama, adapter)
@@ -230,9 +209,8 @@ def test_a_load_failure_fails_every_request_of_that_adapter_and_no_other(llama: 
 def test_an_adapter_whose_read_failed_gets_no_second_read_in_the_same_poll(llama: TinyCheckpoint, tmp_path: Path):
     # a second request for it arrives while its read fails: the poll that reports the failure (and so
     # fails both requests) must not start another read for an adapter nobody will be waiting for
-    config = EngineConfig(device="cpu", max_loras=8, max_lora_rank=8, num_kv_blocks=64, block_size=4)
-    runner = ModelRunner(ModelSpec(llama.family, llama.model_dir), config)
-    pool = pool_module.AdapterPool(runner.model, config, tmp_path, EngineMetrics.unregistered(llama.info.name).adapters)
+    engine = make_engine(llama, tmp_path, max_loras=8)
+    pool = engine.adapter_pool  # driven here without engine steps
     ref = saved_adapter_ref("all_r8", llama.adapters["all_r8"])  # not under tmp_path: its read fails
     pool.request(ref)
     assert pool.poll() == []  # the read starts
@@ -242,7 +220,7 @@ def test_an_adapter_whose_read_failed_gets_no_second_read_in_the_same_poll(llama
     assert pool.loads_in_flight == 0
     pool.drop(ref.uid)
     pool.drop(ref.uid)
-    assert pool.bookkeeping_size() == config.max_loras  # the free slot list alone
+    assert pool.bookkeeping_size() == engine.config.max_loras  # the free slot list alone
     pool.close()
 
 

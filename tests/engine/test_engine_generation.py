@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models
 
 from shared.adapter_format import WEIGHTS_FILE
-from shared.config import EngineConfig, ModelSpec
 from shared.errors import ErrorCode
 from shared.schema import AdapterRef, FinishReason, JobStatus, SamplingParams
+from tests.engine.engines import load_engine
 from tests.engine.tiny_hf import VOCAB_SIZE, TinyCheckpoint, oracle_greedy, saved_adapter_ref
 from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
-from worker.engine.model_runner import ModelRunner
+from worker.metrics import WorkerMetrics
 
 PROMPTS = {
     None: [5, 17, 42, 7, 99, 3, 250, 11, 64],
@@ -27,16 +26,16 @@ PROMPTS = {
 NEW_TOKENS = 6
 
 
-def word_tokenizer() -> Tokenizer:
-    return Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB_SIZE)}, unk_token="w0"))
-
-
-def make_engine(checkpoint: TinyCheckpoint, adapter_root: Path | None = None, **engine_overrides: object) -> LLMEngine:
+def make_engine(
+    checkpoint: TinyCheckpoint,
+    adapter_root: Path | None = None,
+    *,
+    metrics: WorkerMetrics | None = None,
+    **engine_overrides: object,
+) -> LLMEngine:
     settings = {"device": "cpu", "max_lora_rank": 8, "num_kv_blocks": 64, "block_size": 4, **engine_overrides}
-    config = EngineConfig(**settings)
-    runner = ModelRunner(ModelSpec(checkpoint.family, checkpoint.model_dir), config)
     adapter_root = adapter_root or next(iter(checkpoint.adapters.values())).parent
-    return LLMEngine(runner, word_tokenizer(), config, adapter_root)
+    return load_engine(checkpoint.model_dir, adapter_root, name=checkpoint.family, metrics=metrics, **settings)
 
 
 def adapter_ref(checkpoint: TinyCheckpoint, name: str) -> AdapterRef:

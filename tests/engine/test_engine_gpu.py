@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import EngineConfig, ModelSpec
+from tests.engine.engines import write_adapters
 from tests.engine.test_engine_generation import (
     PROMPTS,
     assert_matches_oracle,
@@ -33,15 +33,14 @@ def test_fp32_greedy_tokens_equal_the_oracle(llama: TinyCheckpoint, budget: int)
 
 def test_bf16_prefill_logits_are_within_bf16_tolerance_of_fp32_cpu(llama: TinyCheckpoint):
     def prefill_logits(device: str, dtype: str) -> torch.Tensor:
-        config = EngineConfig(device=device, dtype=dtype, max_lora_rank=8, num_kv_blocks=64, block_size=4)
-        runner = ModelRunner(ModelSpec(llama.family, llama.model_dir), config)
-        blocks = BlockManager(runner.num_blocks, config.block_size)
+        runner = make_engine(llama, device=device, dtype=dtype).runner
+        blocks = BlockManager(runner.num_blocks, runner.config.block_size)
         scheduled = []
         for name, prompt in PROMPTS.items():
             seq = Sequence(seq_id=str(name), prompt_token_ids=prompt, sampling=None, seed=0)
             blocks.allocate(seq, len(prompt))
             scheduled.append(ScheduledSequence(seq, len(prompt)))
-        return runner.execute(scheduled, lambda uid: None, config.block_size).cpu()
+        return runner.execute(scheduled, lambda uid: None, runner.config.block_size).cpu()
 
     assert rel_err(prefill_logits("cuda", "bfloat16"), prefill_logits("cpu", "float32")) < 2e-2
 
@@ -52,12 +51,8 @@ ADAPTER_SLOTS = {"all_r8": 0, "attn_r4_rslora": 1, "mlp_k_r4": 2}
 
 def graph_runner(checkpoint: TinyCheckpoint) -> ModelRunner:
     """fp32 runner whose decode graphs cover 1, 2, 4 and 8 sequences, adapters loaded per ADAPTER_SLOTS."""
-    config = EngineConfig(
-        device="cuda", dtype="float32", max_num_seqs=8, max_lora_rank=8, num_kv_blocks=64, block_size=BLOCK_SIZE
-    )
-    runner = ModelRunner(ModelSpec(checkpoint.family, checkpoint.model_dir), config)
-    for name, slot in ADAPTER_SLOTS.items():
-        runner.load_adapter(slot, checkpoint.adapters[name])
+    runner = make_engine(checkpoint, device="cuda", dtype="float32", max_num_seqs=8, block_size=BLOCK_SIZE).runner
+    write_adapters(runner.model, {(slot,): checkpoint.adapters[name] for name, slot in ADAPTER_SLOTS.items()})
     return runner
 
 
@@ -140,7 +135,7 @@ def test_graph_decode_sees_an_adapter_reloaded_into_its_slot(llama: TinyCheckpoi
     seqs = prefilled(runner, 5)
     slots = [0, -1, 0, 1, 0]
     before = assert_graph_matches_eager(runner, seqs, slots)
-    runner.load_adapter(0, llama.adapters["attn_r4_rslora"])  # slot 0: all_r8 → another adapter's weights
+    write_adapters(runner.model, {(0,): llama.adapters["attn_r4_rslora"]})  # slot 0: all_r8 → another's weights
     after = assert_graph_matches_eager(runner, seqs, slots)
     changed = (after - before).abs().amax(-1) > 1e-4
     assert changed.tolist() == [True, False, True, False, True]

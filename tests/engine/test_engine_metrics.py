@@ -9,21 +9,19 @@ import queue
 import pytest
 import torch
 
-from shared.config import EngineConfig, ModelSpec
-from tests.engine.test_engine_generation import NEW_TOKENS, greedy_request, word_tokenizer
+from tests.engine.engines import load_engine
+from tests.engine.test_engine_generation import NEW_TOKENS, greedy_request
 from tests.engine.tiny_hf import TinyCheckpoint
-from worker.engine.engine import EngineResult, LLMEngine
-from worker.engine.model_runner import ModelRunner
+from worker.engine.engine import EngineResult
 from worker.engine_thread import EngineThread
 from worker.gpu_metrics import GpuCollector, cuda_index, nvml_id
 from worker.metrics import AdapterTier, WorkerMetrics
 
 
 def run_on_thread(metrics: WorkerMetrics, checkpoint: TinyCheckpoint, adapters: list[str | None]) -> list[EngineResult]:
-    config = EngineConfig(device="cpu", max_lora_rank=8, num_kv_blocks=64, block_size=4, max_loras=2)
-    runner = ModelRunner(ModelSpec(checkpoint.family, checkpoint.model_dir), config)
     adapter_root = next(iter(checkpoint.adapters.values())).parent
-    engine = LLMEngine(runner, word_tokenizer(), config, adapter_root, metrics.engine("tiny"))
+    settings = {"device": "cpu", "max_lora_rank": 8, "num_kv_blocks": 64, "block_size": 4, "max_loras": 2}
+    engine = load_engine(checkpoint.model_dir, adapter_root, name="tiny", metrics=metrics, **settings)
     results: queue.Queue[EngineResult] = queue.Queue()
     crashes: list[BaseException] = []
     thread = EngineThread({"tiny": engine}, on_result=results.put, on_crash=crashes.append)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from worker.engine.kv_cache import KVCache, KVLayout
+from worker.model.kv_cache import KVCache, KVLayout
 
 LLAMA_LIKE = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 OTHER = KVLayout(num_layers=5, block_size=4, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, load_engine, make_kv_cache, prefill
+from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, make_kv_cache, prefill
+from tests.engine.engines import load_model
 from tests.engine.tiny_hf import VOCAB_SIZE, TinyCheckpoint, oracle_greedy, oracle_logits
 
 TOLERANCE = 1e-4
@@ -17,7 +18,7 @@ def random_prompt(length: int, seed: int) -> list[int]:
 
 
 def engine_for(checkpoint: TinyCheckpoint):
-    return load_engine(
+    return load_model(
         checkpoint.model_dir, checkpoint.info, {slot: checkpoint.adapters[name] for name, slot in SLOTS.items()}
     )
 

@@ -9,18 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.config import EngineConfig, ModelSpec
 from shared.schema import JobStatus, SamplingParams
-from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, load_engine, make_kv_cache, prefill
-from tests.engine.test_engine_generation import run_to_completion, word_tokenizer
+from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, make_kv_cache, prefill
+from tests.engine.engines import host_adapter, load_engine, load_model
+from tests.engine.test_engine_generation import run_to_completion
 from tests.engine.tiny_hf import oracle_greedy, oracle_logits, saved_adapter_ref
 from tests.engine.tiny_moe import FUSED, MOE_FAMILIES, VOCAB_SIZE, TinyMoE, build_tiny_moe
-from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
-from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model import CausalLM
-from worker.engine.model_runner import ModelRunner
-from worker.engine.peft_adapter import load_adapter_weights
+from worker.engine.engine import EngineRequest
 
 TOLERANCE = 1e-4
 NEW_TOKENS = 6
@@ -44,7 +40,7 @@ def _sequences() -> list[tuple[str | None, PagedSequence]]:
 
 def _engine(tiny_moe: TinyMoE):
     adapters = {slot: tiny_moe.adapters[name] for name, slot in SLOTS.items()}
-    return load_engine(tiny_moe.model_dir, tiny_moe.info, adapters)
+    return load_model(tiny_moe.model_dir, tiny_moe.info, adapters)
 
 
 def test_mixed_batch_matches_hf(tiny_moe: TinyMoE) -> None:
@@ -76,47 +72,31 @@ def test_decode_steps_match_hf(tiny_moe: TinyMoE) -> None:
         next_tokens = logits.argmax(-1).tolist()
 
 
-def test_adapter_pool_writes_expert_slots_as_set_adapter_slot_does_and_leaks_nothing(tiny_moe: TinyMoE) -> None:
-    """The serving path (host adapter → slot writer) against the direct copy, after the slot held a
-    higher-rank adapter on the same experts."""
-
-    def host(name: str) -> HostAdapter:
-        directory = tiny_moe.adapters[name]
-        ref = saved_adapter_ref(name, directory)
-        return read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
-                                 max_rank=8, max_bytes=1 << 30, pin=False)  # fmt: skip
-
-    served = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
+def test_an_expert_slot_written_over_a_higher_rank_adapter_keeps_nothing_of_it(tiny_moe: TinyMoE) -> None:
+    """The slot writer into a slot that held a higher-rank adapter on the same experts leaves every
+    LoRA buffer as a write into a fresh model does."""
+    served = load_model(tiny_moe.model_dir, tiny_moe.info, max_loras=2)
     writer = SlotWriter(served)
-    writer.write((1,), host("experts_r8")).wait()
-    writer.write((1,), host("experts_only_r4")).wait()
-    direct = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
-    weights = load_adapter_weights(tiny_moe.adapters["experts_only_r4"], tiny_moe.info, max_rank=8, max_bytes=1 << 30)
-    direct.set_adapter_slot(1, weights)
+    writer.write((1,), host_adapter(tiny_moe.adapters["experts_r8"], served)).wait()
+    writer.write((1,), host_adapter(tiny_moe.adapters["experts_only_r4"], served)).wait()
+    fresh = load_model(tiny_moe.model_dir, tiny_moe.info, {1: tiny_moe.adapters["experts_only_r4"]}, max_loras=2)
 
     expert_buffers = 0
-    for (name, got), (_, want) in zip(served.named_buffers(), direct.named_buffers(), strict=True):
+    for (name, got), (_, want) in zip(served.named_buffers(), fresh.named_buffers(), strict=True):
         assert torch.equal(got, want), name
         expert_buffers += ".mlp.lora_" in name
     assert expert_buffers == 4 * len(tiny_moe.info.moe_layers)
 
 
-def test_adapter_pool_serves_peft_fused_expert_loras_at_their_doubled_rank(tiny_moe: TinyMoE) -> None:
-    """PEFT's fused form: gate_up at rank 2r takes the slot at that rank, attention zero-padded to it;
-    every LoRA buffer as the direct copy (which keeps attention at r) fills it."""
-    directory = tiny_moe.adapters[FUSED]
-    ref = saved_adapter_ref(FUSED, directory)
-    host = read_host_adapter(ref, adapter_root=directory.parent, info=tiny_moe.info, dtype=torch.float32,
-                             max_rank=8, max_bytes=1 << 30, pin=False)  # fmt: skip
-    served = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
-    SlotWriter(served).write((0,), host).wait()
-    direct = CausalLM(tiny_moe.info, max_loras=2, max_lora_rank=8, dtype=torch.float32)
-    direct.set_adapter_slot(0, load_adapter_weights(directory, tiny_moe.info, max_rank=8, max_bytes=1 << 30))
+def test_peft_fused_expert_loras_take_their_slot_at_the_doubled_rank(tiny_moe: TinyMoE) -> None:
+    """PEFT's fused form: gate_up at rank 2r takes the slot at that rank and attention, at r, is
+    zero-padded to it (its logits against the oracle: test_mixed_batch_matches_hf)."""
+    model = load_model(tiny_moe.model_dir, tiny_moe.info, {0: tiny_moe.adapters[FUSED]}, max_loras=2)
 
-    assert host.rank == 8 and served.slot_ranks[0] == 8  # r = 4, gate_up 2r
-    for (name, got), (_, want) in zip(served.named_buffers(), direct.named_buffers(), strict=True):
-        if "lora" in name:
-            assert torch.equal(got, want), name
+    assert model.slot_ranks[0] == 8  # r = 4, gate_up 2r
+    for layer in model.model.layers:
+        q_a = layer.self_attn.qkv_proj.lora_a[0][0]  # q_proj's A in slot 0: [rank rows, hidden]
+        assert q_a[:4].any() and not q_a[4:].any()
 
 
 @pytest.mark.gpu
@@ -126,9 +106,9 @@ def test_the_cuda_engine_decodes_the_oracles_greedy_tokens(tiny_moe: TinyMoE) ->
     deltas added by RoPE / SiLU·up / the residual (Qwen3's before its q/k norm), the expert LoRA
     beside the grouped GEMMs, decode steps in CUDA graphs; every adapter and the base model in one
     batch give transformers + PEFT's greedy tokens, up to a near-tie of the oracle's."""
-    config = EngineConfig(device="cuda", dtype="float32", max_loras=4, max_lora_rank=8, num_kv_blocks=64, block_size=4)
-    runner = ModelRunner(ModelSpec(tiny_moe.family, tiny_moe.model_dir), config)
-    engine = LLMEngine(runner, word_tokenizer(), config, next(iter(tiny_moe.adapters.values())).parent)
+    root = next(iter(tiny_moe.adapters.values())).parent
+    settings = {"device": "cuda", "dtype": "float32", "max_loras": 4, "max_lora_rank": 8}
+    engine = load_engine(tiny_moe.model_dir, root, name=tiny_moe.family, num_kv_blocks=64, block_size=4, **settings)
     requests, jobs = [], {}
     for index, ((adapter, _), (_, seq)) in enumerate(zip(MIXED, _sequences(), strict=True)):
         ref = None

@@ -8,15 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 from peft import PeftModel
 
-from shared.config import EngineConfig, ModelSpec
-from shared.model_info import ModelInfo
 from shared.schema import JobStatus, SamplingParams
 from tests.engine.engine_driver import BlockPool, PagedSequence, make_kv_cache, prefill
+from tests.engine.engines import load_engine, load_model, write_adapters
 from tests.engine.test_adapter_pool import DEVICES
-from tests.engine.test_engine_generation import run_to_completion, word_tokenizer
+from tests.engine.test_engine_generation import run_to_completion
 from tests.engine.tiny_hf import (
     ALL_PROJECTIONS,
     TinyCheckpoint,
@@ -27,10 +25,7 @@ from tests.engine.tiny_hf import (
     save_lora_adapter,
     saved_adapter_ref,
 )
-from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model import CausalLM
-from worker.engine.model_runner import ModelRunner
-from worker.engine.peft_adapter import load_adapter_weights
+from worker.engine.engine import EngineRequest
 
 MAX_RANK = 48  # three pages of 16 rank rows per max-rank adapter
 TOLERANCE = 1e-4
@@ -66,22 +61,13 @@ def paged(tiny_checkpoints, tmp_path_factory: pytest.TempPathFactory) -> PagedCh
     return PagedCheckpoint(llama, adapters, load_oracle(base, adapters))
 
 
-def weights(paged: PagedCheckpoint, name: str):
-    return load_adapter_weights(paged.adapters[name], paged.base.info, max_rank=MAX_RANK, max_bytes=1 << 30)
-
-
 def test_adapters_in_scattered_pages_give_the_oracles_logits(paged: PagedCheckpoint) -> None:
-    info: ModelInfo = paged.base.info
-    model = CausalLM(info, max_loras=3, max_lora_rank=MAX_RANK, dtype=torch.float32)
-    model.load_weights(paged.base.model_dir)
+    model = load_model(paged.base.model_dir, paged.base.info, max_loras=3, max_lora_rank=MAX_RANK)
     assert (model.page_rank, model.pages_per_slot, model.num_pages) == (16, 3, 9)
     # pages out of order and apart; the small adapter's page sits between the others'
-    slots = {
-        "wide_r24": model.set_adapter([7, 2], weights(paged, "wide_r24")),
-        "deep_r40": model.set_adapter([4, 8, 0], weights(paged, "deep_r40")),
-        "small_r8": model.set_adapter([5], weights(paged, "small_r8")),
-    }
-    assert slots == {"wide_r24": 7, "deep_r40": 4, "small_r8": 5}
+    pages = {"wide_r24": (7, 2), "deep_r40": (4, 8, 0), "small_r8": (5,)}
+    write_adapters(model, {pages[name]: paged.adapters[name] for name in pages})
+    slots = {name: pages[name][0] for name in pages}
     seqs = [(name, PagedSequence(list(prompt), slot=slots.get(name, -1))) for name, prompt in PROMPTS.items()]
     kv_cache = make_kv_cache(model, num_blocks=64, block_size=4)
 
@@ -98,11 +84,9 @@ def test_the_pool_cycles_adapters_of_mixed_ranks_through_too_few_pages_and_match
 ) -> None:
     # one max-rank adapter's worth of pages (3): every adapter evicts others' pages to load; on CUDA
     # the Triton kernels read them (fp32: greedy tokens equal the oracle's, as in test_engine_gpu)
-    config = EngineConfig(
-        device=device, dtype="float32", max_loras=1, max_lora_rank=MAX_RANK, num_kv_blocks=64, block_size=4
-    )
-    runner = ModelRunner(ModelSpec("llama", paged.base.model_dir), config)
-    engine = LLMEngine(runner, word_tokenizer(), config, next(iter(paged.adapters.values())).parent)
+    root = next(iter(paged.adapters.values())).parent
+    settings = {"device": device, "dtype": "float32", "max_loras": 1, "max_lora_rank": MAX_RANK}
+    engine = load_engine(paged.base.model_dir, root, name="llama", num_kv_blocks=64, block_size=4, **settings)
     order = ["wide_r24", "small_r8", "deep_r40", "small_r8", "wide_r24", None, "deep_r40"]
 
     for index, name in enumerate(order):

@@ -10,15 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, load_engine, make_kv_cache
+from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, make_kv_cache
+from tests.engine.engines import load_model
 from tests.engine.test_model_oracle import SLOTS, random_prompt
 from tests.engine.test_moe_oracle import SLOTS as MOE_SLOTS
 from tests.engine.tiny_hf import TinyCheckpoint
 from tests.engine.tiny_moe import MOE_FAMILIES, TinyMoE, build_tiny_moe
-from worker.engine.forward_batch import ForwardBatch
-from worker.engine.kv_cache import KVCache
-from worker.engine.model import CausalLM
 from worker.engine.piecewise_graphs import PieceState, StepPieces, token_buckets
+from worker.model.forward_batch import ForwardBatch
+from worker.model.kv_cache import KVCache
+from worker.model.model import CausalLM
 
 NUM_BLOCKS = 64  # the block pool's; the cache has one more, the scratch block
 BLOCK_SIZE = 4
@@ -76,7 +77,7 @@ def mixed_work(slots: dict[str, int], lengths: list[tuple[str | None, int]]) -> 
 
 @pytest.mark.parametrize("with_adapters", [True, False], ids=["adapters", "base"])
 def test_a_padded_mixed_step_equals_the_forward(checkpoint: TinyCheckpoint, with_adapters: bool) -> None:
-    model = load_engine(
+    model = load_model(
         checkpoint.model_dir, checkpoint.info, {slot: checkpoint.adapters[name] for name, slot in SLOTS.items()}
     )
     adapters = ["all_r8", "attn_r4_rslora", "mlp_k_r4", None] if with_adapters else [None] * 4
@@ -85,7 +86,7 @@ def test_a_padded_mixed_step_equals_the_forward(checkpoint: TinyCheckpoint, with
 
 
 def test_a_step_after_a_larger_one_is_not_read_from_its_stale_rows(llama: TinyCheckpoint) -> None:
-    model = load_engine(llama.model_dir, llama.info, {slot: llama.adapters[name] for name, slot in SLOTS.items()})
+    model = load_model(llama.model_dir, llama.info, {slot: llama.adapters[name] for name, slot in SLOTS.items()})
     cache = make_kv_cache(model, num_blocks=NUM_BLOCKS + 1, block_size=BLOCK_SIZE)
     pieces = StepPieces(model, 64, scratch_slot=NUM_BLOCKS * BLOCK_SIZE)
     pool = BlockPool(NUM_BLOCKS)
@@ -106,7 +107,7 @@ def tiny_moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 def test_a_padded_mixed_step_of_an_moe_model_equals_the_forward(tiny_moe: TinyMoE) -> None:
-    model = load_engine(
+    model = load_model(
         tiny_moe.model_dir, tiny_moe.info, {slot: tiny_moe.adapters[name] for name, slot in MOE_SLOTS.items()}
     )
     names = list(MOE_SLOTS)

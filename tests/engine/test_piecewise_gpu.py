@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import EngineConfig, ModelSpec
-from tests.engine.test_engine_generation import PROMPTS
+from tests.engine.engines import write_adapters
+from tests.engine.test_engine_generation import PROMPTS, make_engine
 from tests.engine.test_engine_gpu import ADAPTER_SLOTS, BLOCK_SIZE
 from tests.engine.tiny_hf import TinyCheckpoint
 from tests.kernels.lora_cases import rel_err
@@ -20,13 +20,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def runner_for(checkpoint: TinyCheckpoint, dtype: str) -> ModelRunner:
-    config = EngineConfig(
-        device="cuda", dtype=dtype, max_num_seqs=8, max_num_batched_tokens=96, max_lora_rank=8,
-        num_kv_blocks=64, block_size=BLOCK_SIZE,
-    )  # fmt: skip
-    runner = ModelRunner(ModelSpec(checkpoint.family, checkpoint.model_dir), config)
-    for name, slot in ADAPTER_SLOTS.items():
-        runner.load_adapter(slot, checkpoint.adapters[name])
+    runner = make_engine(
+        checkpoint, device="cuda", dtype=dtype, max_num_seqs=8, max_num_batched_tokens=96, block_size=BLOCK_SIZE
+    ).runner
+    write_adapters(runner.model, {(slot,): checkpoint.adapters[name] for name, slot in ADAPTER_SLOTS.items()})
     return runner
 
 

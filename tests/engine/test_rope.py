@@ -7,7 +7,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tests.engine.tiny_hf import LLAMA3_ROPE
-from worker.engine.rope import RotaryEmbedding, rope_type
+from worker.model.rope import RotaryEmbedding, rope_type
 
 
 def test_llama3_frequencies_match_transformers() -> None:

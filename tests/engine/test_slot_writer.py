@@ -13,7 +13,7 @@ import torch
 from shared.model_info import PROJECTIONS, ModelInfo
 from worker.adapter_pool.host_adapter import AdapterPart, BufferLayout, HostAdapter
 from worker.adapter_pool.slot_writer import SlotWriter
-from worker.engine.model import CausalLM
+from worker.model.model import CausalLM
 
 INFO = ModelInfo(
     name="tiny",

@@ -1,4 +1,4 @@
-"""Loading HF safetensors checkpoints into the engine's packed layers."""
+"""Loading HF safetensors checkpoints into the model's packed layers, the way a worker loads them."""
 
 from __future__ import annotations
 
@@ -10,15 +10,17 @@ from safetensors.torch import load_file, save_file
 
 from shared.model_info import ModelInfo
 from tests.engine.engine_driver import BlockPool, PagedSequence, make_kv_cache, prefill
+from tests.engine.engines import load_model
 from tests.engine.tiny_hf import TinyCheckpoint, make_tiny_model, save_tiny_model
-from worker.engine.model import CausalLM
-from worker.engine.weights import INDEX_FILE, SINGLE_FILE
+from worker.model.model import CausalLM
+from worker.model.weights import INDEX_FILE, SINGLE_FILE
 
 
-def load(model_dir: Path, family: str, *, dtype: torch.dtype | str | None = torch.float32) -> CausalLM:
-    model = CausalLM(ModelInfo.from_pretrained(family, model_dir), max_loras=2, max_lora_rank=4, dtype=dtype)
-    model.load_weights(model_dir)
-    return model
+def load(model_dir: Path, family: str, *, dtype: str | None = "float32") -> CausalLM:
+    """The model as a worker loads it: the checkpoint read into host memory, then copied in."""
+    return load_model(
+        model_dir, ModelInfo.from_pretrained(family, model_dir), max_loras=2, max_lora_rank=4, dtype=dtype
+    )
 
 
 def test_packed_projections_hold_each_checkpoint_matrix_in_order(llama: TinyCheckpoint) -> None:

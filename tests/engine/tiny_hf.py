@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from tokenizers import Tokenizer, models
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -48,6 +49,11 @@ FAMILIES = {
 }
 
 
+def word_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """Token i is the word "w{i}": what a tiny checkpoint saves as its tokenizer.json."""
+    return Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+
+
 def make_tiny_model(family: str, *, seed: int, **overrides: object) -> PreTrainedModel:
     """A random fp32 model of `family` in eval mode; `overrides` change config fields."""
     config_cls, model_cls, family_fields = FAMILIES[family]
@@ -64,9 +70,11 @@ def make_tiny_model(family: str, *, seed: int, **overrides: object) -> PreTraine
 def save_tiny_model(
     family: str, directory: Path, *, seed: int, max_shard_size: str | None = None, **overrides: object
 ) -> PreTrainedModel:
+    """A random model of `family` saved as a worker serves it: HF config and weights, and tokenizer.json."""
     model = make_tiny_model(family, seed=seed, **overrides)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    word_tokenizer(model.config.vocab_size).save(str(Path(directory) / "tokenizer.json"))
     return model
 
 

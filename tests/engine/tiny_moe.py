@@ -22,6 +22,7 @@ from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedModel, Qwe
 
 from shared.expert_adapter_keys import expert_key
 from shared.model_info import EXPERT_PROJECTIONS, ModelInfo
+from tests.engine.tiny_hf import word_tokenizer
 
 VOCAB_SIZE = 300
 _SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -123,6 +124,7 @@ class TinyMoE:
 def build_tiny_moe(family: str, directory: Path) -> TinyMoE:
     model_dir = directory / "model"
     base = save_tiny_moe(family, model_dir, seed=0)
+    word_tokenizer(VOCAB_SIZE).save(str(model_dir / "tokenizer.json"))
     info = ModelInfo.from_pretrained(family, model_dir)
     adapters = {}
     for seed, (name, spec) in enumerate(MOE_ADAPTERS.items(), start=1):

@@ -45,7 +45,7 @@ def make_moe_case(
     b13 = rand(num_slots, num_experts, 2 * width, 2 * max_rank, std=0.2)
     a2 = rand(num_slots, num_experts, max_rank, width, std=width**-0.5)
     b2 = rand(num_slots, num_experts, hidden, max_rank, std=0.2)
-    # as worker/engine/moe.py lays slots out: gate ranks [0, R), up ranks [R, 2R), B block-diagonal
+    # as worker/model/moe.py lays slots out: gate ranks [0, R), up ranks [R, 2R), B block-diagonal
     b13[:, :, :width, max_rank:] = 0
     b13[:, :, width:, :max_rank] = 0
     for slot, rank in enumerate(slot_ranks):  # slots are zero past their adapter's rank

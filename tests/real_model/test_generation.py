@@ -17,14 +17,13 @@ from cli.demo_adapters import DEMO_ADAPTERS
 from cli.demo_styles import DEMO_QUESTION, STYLE_MARKERS
 from gateway.chat import render_chat
 from shared.chat_template import read_chat_template
-from shared.config import EngineConfig, ModelSpec
 from shared.model_info import ModelInfo
 from shared.schema import FinishReason, JobOutput, JobStatus, SamplingParams, TokenDelta
+from tests.engine.engines import load_engine
 from tests.engine.tiny_hf import saved_adapter_ref
 from tests.real_model.conftest import MODEL
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.engine import EngineRequest, LLMEngine
-from worker.engine.model_runner import ModelRunner
+from worker.engine.engine import EngineRequest
 
 # the base model's greedy answer (float32, CPU)
 PARIS = "The capital of France is Paris."
@@ -52,8 +51,9 @@ def ask(job_id: str, ids: tuple[int, ...], adapter: str | None = None, **samplin
 
 @pytest.fixture(scope="module")
 def answers(smollm2_dir: Path, smollm2_tokenizer: Tokenizer) -> Answers:
-    config = EngineConfig(device="cpu", max_lora_rank=8, max_loras=4, num_kv_blocks=256, block_size=16)
-    engine = LLMEngine(ModelRunner(ModelSpec(MODEL, smollm2_dir), config), smollm2_tokenizer, config, DEMO_ASSETS)
+    engine = load_engine(
+        smollm2_dir, DEMO_ASSETS, name=MODEL, device="cpu", max_lora_rank=8, max_loras=4, num_kv_blocks=256
+    )
     paris = chat_ids(smollm2_dir, smollm2_tokenizer, DEMO_QUESTION)
     requests = [
         ask("base", paris),
@@ -135,8 +135,9 @@ def test_the_three_styles_differ(answers: Answers) -> None:
 def test_on_a_gpu_in_bfloat16_as_up_serves_it_each_adapter_keeps_its_style(
     smollm2_dir: Path, smollm2_tokenizer: Tokenizer
 ) -> None:
-    config = EngineConfig(device="cuda", dtype="bfloat16", max_lora_rank=8, max_loras=4, num_kv_blocks=256)
-    engine = LLMEngine(ModelRunner(ModelSpec(MODEL, smollm2_dir), config), smollm2_tokenizer, config, DEMO_ASSETS)
+    engine = load_engine(
+        smollm2_dir, DEMO_ASSETS, name=MODEL, device="cuda", dtype="bfloat16", max_lora_rank=8, max_loras=4
+    )
     paris = chat_ids(smollm2_dir, smollm2_tokenizer, DEMO_QUESTION)
     requests = [ask("base", paris), *(ask(a.name, paris, adapter=a.name) for a in DEMO_ADAPTERS)]
     outputs = {}

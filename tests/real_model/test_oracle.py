@@ -17,7 +17,8 @@ from cli.demo_styles import DEMO_QUESTION
 from gateway.chat import render_chat
 from shared.chat_template import read_chat_template
 from shared.model_info import ModelInfo
-from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, load_engine, make_kv_cache, prefill
+from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, make_kv_cache, prefill
+from tests.engine.engines import load_model
 from tests.engine.tiny_hf import oracle_logits
 
 ADAPTER = "globex-pirate"
@@ -38,7 +39,7 @@ def test_prefill_and_decode_match_transformers_and_peft(
 ) -> None:
     prompt = render_chat(read_chat_template(smollm2_dir), ({"role": "user", "content": DEMO_QUESTION},))
     ids = smollm2_tokenizer.encode(prompt).ids
-    model = load_engine(smollm2_dir, smollm2_info, {SLOT: DEMO_ASSETS / ADAPTER}, max_lora_rank=8)
+    model = load_model(smollm2_dir, smollm2_info, {SLOT: DEMO_ASSETS / ADAPTER}, max_lora_rank=8)
     kv_cache = make_kv_cache(model, num_blocks=32, block_size=16)
     pool = BlockPool(32)
     seqs = {None: PagedSequence(list(ids)), ADAPTER: PagedSequence(list(ids), slot=SLOT)}

@@ -12,12 +12,9 @@ import pytest
 from cli.demo_adapters import DEMO_ADAPTERS, write_demo_adapter
 from cli.demo_model import DemoModelShape, write_demo_model
 from shared.adapter_format import WEIGHTS_FILE, file_sha256
-from shared.config import EngineConfig, ModelSpec
 from shared.model_info import ModelInfo
 from shared.schema import AdapterRef
-from worker.adapter_pool.pool import AdapterPool
-from worker.engine.model_runner import ModelRunner
-from worker.metrics import EngineMetrics
+from tests.engine.engines import load_engine
 
 CYCLES = 10_000
 SLOTS = 2
@@ -48,9 +45,8 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_adapter_load_evict_cycles_do_not_grow_memory(tiny_assets: tuple[Path, Path]):
     model_dir, adapter_root = tiny_assets
     # new identities every cycle: once the tiers are full, every cycle evicts from both
-    config = EngineConfig(device="cpu", max_loras=SLOTS, max_lora_rank=16, num_kv_blocks=4)
-    runner = ModelRunner(ModelSpec("tiny", model_dir), config)
-    pool = AdapterPool(runner.model, config, adapter_root, EngineMetrics.unregistered("tiny").adapters)
+    engine = load_engine(model_dir, adapter_root, device="cpu", max_loras=SLOTS, max_lora_rank=16, num_kv_blocks=4)
+    pool = engine.adapter_pool  # driven here without engine steps
     sources = [(a.path("tiny"), file_sha256(adapter_root / a.path("tiny") / WEIGHTS_FILE)) for a in DEMO_ADAPTERS]
 
     def cycle(index: int) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.auto_pipeline import AutoPipeline
 from shared import keys
-from shared.auto_pipeline import AutoPipeline
 from shared.jobstore import JobStore, now_ms
 from shared.schema import (
     FinishReason,

@@ -8,7 +8,7 @@ import pytest
 
 from worker.adapter_pool.eviction import FrequencyPolicy, LRUPolicy, make_policy
 from worker.adapter_pool.gpu_slots import GpuSlots
-from worker.adapter_pool.host_cache import HostCache
+from worker.adapter_pool.host_tier import HostTier
 
 
 def anything(_: str) -> bool:
@@ -150,7 +150,7 @@ def test_unknown_policy_names_the_choices():
 
 
 def test_host_cache_evicts_within_its_byte_budget():
-    cache: HostCache[Blob] = HostCache(100, LRUPolicy())
+    cache: HostTier[Blob] = HostTier(100, LRUPolicy())
     assert cache.put("a", Blob(40), anything) == []
     assert cache.put("b", Blob(40), anything) == []
     cache.get("a")
@@ -159,7 +159,7 @@ def test_host_cache_evicts_within_its_byte_budget():
 
 
 def test_host_cache_skips_protected_entries_and_refuses_what_cannot_fit():
-    cache: HostCache[Blob] = HostCache(100, LRUPolicy())
+    cache: HostTier[Blob] = HostTier(100, LRUPolicy())
     cache.put("window", Blob(60), anything)
     cache.put("old", Blob(30), anything)
     assert cache.put("next", Blob(30), evictable=lambda uid: uid != "window") == ["old"]

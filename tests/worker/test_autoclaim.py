@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from cli.redis_server import RedisServer, bundled_redis_server
 from shared import keys
-from worker.service import autoclaim_page
+from worker.job_stream import autoclaim_page
 
 SERVERS = {"bundled": bundled_redis_server, "path": lambda: shutil.which("redis-server")}
 

@@ -15,7 +15,6 @@ from kernels.lora.tiles import rank_pad
 from kernels.lora.tuning import ProjectionShape, update_plan_file
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
-from worker.engine.model import CausalLM
 from worker.kernel_plans import (
     TOKEN_LADDER,
     adapted_layer,
@@ -24,7 +23,9 @@ from worker.kernel_plans import (
     plan_keys,
     pool_rank,
     token_buckets,
+    tune_at_start,
 )
+from worker.model.model import CausalLM
 
 DENSE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 300}  # fmt: skip
@@ -146,6 +147,14 @@ def test_a_cpu_engine_tunes_nothing_but_searches_the_cache(tmp_path: Path, table
     assert ensure_tuned(model_info(tmp_path, "llama"), EngineConfig(device="cpu"), tables[1], 60.0) is None
     assert configs.plan_cache_dir() == tables[1]
     assert not tables[1].exists()
+
+
+def test_a_worker_without_a_plan_cache_tunes_nothing_at_start(tmp_path: Path, tables: tuple[Path, Path]) -> None:
+    info = model_info(tmp_path, "llama")
+    tune_at_start([info], EngineConfig(device="cpu"), None)
+    assert configs.plan_cache_dir() is None
+    tune_at_start([info], EngineConfig(device="cpu"), tables[1])
+    assert configs.plan_cache_dir() == tables[1] and not tables[1].exists()
 
 
 def test_the_tune_budget_cannot_be_negative() -> None:

@@ -21,8 +21,8 @@ from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import EXPERT_PROJECTIONS, PROJECTIONS, ModelInfo
 from shared.safetensors_table import TensorEntry
 from shared.schema import AdapterRef
-from worker.engine.moe_adapter import expert_loras
-from worker.engine.peft_adapter import peft_key
+from worker.adapter_pool.moe_adapter import expert_loras
+from worker.adapter_pool.peft_adapter import peft_key
 
 _SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 

@@ -2,7 +2,7 @@
 admitted, through three tiers, without the engine step ever waiting on a disk.
 
     disk (PEFT dirs) ──loader threads──► pinned host cache ──side CUDA stream──► GPU pages
-                     read, hash, validate,   (host_cache.py,       (slot_writer.py)     (gpu_slots.py)
+                     read, hash, validate,   (host_tier.py,        (slot_writer.py)     (gpu_slots.py)
                      pack (host_adapter.py)   byte budget)
 
 `request(ref)` is called for every request the engine accepts (the worker hands over every job it
@@ -43,10 +43,10 @@ from shared.schema import AdapterRef
 from worker.adapter_pool.eviction import make_policy
 from worker.adapter_pool.gpu_slots import GpuSlots
 from worker.adapter_pool.host_adapter import HostAdapter, max_adapter_bytes, read_host_adapter
-from worker.adapter_pool.host_cache import HostCache
+from worker.adapter_pool.host_tier import HostTier
 from worker.adapter_pool.slot_writer import SlotWriter, Upload
-from worker.engine.model import CausalLM
 from worker.metrics import AdapterMetrics, AdapterTier
+from worker.model.model import CausalLM
 
 log = structlog.get_logger(__name__)
 
@@ -95,7 +95,7 @@ class AdapterPool:
                 )
         self.gpu = GpuSlots(model.num_pages, make_policy(config.adapter_eviction))
         self._pages_for_rank = model.pages_for_rank
-        self.host: HostCache[HostAdapter] = HostCache(budget, make_policy(config.adapter_eviction))
+        self.host: HostTier[HostAdapter] = HostTier(budget, make_policy(config.adapter_eviction))
         self._window = budget // largest  # adapters prefetched ahead: >= max_loras, and sure to fit the host
         self._writer = SlotWriter(model)
         self._pin = self._writer.device.type == "cuda"

@@ -16,8 +16,8 @@ A write runs on the engine thread, so its host cost is kept to a few calls whate
 projections: the views it copies into are built once per page and adapter shape (`_PagePlan`), the
 views it copies from once per buffer layout (host_adapter.BufferLayout: adapters saved alike share
 one) over the staging buffer, which never moves, and the copies are multi-tensor ones (a few
-launches for all 224 projections of Llama-3-8B). Cutting the staged copy into ~450 views per write
-took ~0.9 ms of the engine thread for a rank-16 Llama-3-8B adapter, more than half its 1.5 ms copy.
+launches for all 224 projections of Llama-3-8B): cutting the staged copy into its views on every
+write cost the engine thread more than half the copy's own time (docs/benchmarks.md, "Adapter pool").
 
 No leak from an evicted adapter: kernels and the reference apply only the first `slot_ranks[s]`
 ranks of a slot, and on top of that every entry a page's previous occupant may have written past
@@ -33,9 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.adapter_pool.host_adapter import BufferLayout, HostAdapter
-from worker.engine.model import CausalLM
-from worker.engine.moe import MoEBlock
+from shared.model_info import PROJECTIONS, ModelInfo
+from worker.adapter_pool.host_adapter import BufferLayout, HostAdapter, max_adapter_bytes
+from worker.adapter_pool.peft_adapter import ATTENTION_PROJECTIONS
+from worker.model.lora_linear import LoRAPages
+from worker.model.model import CausalLM
+from worker.model.moe import MoEBlock
 
 # (A [pages, page_rank, in], B [pages, out, page_rank]); an MoE layer's expert projections add an
 # expert axis: A [pages, page_rank, E, in], B [pages, E, out, page_rank] (ranks on dim 1 of A, last in
@@ -53,6 +56,17 @@ _SOURCE_LAYOUTS = 8
 # a deployment's adapters come in a few (rank, targets) shapes, so a couple per page hit nearly
 # always while bounding the memory however many shapes turn up.
 _PLANS_PER_PAGE = 2
+
+
+def buffer_bytes(info: ModelInfo, pages: LoRAPages, *, max_lora_rank: int, dtype: torch.dtype) -> int:
+    """The most a writer's device buffers grow to (the memory plan budgets it): the staged copy of the
+    largest adapter the pool accepts, and its dense projections' Bs re-laid into page blocks (every
+    dense projection's output rows, over the pages of one max-rank adapter)."""
+    dense_layers = info.num_layers - len(info.moe_layers)
+    out_rows = dense_layers * sum(info.projection_shape(p)[1] for p in PROJECTIONS)
+    out_rows += len(info.moe_layers) * sum(info.projection_shape(p)[1] for p in ATTENTION_PROJECTIONS)
+    relaid = pages.pages_per_slot * pages.page_rank * out_rows * dtype.itemsize
+    return max_adapter_bytes(info, max_rank=max_lora_rank, dtype=dtype) + relaid
 
 
 @dataclass(slots=True)

@@ -1,9 +1,9 @@
 """When an engine whose decode-only steps replay CUDA graphs admits new sequences (torch-free).
 
-A step that admits new sequences prefills them, and a step with any prefill runs eagerly: on an
-8B model that is 20-35 ms of host-bound kernel launches, against 7-9 ms for a graph-replayed decode
-step of the same batch. Under a steady stream of arrivals, admitting at every step makes nearly
-every step eager (the H200 whole-stack run: ~180 prompt tokens in the average step, 21-33 ms steps).
+A step that admits new sequences prefills them, and a step with any prefill runs eagerly: host-bound
+kernel launches, several times as long as a graph-replayed decode step of the same batch. Under a
+steady stream of arrivals, admitting at every step makes nearly every step eager
+(docs/benchmarks.md, "Whole stack under load").
 
 The pacer spaces admitting steps: after one, new sequences wait until as much time again has gone
 to steps that admit nothing, so at least about half of the time goes to graph-replayed decode steps,
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 # The longest an arrival is held: an admitting step that compiled kernels (a first use) or waited on
-# something else must not hold admissions for as long again (eager steps of an 8B model: 20-35 ms).
+# something else must not hold admissions for as long again (an 8B model's eager steps take tens of ms).
 MAX_HOLD_S = 0.1
 
 

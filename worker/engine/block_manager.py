@@ -1,7 +1,5 @@
-"""KV-cache block bookkeeping (torch-free): which cache blocks each sequence owns.
-
-Blocks are reference-counted so that sequences sharing a prompt prefix can later share blocks;
-today every block has one owner.
+"""KV-cache block bookkeeping (torch-free): which cache blocks each sequence owns. Every block has
+one owner (no prefix sharing): a freed sequence's blocks go straight back to the free list.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
-        self._ref_counts = [0] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -37,16 +34,11 @@ class BlockManager:
         if needed > len(self._free):
             raise RuntimeError(f"KV cache: {needed} blocks needed, {len(self._free)} free")
         for _ in range(needed):
-            block = self._free.popleft()
-            self._ref_counts[block] = 1
-            seq.block_table.append(block)
+            seq.block_table.append(self._free.popleft())
 
     def free(self, seq: Sequence) -> None:
         """Return `seq`'s blocks; its cached tokens are forgotten."""
-        for block in reversed(seq.block_table):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._free.appendleft(block)
+        self._free.extendleft(reversed(seq.block_table))  # most recently freed first, in table order
         seq.block_table.clear()
         seq.num_computed_tokens = 0
 

@@ -28,9 +28,9 @@ import structlog
 import torch
 
 from kernels.lora import LoRABatch
-from worker.engine.forward_batch import ForwardBatch
-from worker.engine.kv_cache import KVCache, KVLayout
-from worker.engine.model import CausalLM
+from worker.model.forward_batch import ForwardBatch
+from worker.model.kv_cache import KVCache, KVLayout
+from worker.model.model import CausalLM
 
 log = structlog.get_logger(__name__)
 

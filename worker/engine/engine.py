@@ -16,7 +16,7 @@ import structlog
 import torch
 from tokenizers import Tokenizer
 
-from shared.config import EngineConfig, ModelSpec
+from shared.config import EngineConfig
 from shared.errors import ErrorCode, LorafleetError
 from shared.schema import AdapterRef, FinishReason, JobError, JobOutput, JobStatus, SamplingParams, TokenDelta
 from worker.adapter_pool.pool import AdapterPool, LoadFailure
@@ -27,7 +27,7 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.sampled_tokens import SampledTokens
 from worker.engine.scheduler import ScheduledSequence, Scheduler
 from worker.engine.sequence import Sequence
-from worker.metrics import EngineMetrics
+from worker.metrics import EngineLoad, EngineMetrics, StepStats
 
 log = structlog.get_logger(__name__)
 
@@ -51,15 +51,6 @@ class EngineResult:
     error: JobError | None = None
     completion_tokens: int = 0
     first_token_ms: int = 0  # unix ms
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    """What one step ran, for metrics: sequences in its batch, tokens it processed, tokens it sampled."""
-
-    num_seqs: int = 0
-    num_tokens: int = 0
-    num_sampled: int = 0
 
 
 @dataclass(slots=True)
@@ -97,14 +88,15 @@ class LLMEngine:
         tokenizer: Tokenizer,
         config: EngineConfig,
         adapter_root: Path,
-        metrics: EngineMetrics | None = None,
+        metrics: EngineMetrics,
     ) -> None:
+        """The engine around `runner`; worker/switching/residency.py builds both for a worker."""
         self.runner = runner
         self.info = runner.info
         self.tokenizer = tokenizer
         self.config = config
         self.blocks = BlockManager(runner.num_blocks, config.block_size)
-        self.metrics = metrics if metrics is not None else EngineMetrics.unregistered(self.info.name)
+        self.metrics = metrics
         self.adapter_pool = AdapterPool(runner.model, config, adapter_root, self.metrics.adapters)
         self.adapter_slots = self.adapter_pool.gpu  # which adapter sits in which device slot
         self.scheduler = Scheduler(
@@ -121,23 +113,19 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None
         self.last_step = StepStats()
 
-    @classmethod
-    def from_spec(
-        cls,
-        spec: ModelSpec,
-        config: EngineConfig,
-        adapter_root: Path,
-        *,
-        kv_memory_share: float = 1.0,
-        metrics: EngineMetrics | None = None,
-    ) -> LLMEngine:
-        runner = ModelRunner(spec, config, kv_memory_share=kv_memory_share)
-        tokenizer = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
-        return cls(runner, tokenizer, config, adapter_root, metrics)
-
     @property
     def num_unfinished(self) -> int:
         return len(self._tracked)
+
+    def load(self) -> EngineLoad:
+        """The queues and KV cache now, for metrics."""
+        return EngineLoad(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.blocks.num_blocks - self.blocks.num_free_blocks,
+            kv_blocks_total=self.blocks.num_blocks,
+            preemptions=self.scheduler.num_preemptions,
+        )
 
     def add(self, request: EngineRequest) -> EngineResult | None:
         """Queue a request. Returns a failed result at once if it can never run here."""
@@ -244,9 +232,7 @@ class LLMEngine:
         self._in_flight = self._mark_launched(scheduled, sampled)
         return results
 
-    def _run_within_memory(
-        self, scheduled: list[ScheduledSequence]
-    ) -> tuple[list[ScheduledSequence], SampledTokens]:
+    def _run_within_memory(self, scheduled: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], SampledTokens]:
         """Run the step's forward pass and sampling. When the device runs out of memory, hand the newer
         half of the batch back to the scheduler (preempted, recomputed in a later step) and retry with
         the rest; raises OutOfMemoryError only when a single sequence does not fit."""

@@ -9,79 +9,23 @@ step on CPU runs the model eagerly.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import structlog
 import torch
 
 from kernels.lora import LoRABatch
-from shared.config import EngineConfig, ModelSpec
-from shared.model_info import ModelInfo
+from shared.config import EngineConfig
 from worker.engine.cuda_graphs import DecodeGraphs
-from worker.engine.forward_batch import ForwardBatch
-from worker.engine.kv_cache import KVCache, KVLayout
-from worker.engine.model import CausalLM, resolve_dtype
-from worker.engine.peft_adapter import load_adapter_weights
 from worker.engine.piecewise_graphs import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from worker.engine.sampled_tokens import SampledTokens
 from worker.engine.sampler import sample
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence as SequenceState
+from worker.model.forward_batch import ForwardBatch
+from worker.model.kv_cache import KVCache, KVLayout
+from worker.model.model import CausalLM
 
 log = structlog.get_logger(__name__)
-
-# Activations of the largest step, per batched token, as a multiple of the widest layer output:
-# generous so the KV cache sized from "what is left" never starves the forward pass.
-_ACTIVATION_HEADROOM = 16
-
-
-def engine_dtype(name: str | None, info: ModelInfo, device: torch.device) -> torch.dtype:
-    """The checkpoint's dtype unless `name` overrides it; fp16 on CPU runs as fp32 (slow and lossy there)."""
-    dtype = resolve_dtype(name, info)
-    return torch.float32 if device.type == "cpu" and dtype is torch.float16 else dtype
-
-
-def device_bytes_left(config: EngineConfig, device: torch.device) -> int:
-    """Device memory this process may still take: the device's free memory plus what torch's allocator
-    keeps cached for reuse (freed by an evicted model, say). With `gpu_memory_fraction` (processes
-    sharing a GPU under MPS) no more than the process's own cap less what it has allocated, since the
-    device's free memory also shrinks as the other processes allocate; otherwise less the part
-    `gpu_memory_utilization` leaves alone."""
-    free, total = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # blocks torch keeps for reuse
-    if config.gpu_memory_fraction is not None:
-        return min(free, int(total * config.gpu_memory_fraction) - torch.cuda.memory_allocated(device))
-    return int(free - total * (1 - config.gpu_memory_utilization))
-
-
-def kv_layout(info: ModelInfo, config: EngineConfig, dtype: torch.dtype) -> KVLayout:
-    return KVLayout(info.num_layers, config.block_size, info.num_kv_heads, info.head_dim, dtype)
-
-
-def usable_kv_blocks(info: ModelInfo, config: EngineConfig) -> int:
-    """Blocks a full batch of full-context sequences can use: more is memory no request can reach."""
-    return config.max_num_seqs * -(-info.max_context // config.block_size)
-
-
-def kv_budget_bytes(info: ModelInfo, config: EngineConfig, share: float) -> int:
-    """Bytes the KV cache may take: `share` of the device memory left after weights and LoRA slots,
-    less activation headroom for the largest step (CUDA); `share` of cpu_kv_cache_gb (CPU)."""
-    device = torch.device(config.device)
-    if device.type != "cuda":
-        return int(config.cpu_kv_cache_gb * (1 << 30) * share)
-    widest = max(2 * info.intermediate_size, info.vocab_size)
-    activations = config.max_num_batched_tokens * widest * 4 * _ACTIVATION_HEADROOM
-    return int(device_bytes_left(config, device) * share - activations)
-
-
-def fit_kv_blocks(info: ModelInfo, config: EngineConfig, dtype: torch.dtype, share: float) -> int:
-    """KV blocks that fit the budget, but no more than usable_kv_blocks (a small model on a large GPU
-    would otherwise take all its memory for blocks no request can reach)."""
-    per_block = kv_layout(info, config, dtype).bytes_per_block
-    blocks = min(kv_budget_bytes(info, config, share) // per_block, usable_kv_blocks(info, config))
-    if blocks < 1:
-        raise RuntimeError("no memory left for the KV cache: lower max_num_batched_tokens or serve fewer models")
-    return blocks
 
 
 def _token_at(seq: SequenceState, position: int) -> int:
@@ -91,65 +35,22 @@ def _token_at(seq: SequenceState, position: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, spec: ModelSpec, config: EngineConfig, *, kv_memory_share: float = 1.0) -> None:
-        """Load the checkpoint at `spec.path` and size the KV cache from the memory left."""
-        info = ModelInfo.from_pretrained(spec.name, spec.path)
-        device = torch.device(config.device)
-        model = CausalLM(
-            info,
-            max_loras=config.max_loras,
-            max_lora_rank=config.max_lora_rank,
-            dtype=engine_dtype(config.dtype, info, device),
-            device=device,
-        )
-        model.load_weights(spec.path)
-        self._attach(model, config, kv_memory_share, name=spec.name)
-
-    @classmethod
-    def from_model(
-        cls,
-        model: CausalLM,
-        config: EngineConfig,
-        *,
-        kv_memory_share: float = 1.0,
-        kv_storage: torch.Tensor | None = None,
-    ) -> ModelRunner:
-        """A runner around a model already built on config.device (benchmarks build random weights
-        in memory, a switching worker copies them from its host cache); its slots must match
-        config.max_loras / max_lora_rank. The KV cache is carved from `kv_storage` (flat uint8) when
-        given, as many blocks as it holds, else allocated from `kv_memory_share` of the memory left."""
+    def __init__(self, model: CausalLM, config: EngineConfig, kv_storage: torch.Tensor, num_blocks: int) -> None:
+        """The runner of `model` (built on config.device, its weights filled: worker/switching/
+        residency.py does both). Its KV cache is `num_blocks` blocks, as the memory plan sized them
+        (worker/memory_plan.py), carved from the flat uint8 `kv_storage`, which on CUDA also holds one
+        scratch block past them for the decode graphs' padding rows; on CUDA the graphs are captured here."""
         if (model.max_loras, model.max_lora_rank) != (config.max_loras, config.max_lora_rank):
             raise ValueError("the model's adapter slots differ from config.max_loras / max_lora_rank")
-        runner = cls.__new__(cls)
-        runner._attach(model, config, kv_memory_share, name=model.info.name, kv_storage=kv_storage)
-        return runner
-
-    def _attach(
-        self,
-        model: CausalLM,
-        config: EngineConfig,
-        kv_memory_share: float,
-        *,
-        name: str,
-        kv_storage: torch.Tensor | None = None,
-    ) -> None:
         self.info = model.info
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = model.dtype
         self.model = model
         on_cuda = self.device.type == "cuda"
-        scratch = int(on_cuda)  # CUDA: one block past those the block manager hands out, for graphs' padding rows
-        layout = kv_layout(self.info, config, self.dtype)
-        if kv_storage is None:
-            self.num_blocks = config.num_kv_blocks or fit_kv_blocks(self.info, config, self.dtype, kv_memory_share)
-            self.kv_cache = KVCache.allocate(layout, self.num_blocks + scratch, self.device)
-        else:
-            held = layout.blocks_in(kv_storage.numel()) - scratch
-            self.num_blocks = min(held, config.num_kv_blocks or usable_kv_blocks(self.info, config))
-            if self.num_blocks < 1:
-                raise RuntimeError(f"the KV storage holds no block of {name}")
-            self.kv_cache = KVCache.carve(layout, self.num_blocks + scratch, kv_storage)
+        layout = KVLayout.of(self.info, config.block_size, self.dtype)
+        self.num_blocks = num_blocks
+        self.kv_cache = KVCache.carve(layout, num_blocks + int(on_cuda), kv_storage)
         # None: those steps run eagerly (CPU; tests compare graphs against eager by clearing them)
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
@@ -167,14 +68,9 @@ class ModelRunner:
                 max_blocks_per_seq=-(-self.info.max_context // config.block_size),
                 pool=pool,
             )
-        log.info("model_loaded", model=name, dtype=str(self.dtype), device=str(self.device), kv_blocks=self.num_blocks)
-
-    def load_adapter(self, index: int, adapter_dir: Path) -> int:
-        """Load an adapter directly as the `index`-th of max_loras (CausalLM.set_adapter_slot); returns its slot."""
-        weights = load_adapter_weights(
-            adapter_dir, self.info, max_rank=self.config.max_lora_rank, max_bytes=self.config.max_adapter_bytes
+        log.info(
+            "model_loaded", model=self.info.name, dtype=str(self.dtype), device=str(self.device), kv_blocks=num_blocks
         )
-        return self.model.set_adapter_slot(index, weights)
 
     def execute(
         self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int

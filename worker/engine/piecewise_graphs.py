@@ -34,11 +34,11 @@ import structlog
 import torch
 
 from kernels.lora import LoRABatch
-from worker.engine.attention import paged_attention
 from worker.engine.cuda_graphs import capture, capture_session, warm_up_cache
-from worker.engine.forward_batch import ForwardBatch
-from worker.engine.kv_cache import KVCache
-from worker.engine.model import CausalLM
+from worker.model.attention import paged_attention
+from worker.model.forward_batch import ForwardBatch
+from worker.model.kv_cache import KVCache
+from worker.model.model import CausalLM
 
 log = structlog.get_logger(__name__)
 

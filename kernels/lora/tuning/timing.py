@@ -87,7 +87,7 @@ def delta_read_us(
 ) -> dict[str, float]:
     """What reading a deferred LoRA delta adds after each deferred projection of the layer (us): its
     consumer (delta_consumer) timed with and without the delta; with qk_norm, the qkv delta's own add,
-    which the decoder runs before the q/k norms (worker.engine.layers.SelfAttention), RoPE then
+    which the decoder runs before the q/k norms (worker.model.layers.SelfAttention), RoPE then
     running without it."""
     added = {}
     for p in layer:

@@ -1,0 +1,88 @@
+"""What the worker tells the fleet: at start, every model it serves (resident or not) with what its
+adapter pool can serve of adapters; every heartbeat, its own record (`lf:worker:{id}`: models and
+their tiers, load, resident adapters), the served stamp of each model, and a renewed claim on every
+running entry so that no live job is taken over; at stop, it withdraws all of that."""
+
+from __future__ import annotations
+
+import json
+
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.chat_template import read_chat_template
+from shared.config import WorkerConfig
+from shared.jobstore import now_ms
+from shared.model_registry import forget_worker, mark_served, publish_model
+from worker.adapter_pool.limits import adapter_limits
+from worker.job_stream import ensure_group
+from worker.running_jobs import RunningJobs
+from worker.switching.residency import ModelResidency
+from worker.switching.switcher import ModelSwitcher
+
+
+class Heartbeat:
+    def __init__(self, redis: Redis, config: WorkerConfig, running: RunningJobs, residency: ModelResidency) -> None:
+        self._redis = redis
+        self._config = config
+        self._running = running
+        self._residency = residency
+        self._limits = {name: adapter_limits(info, config.engine) for name, info in residency.infos.items()}
+
+    async def announce(self) -> None:
+        """Publish every served model, resident or not: the gateway accepts jobs for all of them."""
+        for spec in self._config.models:
+            tokenizer_json = (spec.path / "tokenizer.json").read_bytes()
+            await publish_model(
+                self._redis,
+                self._residency.infos[spec.name],
+                tokenizer_json,
+                read_chat_template(spec.path),
+                worker_id=self._config.worker_id,
+                limits=self._limits[spec.name],
+            )
+            await ensure_group(self._redis, spec.name)
+
+    async def beat(self, switcher: ModelSwitcher) -> None:
+        """Advertise this worker, and renew the claim on every running entry so no live job is stolen."""
+        worker_id = self._config.worker_id
+        for model, entry_ids in self._running.entries_by_model().items():
+            await self._redis.xclaim(
+                keys.queue(model), keys.WORKER_GROUP, worker_id, min_idle_time=0, message_ids=entry_ids, justid=True
+            )
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                keys.worker(worker_id),
+                mapping={
+                    "models": json.dumps([spec.name for spec in self._config.models]),
+                    **{name: json.dumps(value) for name, value in switcher.report().items()},
+                    "device": self._config.engine.device,
+                    "in_flight": len(self._running),
+                    "capacity": self._running.capacity,
+                    "adapters": json.dumps(self._resident_adapters()),
+                    "updated_ms": now_ms(),
+                },
+            )
+            pipe.expire(keys.worker(worker_id), max(3, int(self._config.heartbeat_interval_s * 3)))
+            for spec in self._config.models:
+                mark_served(pipe, spec.name, now_ms(), worker_id=worker_id, limits=self._limits[spec.name])
+            pipe.sadd(keys.WORKERS, worker_id)
+            await pipe.execute()
+
+    async def withdraw(self) -> None:
+        """At stop: this worker's record and its adapter limits go (the record would expire anyway)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.delete(keys.worker(self._config.worker_id))
+            pipe.srem(keys.WORKERS, self._config.worker_id)
+            for spec in self._config.models:
+                forget_worker(pipe, spec.name, self._config.worker_id)
+            await pipe.execute()
+
+    def _resident_adapters(self) -> dict[str, dict[str, list[str]]]:
+        """Per resident model: adapter uids in device slots and in pinned host memory, as of its
+        engine's last step (the pool publishes them as one tuple, safe to read from this thread)."""
+        adapters = {}
+        for name, engine in dict(self._residency.engines).items():  # a copy: the engine thread may swap models
+            gpu, cpu = engine.adapter_pool.resident
+            adapters[name] = {"gpu": list(gpu), "cpu": list(cpu)}
+        return adapters

@@ -1,0 +1,120 @@
+"""A linear layer that packs one or more projections into one GEMM and applies per-token LoRA.
+
+q/k/v share an input, so do gate/up: packing them into one weight ([q; k; v] stacked along the
+output) lets one GEMM (and one LoRA launch) serve the group. Each packed projection is a *slice*;
+the layer knows its slices by their checkpoint / PEFT names, so both the checkpoint loader and the
+adapter slots find where `q_proj` lives without a separate mapping table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from kernels.lora import LoRABatch, lora_linear, lora_linear_deferred
+from shared.model_info import ModelInfo
+from worker.model.weights import copy_weight
+
+# Rank rows per page of a paged pool: tl.dot's minimum tile, and the LoRA kernels' vector width.
+PAGE_RANK = 16
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAPages:
+    """The device memory every adapted projection keeps for adapters: `num_pages` pages of `page_rank`
+    rank rows each (S-LoRA's unified paging). An adapter of rank r takes cdiv(r, page_rank) pages,
+    anywhere in the pool; the model's page table (`CausalLM.slot_pages`) says which."""
+
+    num_pages: int
+    page_rank: int
+    pages_per_slot: int  # pages of one max-rank adapter
+
+    @classmethod
+    def for_pool(cls, info: ModelInfo, *, max_loras: int, max_lora_rank: int) -> LoRAPages:
+        """The pages of a pool as large as `max_loras` adapters of rank `max_lora_rank`. MoE models,
+        whose expert buffers are not paged, and pools of rank <= PAGE_RANK get one page of the whole
+        max rank per adapter: slots are then pages."""
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        page_rank = max_lora_rank if info.is_moe or max_lora_rank <= PAGE_RANK else PAGE_RANK
+        pages_per_slot = -(-max_lora_rank // page_rank)
+        return cls(num_pages=max_loras * pages_per_slot, page_rank=page_rank, pages_per_slot=pages_per_slot)
+
+
+class LoRALinear(nn.Module):
+    """y = x @ W.T (+ b), plus each token's adapter delta, for packed slices i:
+
+        y[t, off_i : off_i + N_i] += scale[s] * (x[t] @ A_i[s].T) @ B_i[s].T    with s = token_slots[t] >= 0
+
+    weight [sum N_i, K] (K = in_features); bias [sum N_i] or None;
+    lora_a[i] [num_pages, page_rank, K]; lora_b[i] [num_pages, N_i, page_rank]. Rank row r of an
+    adapter lives in its page r // page_rank, at row (of A) / column (of B) r % page_rank; the rows
+    past its rank in its last page stay zero, so padding adds nothing.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        projections: Mapping[str, int],
+        *,
+        bias: bool,
+        pages: LoRAPages,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        """`projections`: name → output width of each packed slice, in output order."""
+        super().__init__()
+        self.in_features = in_features
+        self.projections = tuple(projections)
+        self.out_features = tuple(projections.values())
+        self.page_rank = pages.page_rank
+        total = sum(self.out_features)
+        # empty: every element is overwritten by the checkpoint, and the loader checks that it was
+        self.weight = nn.Parameter(torch.empty(total, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(total, dtype=dtype, device=device), requires_grad=False) if bias else None
+        for name, width in projections.items():
+            a = torch.zeros(pages.num_pages, pages.page_rank, in_features, dtype=dtype, device=device)
+            b = torch.zeros(pages.num_pages, width, pages.page_rank, dtype=dtype, device=device)
+            self.register_buffer(f"lora_a_{name}", a, persistent=False)
+            self.register_buffer(f"lora_b_{name}", b, persistent=False)
+
+    @property
+    def lora_a(self) -> tuple[torch.Tensor, ...]:
+        """Per slice: [num_pages, page_rank, in_features]."""
+        return tuple(self.get_buffer(f"lora_a_{name}") for name in self.projections)
+
+    @property
+    def lora_b(self) -> tuple[torch.Tensor, ...]:
+        """Per slice: [num_pages, out_features_i, page_rank]."""
+        return tuple(self.get_buffer(f"lora_b_{name}") for name in self.projections)
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in_features] → [T, sum out_features]; `lora` None when no token uses an adapter
+        (its page table addresses this layer's pages). `residual` [T, sum out_features]: the stream
+        the caller adds the result to next, which may take the LoRA delta instead (at decode sizes
+        on CUDA, where the delta is computed beside the base GEMM)."""
+        return lora_linear(x, self.weight, self.bias, self.lora_a, self.lora_b, lora, residual=residual)
+
+    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y, delta) for a caller whose next fused kernel adds the LoRA delta: y + delta is the
+        projection of x [T, in_features]; delta [T, sum out_features] is None when it is in y."""
+        return lora_linear_deferred(x, self.weight, self.bias, self.lora_a, self.lora_b, lora)
+
+    def checkpoint_loaders(self, parent: str) -> dict[str, Callable[[torch.Tensor], None]]:
+        """Checkpoint tensor name → loader, for each slice's weight (and bias): `q_proj.weight` of a
+        packed qkv layer under `parent` lands in rows [0, N_q) of this layer's weight."""
+        loaders: dict[str, Callable[[torch.Tensor], None]] = {}
+        prefix = f"{parent}." if parent else ""
+        offset = 0
+        for name, width in zip(self.projections, self.out_features, strict=True):
+            for param_name in ("weight", "bias"):
+                param = getattr(self, param_name)
+                if param is not None:
+                    key = f"{prefix}{name}.{param_name}"
+                    loaders[key] = partial(copy_weight, param[offset : offset + width], name=key)
+            offset += width
+        return loaders

@@ -1,0 +1,104 @@
+"""Jobs out: stores each finished job's result and acknowledges its entry, publishes token deltas for
+streaming jobs, and stops running jobs that were canceled (or whose record expired).
+
+Results and deltas come from the engine thread through one queue, so a job's token events precede
+its end event. A result is stored before its entry is acknowledged (at-least-once delivery); storing
+is safe to repeat, as the job store keeps the first result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.jobstore import JobStore
+from shared.schema import TokenDelta
+from worker.engine.engine import EngineResult
+from worker.engine_thread import EngineThread
+from worker.job_stream import ack
+from worker.redis_retry import retrying
+from worker.running_jobs import RunningJobs
+
+log = structlog.get_logger(__name__)
+
+CANCEL_POLL_S = 0.25
+
+
+class ResultPublisher:
+    def __init__(self, redis: Redis, jobs: JobStore, running: RunningJobs) -> None:
+        self._redis = redis
+        self._jobs = jobs
+        self._running = running
+        self.queue: asyncio.Queue[EngineResult | list[TokenDelta]] = asyncio.Queue()
+
+    async def publish(self) -> None:
+        """Forever: store each result and publish each batch of token deltas, in the order they came."""
+        while True:
+            result = await self.queue.get()
+            try:
+                if isinstance(result, list):
+                    deltas = [delta for delta in result if delta.job_id in self._running]
+                    if deltas:
+                        await retrying("publish tokens", lambda deltas=deltas: self._jobs.publish_tokens(deltas))
+                else:
+                    await retrying("publish", lambda result=result: self._store(result))
+            finally:
+                self.queue.task_done()
+
+    async def _store(self, result: EngineResult) -> None:
+        """Store one result and acknowledge its entry. Safe to repeat: the job store keeps the first result."""
+        job = self._running.get(result.job_id)
+        if job is None:
+            return  # canceled meanwhile: already acknowledged
+        stored = await self._jobs.finish(
+            result.job_id,
+            result.status,
+            output=result.output,
+            error=result.error,
+            completion_tokens=result.completion_tokens,
+            first_token_ms=result.first_token_ms,
+        )
+        await ack(self._redis, job.model, job.entry_id)
+        self._running.release(result.job_id)
+        log.info(
+            "job_finished",
+            job=result.job_id,
+            status=result.status.value,
+            stored=stored,
+            tokens=result.completion_tokens,
+            error=result.error.code if result.error else None,
+            request_id=job.request_id,
+        )
+
+
+class CancelWatch:
+    def __init__(self, redis: Redis, running: RunningJobs, engine_thread: EngineThread) -> None:
+        self._redis = redis
+        self._running = running
+        self._engine_thread = engine_thread
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(CANCEL_POLL_S)
+            await retrying("cancel watch", self._abort_canceled)
+
+    async def _abort_canceled(self) -> None:
+        """Stop running jobs that were canceled, or whose record vanished (expired TTL)."""
+        job_ids = list(self._running.jobs)
+        if not job_ids:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(keys.job(job_id), "status")
+            statuses = await pipe.execute()
+        for job_id, status in zip(job_ids, statuses, strict=True):
+            job = self._running.get(job_id)
+            if job is None or status not in (b"canceled", None):
+                continue
+            self._engine_thread.abort(job_id)
+            await ack(self._redis, job.model, job.entry_id)
+            self._running.release(job_id)
+            log.info("job_aborted", job=job_id, status=(status or b"missing").decode(), request_id=job.request_id)

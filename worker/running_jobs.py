@@ -1,0 +1,64 @@
+"""The jobs this worker has started and not yet let go (stored, canceled or handed back): what the
+intake has room for, what the heartbeat keeps claimed, what a drain or a switch hands back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RunningJob:
+    model: str
+    entry_id: bytes
+    request_id: str
+    fields: dict[bytes, bytes]  # the entry as read, to queue it again if this worker lets it go
+    started: float = field(default_factory=time.monotonic)  # when this worker started it
+
+
+class RunningJobs:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.jobs: dict[str, RunningJob] = {}
+        self.room = asyncio.Event()  # set whenever a job leaves: the intake may read again
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self.jobs
+
+    def get(self, job_id: str) -> RunningJob | None:
+        return self.jobs.get(job_id)
+
+    @property
+    def room_left(self) -> int:
+        return self.capacity - len(self.jobs)
+
+    def add(self, job_id: str, job: RunningJob) -> None:
+        self.jobs[job_id] = job
+
+    def release(self, job_id: str) -> None:
+        """The job ended here (stored or canceled): its room goes to the intake at once."""
+        self.pop(job_id)
+        self.room.set()
+
+    def pop(self, job_id: str) -> RunningJob | None:
+        """The job is no longer this worker's (handed back: a drain or a switch, when nothing new is read)."""
+        return self.jobs.pop(job_id, None)
+
+    def of_model(self, model: str) -> list[tuple[str, RunningJob]]:
+        return [(job_id, job) for job_id, job in self.jobs.items() if job.model == model]
+
+    def load_of(self, model: str) -> tuple[int, float]:
+        """`model`'s running jobs here, and their summed seconds since they started."""
+        now = time.monotonic()
+        started = [job.started for job in self.jobs.values() if job.model == model]
+        return len(started), sum(now - t for t in started)
+
+    def entries_by_model(self) -> dict[str, list[bytes]]:
+        by_model: dict[str, list[bytes]] = {}
+        for job in self.jobs.values():
+            by_model.setdefault(job.model, []).append(job.entry_id)
+        return by_model
