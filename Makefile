@@ -1,20 +1,24 @@
 # The two commands a fresh machine needs:  `make up`  (install, then serve the demo)
 #                                          `make test` (install with test extras, then lint and test)
+# Options for `lorafleet up` go in ARGS, e.g. `make up ARGS="--port 8001"`; for pytest in PYTEST_ARGS.
 VENV ?= .venv
 # torch 2.13.0 resolves to the CPU wheel on the CI machines; on a GPU host, override with the
 # CUDA build you want, e.g. `make up TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"`.
 TORCH ?= torch==2.13.0
-PIP := $(VENV)/bin/python -m pip install --quiet
+# not --quiet: a first install takes minutes (mostly torch), and pip's lines show it going on
+PIP := $(VENV)/bin/python -m pip install
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 
 $(VENV)/.installed-run: pyproject.toml | $(VENV)/bin/python
+	@echo "installing lorafleet and torch into $(VENV) (a few minutes the first time)"
 	$(PIP) $(TORCH)
 	$(PIP) -e .
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-run
+	@echo "installing the test extras into $(VENV)"
 	$(PIP) -e ".[test]"
 	touch $@
 

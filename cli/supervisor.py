@@ -8,27 +8,21 @@ child also gets SIGTERM if the supervisor itself is killed, so no orphan keeps a
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import structlog
 
+from cli.parent_death import die_with_parent
+
 log = structlog.get_logger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(slots=True)
@@ -74,9 +68,8 @@ class Supervisor:
         return self._stop.wait(seconds)
 
     def start(self, name: str, args: list[str], env: dict[str, str]) -> Child:
-        preexec: Callable[[], None] | None = _die_with_parent if sys.platform == "linux" else None
         process = subprocess.Popen(
-            args, env=env, start_new_session=True, stdout=sys.stderr.fileno(), preexec_fn=preexec
+            args, env=env, start_new_session=True, stdout=sys.stderr.fileno(), preexec_fn=die_with_parent()
         )
         child = Child(name, process)
         self.children.append(child)

@@ -170,14 +170,19 @@ class _Fleet:
         worker = ["worker", "--redis-url", self.redis_url, "--adapter-root", str(config.adapter_root)]
         worker += [arg for spec in models for arg in ("--model", f"{spec.name}={spec.path}")]
         worker += ["--metrics-host", config.host, "--kernel-plans-dir", str(config.state_dir / KERNEL_PLANS_DIR)]
-        # (name, --device, CUDA_VISIBLE_DEVICES): one per GPU, or one CPU worker with every GPU hidden
-        placements = [(f"worker-gpu{gpu}", "cuda", gpu) for gpu in config.gpus] or [("worker-cpu", "cpu", "")]
+        # (name, device flags, CUDA_VISIBLE_DEVICES): one per GPU, or one CPU worker with every GPU hidden.
+        # The demo's checkpoint is float32 (exact on a CPU, where bfloat16 matmuls are slow); GPUs serve it in
+        # bfloat16, as they would any model.
+        gpu_flags = ["--device", "cuda", *(["--dtype", "bfloat16"] if config.demo else [])]
+        placements = [(f"worker-gpu{gpu}", gpu_flags, gpu) for gpu in config.gpus] or [
+            ("worker-cpu", ["--device", "cpu"], "")
+        ]
         ports = config.worker_metrics_ports(len(placements)) or [0] * len(placements)
         return [
             self.supervisor.start(
-                name, self._cli(*worker, "--device", device, "--metrics-port", str(port)), _child_env(visible)
+                name, self._cli(*worker, *device_flags, "--metrics-port", str(port)), _child_env(visible)
             ).name
-            for (name, device, visible), port in zip(placements, ports, strict=True)
+            for (name, device_flags, visible), port in zip(placements, ports, strict=True)
         ]
 
     def _check_alive(self) -> None:

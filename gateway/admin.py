@@ -37,24 +37,24 @@ def require_admin(request: web.Request) -> None:
 
 
 async def register(
-    redis: Redis, config: GatewayConfig, *, name: str, owner: str, path: str, model: str | None
+    redis: Redis, config: GatewayConfig, *, name: str, owner: str, path: str, model: str | None, model_field: str
 ) -> AdapterRecord:
     """Validate the adapter at `path` (under config.adapter_root), against the model and what its
     workers can serve, and register it for `owner`. `model` may be omitted when the fleet serves
-    exactly one base model."""
+    exactly one base model; errors about it name `model_field`, the body field the caller sent it in."""
     if config.adapter_root is None:
         raise RequestError(ErrorCode.FORBIDDEN, "this gateway has no adapter root: it cannot register adapters")
     if model is None:
         served = await list_models(redis)
         if len(served) != 1:
             raise RequestError(
-                ErrorCode.INVALID_REQUEST, "name the base model: the fleet serves several", param="base_model_name"
+                ErrorCode.INVALID_REQUEST, "name the base model: the fleet serves several", param=model_field
             )
         info = served[0]
     else:
         info = await get_model(redis, model)
         if info is None:
-            raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} not found", param="base_model_name")
+            raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} not found", param=model_field)
     since_ms = time.time() * 1000 - config.model_unserved_after_s * 1000  # the workers serving it now
     return await register_adapter(
         redis,

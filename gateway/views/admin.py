@@ -114,6 +114,7 @@ async def register_adapter_view(request: web.Request) -> web.Response:
         owner=owner,
         path=_string(body, "path"),
         model=_string(body, "model", required=False),
+        model_field="model",
     )
     return json_response(record.to_dict(), status=201)
 

@@ -39,6 +39,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         owner=tenant.tenant_id,
         path=_name(body, "lora_path"),
         model=model,
+        model_field="base_model_name",
     )
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 

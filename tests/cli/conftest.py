@@ -1,4 +1,5 @@
-"""The demo's files, generated once per session into a temporary state dir as `lorafleet up` does."""
+"""The random-weight demo's files (the offline fallback), generated once per session into a temporary state
+dir as `lorafleet up` does."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.demo import ensure_demo_files
+from cli.demo import ensure_random_demo
 from shared.config import ModelSpec
 
 
@@ -22,7 +23,7 @@ class DemoFiles:
 def demo_files(tmp_path_factory: pytest.TempPathFactory) -> DemoFiles:
     state_dir = tmp_path_factory.mktemp("state")
     adapter_root = state_dir / "adapters"
-    return DemoFiles(state_dir, adapter_root, ensure_demo_files(state_dir, adapter_root))
+    return DemoFiles(state_dir, adapter_root, ensure_random_demo(state_dir, adapter_root))
 
 
 @pytest.fixture(autouse=True)

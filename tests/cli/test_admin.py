@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from cli.demo_adapters import DEMO_ADAPTERS
 from cli.main import main
 from cli.state import FleetState
 from shared.adapter_registry import AdapterRecord, get_adapter
@@ -20,7 +21,7 @@ from shared.tenants import authenticate
 from tests.cli.conftest import DemoFiles
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ACME = "acme/acme-support"  # the demo's rank-8 q/v adapter
+ACME = DEMO_ADAPTERS[0].path("demo")  # the random demo's rank-8 q/v adapter
 
 
 def in_redis(redis_url: str, work):

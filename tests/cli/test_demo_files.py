@@ -1,5 +1,6 @@
-"""The demo's model and adapters are real HF / PEFT checkpoints: transformers and peft load them (the
-product writes them without either), and lorafleet's own validators accept them."""
+"""The random-weight demo's model and adapters (the offline fallback) are real HF / PEFT checkpoints:
+transformers and peft load them (the product writes them without either), and lorafleet's own
+validators accept them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import cli.demo
-from cli.demo import demo_model_dir, ensure_demo_files
+from cli.demo import DEMO_MODEL, demo_model_dir, ensure_random_demo
 from cli.demo_adapters import DEMO_ADAPTERS, DemoAdapter
 from cli.demo_model import write_demo_model
 from shared.adapter_format import WEIGHTS_FILE, read_adapter
@@ -65,7 +66,8 @@ def test_model_info_reads_the_demo_config_as_a_small_gqa_llama(demo_files: DemoF
 @pytest.mark.parametrize("adapter", DEMO_ADAPTERS, ids=lambda a: a.name)
 def test_demo_adapter_passes_lorafleet_validation(demo_files: DemoFiles, adapter: DemoAdapter) -> None:
     info = ModelInfo.from_pretrained("demo", demo_files.model.path)
-    manifest = read_adapter(demo_files.adapter_root, adapter.path, info, max_rank=64, max_bytes=1 << 30).manifest
+    files = read_adapter(demo_files.adapter_root, adapter.path(DEMO_MODEL), info, max_rank=64, max_bytes=1 << 30)
+    manifest = files.manifest
     assert manifest.rank == adapter.rank
     assert set(manifest.target_modules) == set(adapter.target_modules)
     assert manifest.use_rslora == adapter.use_rslora
@@ -76,7 +78,7 @@ def test_demo_adapter_passes_lorafleet_validation(demo_files: DemoFiles, adapter
 def test_demo_adapter_loads_in_peft_with_its_weights_and_changes_the_output(
     demo_files: DemoFiles, adapter: DemoAdapter
 ) -> None:
-    adapter_dir = demo_files.adapter_root / adapter.path
+    adapter_dir = demo_files.adapter_root / adapter.path(DEMO_MODEL)
     base, _ = load_base(demo_files.model.path)
     ids = prompt_ids(demo_files.model.path)
     with torch.no_grad():
@@ -103,7 +105,7 @@ def test_demo_adapters_differ_in_rank_and_targets_and_cover_attention_and_mlp() 
 def test_demo_files_are_generated_once(demo_files: DemoFiles) -> None:
     files = [p for p in demo_files.state_dir.rglob("*") if p.is_file()]
     before = {p: p.stat().st_mtime_ns for p in files}
-    ensure_demo_files(demo_files.state_dir, demo_files.adapter_root)
+    ensure_random_demo(demo_files.state_dir, demo_files.adapter_root)
     assert {p: p.stat().st_mtime_ns for p in files} == before
 
 
@@ -122,10 +124,10 @@ def test_an_interrupted_generation_leaves_nothing_a_later_start_would_trust(
 
     monkeypatch.setattr(cli.demo, "write_demo_model", crash_midway)
     with pytest.raises(KeyboardInterrupt):
-        ensure_demo_files(tmp_path, tmp_path / "adapters")
-    assert not demo_model_dir(tmp_path).exists()
+        ensure_random_demo(tmp_path, tmp_path / "adapters")
+    assert not demo_model_dir(tmp_path, DEMO_MODEL).exists()
 
     monkeypatch.setattr(cli.demo, "write_demo_model", write_demo_model)
-    spec = ensure_demo_files(tmp_path, tmp_path / "adapters")
+    spec = ensure_random_demo(tmp_path, tmp_path / "adapters")
     assert ModelInfo.from_pretrained("demo", spec.path).num_layers == 4
     assert not list(tmp_path.rglob("*.partial"))

@@ -44,7 +44,7 @@ async def test_provision_creates_each_tenant_with_a_working_key_and_its_adapter(
         assert (record.tenant, record.base_model, record.path, record.rank) == (
             adapter.tenant,
             "demo",
-            adapter.path,
+            adapter.path("demo"),
             adapter.rank,
         )
         assert [r.name for r in await list_adapters(aredis, visible_to=tenant.tenant)] == [adapter.name]

@@ -48,7 +48,7 @@ async def gateway(aiohttp_server: Any, aredis: Redis, redis_url: str, demo_files
         tenant=ACME.tenant,
         model=info,
         adapter_root=demo_files.adapter_root,
-        path=ACME.path,
+        path=ACME.path("demo"),
         max_rank=64,
         max_bytes=1 << 30,
     )

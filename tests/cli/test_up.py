@@ -11,8 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli.banner import startup_banner
+from cli.banner import lorafleet_command, startup_banner
 from cli.demo import DemoTenant
+from cli.demo_styles import DEMO_QUESTION
 from cli.redis_server import free_port
 from shared.config import ModelSpec
 
@@ -67,7 +68,7 @@ def test_the_banner_gives_the_url_each_demo_key_and_commands_that_parse(tmp_path
         redis_url="redis://127.0.0.1:6400/0",
         embedded_redis=True,
         state_dir=tmp_path,
-        models=[ModelSpec("demo", tmp_path / "models" / "demo")],
+        models=[ModelSpec("smollm2", tmp_path / "models" / "smollm2")],
         workers=["worker-cpu"],
         worker_metrics=["http://127.0.0.1:9200/metrics"],
         demo_tenants=tenants,
@@ -76,11 +77,28 @@ def test_the_banner_gives_the_url_each_demo_key_and_commands_that_parse(tmp_path
     assert "http://127.0.0.1:8123" in banner and "redis://127.0.0.1:6400/0" in banner
     assert "lf_acme_key" in banner and "lf_globex_key" in banner
     assert "metrics  http://127.0.0.1:9200/metrics" in banner
-    curl = next(line for line in banner.splitlines() if "/v1/jobs " in line)
-    words = shlex.split(curl)
-    assert words[:3] == ["curl", "-s", "http://127.0.0.1:8123/v1/jobs"]
-    assert "Authorization: Bearer lf_acme_key" in words
-    body = json.loads(words[words.index("-d") + 1])
-    assert body["model"] == "demo" and body["adapter"] == "acme-support"
-    submit = next(line for line in banner.splitlines() if "lorafleet submit" in line)
-    assert shlex.split(submit)[-1] == body["prompt"]
+    chat = shlex.split(next(line for line in banner.splitlines() if "/v1/chat/completions" in line))
+    assert chat[:3] == ["curl", "-s", "http://127.0.0.1:8123/v1/chat/completions"]
+    assert "Authorization: Bearer lf_acme_key" in chat
+    assert json.loads(chat[chat.index("-d") + 1]) == {
+        "model": "smollm2:acme-support",
+        "messages": [{"role": "user", "content": DEMO_QUESTION}],
+        "max_tokens": 48,
+        "temperature": 0,
+    }
+    curl = shlex.split(next(line for line in banner.splitlines() if "/v1/jobs " in line))
+    body = json.loads(curl[curl.index("-d") + 1])
+    assert body["model"] == "smollm2" and body["adapter"] == "acme-support"
+    submit = shlex.split(next(line for line in banner.splitlines() if " submit " in line))
+    assert submit[-1] == body["prompt"] and submit[submit.index("--max-tokens") + 1] == str(body["max_tokens"])
+
+
+def test_the_banners_lorafleet_command_runs_without_lorafleet_on_path(tmp_path: Path) -> None:
+    """`make up` runs .venv/bin/lorafleet without activating the venv: the banner's commands must not
+    rely on PATH."""
+    command = lorafleet_command()
+    assert Path(command).is_file(), command
+    result = subprocess.run(
+        [command, "--help"], cwd=Path.cwd(), env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and "submit" in result.stdout

@@ -32,7 +32,7 @@ def register_second_adapter(fleet: Fleet) -> None:
                 tenant=TENANT,
                 model=ModelInfo.from_pretrained(SECOND, fleet.model_dir),
                 adapter_root=fleet.adapter_root,
-                path=DEMO_ADAPTERS[0].path,
+                path=DEMO_ADAPTERS[0].path("demo"),
                 max_rank=64,
                 max_bytes=1 << 30,
             )

@@ -1,5 +1,6 @@
-"""The README's first command, for real: `lorafleet up` with the demo serves all three demo tenants
-over HTTP, and Ctrl-C stops every process it started."""
+"""The README's first command, for real: `lorafleet up` with the demo serves SmolLM2 to all three demo
+tenants over HTTP, each answering in its adapter's style (the README's first example), and Ctrl-C stops
+every process it started."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cli.demo_styles import DEMO_QUESTION, STYLE_MARKERS
 from cli.redis_server import free_port
 from tests.e2e.processes import lorafleet_process, wait_until
 
@@ -34,7 +36,7 @@ def port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_up_serves_the_demo_for_every_tenant_and_stops_cleanly(tmp_path: Path):
+def test_up_serves_the_demo_for_every_tenant_and_stops_cleanly(tmp_path: Path, smollm2_wheel: Path):
     state_dir, port, metrics_port = tmp_path / "state", free_port(), free_port()
     log = tmp_path / "up.log"
     command = ["up", "--state-dir", str(state_dir), "--port", str(port), "--worker-metrics-port", str(metrics_port)]
@@ -42,14 +44,22 @@ def test_up_serves_the_demo_for_every_tenant_and_stops_cleanly(tmp_path: Path):
         wait_until(lambda: "ready in" in log.read_text(), timeout_s=240, what="lorafleet up to be ready", logs=[log])
         demo = json.loads((state_dir / "demo.json").read_text())
         assert len(demo["tenants"]) == 3
+        assert demo["models"] == ["smollm2"]
         model = demo["models"][0]
         url = f"http://127.0.0.1:{port}"
         for tenant in demo["tenants"]:
-            job = {"model": model, "adapter": tenant["adapters"][0], "prompt": "Once upon a time", "max_tokens": 8}
+            adapter = tenant["adapters"][0]
+            job = {"model": model, "adapter": adapter, "prompt": "Once upon a time", "max_tokens": 8}
             submitted = http("POST", f"{url}/v1/jobs", tenant["api_key"], job)
             finished = http("GET", f"{url}/v1/jobs/{submitted['id']}?wait=60", tenant["api_key"])
             assert finished["status"] == "succeeded", finished
             assert finished["usage"]["completion_tokens"] >= 1
+            chat = {"model": f"{model}:{adapter}", "messages": [{"role": "user", "content": DEMO_QUESTION}]}
+            answer = http(
+                "POST", f"{url}/v1/chat/completions", tenant["api_key"], {**chat, "max_tokens": 48, "temperature": 0}
+            )
+            text = answer["choices"][0]["message"]["content"]
+            assert STYLE_MARKERS[adapter] in text and "Paris" in text, (adapter, text)
         admin_key = (state_dir / "admin_key").read_text().strip()
         assert oct((state_dir / "admin_key").stat().st_mode & 0o777) == "0o600"
         listed = http("GET", f"{url}/v1/admin/tenants", admin_key)

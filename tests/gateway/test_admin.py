@@ -154,6 +154,21 @@ async def test_admin_adapter_bad_input(admin_client, fleet):
         assert (await response.json())["error"]["code"] == code
 
 
+async def test_an_unknown_base_model_is_named_by_the_field_the_caller_sent(admin_client, fleet):
+    path = write_adapter(fleet.adapter_root, "ok", fleet.models["tiny"])
+    admin_body = {"name": "x", "tenant": "acme", "path": path, "model": "missing"}
+    response = await admin_client.post("/v1/admin/adapters", json=admin_body, headers=ADMIN)
+    assert (await response.json())["error"]["param"] == "model"
+    response = await admin_client.post(
+        "/v1/admin/adapters", json={"name": "x", "tenant": "acme", "path": path}, headers=ADMIN
+    )
+    assert (await response.json())["error"]["param"] == "model"  # two models served: name one
+
+    vllm_body = {"lora_name": "x", "lora_path": path, "base_model_name": "missing"}
+    response = await admin_client.post("/v1/load_lora_adapter", json=vllm_body, headers=fleet.auth("acme"))
+    assert (await response.json())["error"]["param"] == "base_model_name"
+
+
 async def test_load_and_unload_lora_adapter_are_tenant_scoped(admin_client, fleet):
     path = write_adapter(fleet.adapter_root, "acme/fresh", fleet.models["tiny"], seed=5)
     body = {"lora_name": "acme-fresh", "lora_path": path, "base_model_name": "tiny"}

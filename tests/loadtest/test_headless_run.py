@@ -1,5 +1,8 @@
 """A short headless Locust run against `lorafleet up` on the CPU: both user kinds (jobs and OpenAI
-completions) finish without a failure, and report.py turns the run's CSV files into plots and a summary."""
+completions) finish without a failure, and report.py turns the run's CSV files into plots and a summary.
+
+`up` runs as offline (no package index): its random-weight demo answers in milliseconds on a CPU, so
+ten seconds hold many requests of each kind, and the offline fallback is exercised end to end."""
 
 from __future__ import annotations
 
@@ -19,11 +22,15 @@ pytestmark = pytest.mark.slow
 RUN_TIME_S = 10
 
 
-def test_a_short_headless_run_has_no_failures_and_reports(tmp_path: Path):
+def test_a_short_headless_run_has_no_failures_and_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     state_dir, port = tmp_path / "state", free_port()
     log = tmp_path / "up.log"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no configured index or local wheel directory
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens on the discard port
     with lorafleet_process(["up", "--state-dir", str(state_dir), "--port", str(port)], log):
         wait_until(lambda: "ready in" in log.read_text(), timeout_s=120, what="lorafleet up to be ready", logs=[log])
+        assert "serving a random-weight model instead" in log.read_text()
         prefix = tmp_path / "run"
         env = {
             **os.environ,

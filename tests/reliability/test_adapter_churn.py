@@ -37,8 +37,8 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     write_demo_model(model_dir, TINY)
     info = ModelInfo.from_pretrained("tiny", model_dir)
     for adapter in DEMO_ADAPTERS:
-        (adapter_root / adapter.path).mkdir(parents=True)
-        write_demo_adapter(adapter_root / adapter.path, adapter, info, model_dir)
+        (adapter_root / adapter.path("tiny")).mkdir(parents=True)
+        write_demo_adapter(adapter_root / adapter.path("tiny"), adapter, info, model_dir)
     return model_dir, adapter_root
 
 
@@ -47,7 +47,7 @@ def test_adapter_load_evict_cycles_do_not_grow_memory(tiny_assets: tuple[Path, P
     # new identities every cycle: once the tiers are full, every cycle evicts from both
     engine = load_engine(model_dir, adapter_root, device="cpu", max_loras=SLOTS, max_lora_rank=16, num_kv_blocks=4)
     pool = engine.adapter_pool  # driven here without engine steps
-    sources = [(a.path, file_sha256(adapter_root / a.path / WEIGHTS_FILE)) for a in DEMO_ADAPTERS]
+    sources = [(a.path("tiny"), file_sha256(adapter_root / a.path("tiny") / WEIGHTS_FILE)) for a in DEMO_ADAPTERS]
 
     def cycle(index: int) -> int:
         """One adapter through every tier; returns its host copy's size in bytes."""

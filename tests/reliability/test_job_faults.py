@@ -60,7 +60,7 @@ def test_corrupt_adapter_fails_only_the_jobs_that_name_it(redis_url, demo_assets
     with ExitStack() as stack:
         fleet = open_fleet(redis_url, (model_dir, own_root), tmp_path, stack)
         corrupt, healthy = DEMO_ADAPTERS[0], DEMO_ADAPTERS[1]
-        (own_root / corrupt.path / WEIGHTS_FILE).write_bytes(b"\x00" * 64)  # damaged after registration
+        (own_root / corrupt.path(MODEL) / WEIGHTS_FILE).write_bytes(b"\x00" * 64)  # damaged after registration
         fleet.start_gateway()
         worker = fleet.start_worker("w1")
         jobs = [
