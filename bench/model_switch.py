@@ -55,7 +55,8 @@ from worker.metrics import WorkerMetrics
 from worker.model.model import CausalLM
 from worker.model.weights import INDEX_FILE, checkpoint_files
 from worker.switching.checkpoint_cache import HostWeights
-from worker.switching.loader import PageLock, copy_to_model, new_model, read_to_host
+from worker.switching.loader import copy_to_model, new_model, read_to_host
+from worker.switching.shard_reader import PageLock
 
 
 def llama(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, tied: bool) -> ModelInfo:
