@@ -8,7 +8,8 @@
    nbytes / measured pinned H2D bandwidth, and the engine-thread (host) time of a write, once the
    pages' views are built and on the pages' first write of that rank; and disk -> GPU with
    the file's page cache dropped (read + sha256 + validation + packing on the host, then the same
-   upload).
+   upload) beside the disk floor: a plain sequential read of the same file, cache dropped
+   (bench/disk_floor.py).
 2. 1,000 registered adapters (rank 16; each its own identity, files shared by groups of them), Zipf(1.0)
    over adapters, a GPU pool of 32 max-rank (64) adapters' memory = 128 pages of 16 ranks, so 128
    rank-16 adapters; closed loop through LLMEngine of --concurrency running requests (max_num_seqs)
@@ -46,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from bench.disk_floor import drop_page_cache, read_floor
 from bench.engine import LLAMA3_8B, load_adapters, prompts, random_engine, random_model, random_runner, word_tokenizer
 from bench.engine import write_adapter as write_bench_adapter
 from shared.adapter_format import WEIGHTS_FILE
@@ -68,21 +70,6 @@ SMALL = dataclasses.replace(LLAMA3_8B, name="small", hidden_size=1024, intermedi
 def write_adapter(directory: Path, info: ModelInfo, rank: int, seed: int) -> str:
     """A PEFT adapter of `rank` on every projection (bf16); returns its sha256."""
     return write_bench_adapter(directory, info, rank, seed).sha256
-
-
-def drop_page_cache(path: Path) -> str:
-    """Evict `path` from the page cache; returns how."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return "fadvise"
 
 
 def pinned_h2d_bandwidth() -> float:
@@ -116,6 +103,7 @@ class LatencyRow:
     first_host_ms: float  # the same for the pages' first write of this rank: their views are built then
     disk_ms: float
     disk_read_ms: float  # read + hash + validate + pack, on the host
+    disk_floor_ms: float  # a plain sequential read of the same file, its page cache dropped (bench/disk_floor.py)
     cache_drop: str
 
 
@@ -142,17 +130,20 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
             host.append(launched - start)
         disk, reads = [], []
         for i in range(5):
-            how = drop_page_cache(directory / WEIGHTS_FILE)
+            how = drop_page_cache([directory / WEIGHTS_FILE])
             torch.cuda.synchronize()
             start = time.perf_counter()
             fresh = read(ref, model, root)
             reads.append(time.perf_counter() - start)
             writer.write(pages[i % stretches], fresh).wait()
             disk.append(time.perf_counter() - start)
+        weights = directory / WEIGHTS_FILE
+        floor_s = statistics.median(weights.stat().st_size / read_floor([weights]) for _ in range(5))
         rows.append(LatencyRow(rank, adapter.nbytes / 1e6, adapter.nbytes / bandwidth * 1e3,
                                statistics.median(pinned[stretches:]) * 1e3,
                                statistics.median(host[stretches:]) * 1e3, statistics.median(host[:stretches]) * 1e3,
-                               statistics.median(disk) * 1e3, statistics.median(reads) * 1e3, how))  # fmt: skip
+                               statistics.median(disk) * 1e3, statistics.median(reads) * 1e3, floor_s * 1e3,
+                               how))  # fmt: skip
         print(rows[-1], flush=True)
     return rows
 
@@ -407,12 +398,12 @@ def main() -> None:
         out.close()
     print(f"\npinned H2D bandwidth {bandwidth / 1e9:.1f} GB/s ({torch.cuda.get_device_name()})")
     print("rank  MB     floor ms  pinned->GPU ms (x floor)  host launch ms  (first into pages)  disk->GPU ms  "
-          "of which read ms  cache")  # fmt: skip
+          "of which read ms  disk floor ms  (x floor)  cache")  # fmt: skip
     for r in latency:
         ratio = r.pinned_ms / r.floor_ms
         print(f"{r.rank:<5} {r.mbytes:<6.0f} {r.floor_ms:<9.2f} {r.pinned_ms:<6.2f} ({ratio:.2f}x){'':<11} "
               f"{r.pinned_host_ms:<15.2f} {r.first_host_ms:<20.2f} {r.disk_ms:<13.1f} {r.disk_read_ms:<17.1f} "
-              f"{r.cache_drop}")  # fmt: skip
+              f"{r.disk_floor_ms:<14.1f} ({r.disk_ms / r.disk_floor_ms:.2f}x)  {r.cache_drop}")  # fmt: skip
     print("mode          conc  backlog  req   host GB  tok/s    x resident  gpu hit  host hit  wait p50/p99 ms  "
           "cold wait p50/p99 ms  TTFT p50 warm/cold ms  disk loads  gpu evict  host evict")  # fmt: skip
     resident_tok_s = {(z.concurrency, z.backlog): z.tok_s for z in zipf if z.mode == "all-resident"}

@@ -5,8 +5,11 @@
     python -m bench.model_switch --serve 8b --seconds 20 --memory-fraction 0.45   (one co-located process)
 
 --part switch, per model shape, beside the floors measured in the same run:
-    cold      read_to_host (safetensors into pinned buffers, page cache dropped first) + copy to the
-              device; floor: the checkpoint's bytes over a plain read of the same file (cache dropped)
+    cold      stream_to_model: the shards read (O_DIRECT, parallel) into reused page-locked staging, the
+              copies to the device overlapping the reads (the worker's cold load without a host cache)
+    cold → host  read_to_host (into kept page-locked buffers, the host cache's copy) + copy to the device
+              floor of both: the checkpoint's bytes over a plain sequential read of the same files
+              (bench/disk_floor.py; page cache dropped before every read)
     warm      copy_to_model from the pinned host copy on a side stream; floor: bytes over the pinned
               host-to-device bandwidth of a 1 GiB copy
     overlap   a 1B-shaped model keeps decoding (batch 32) while the model is prepared beside it as
@@ -45,6 +48,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models
 
+from bench.disk_floor import drop_page_cache, read_floor
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from shared.schema import SamplingParams
@@ -55,7 +59,8 @@ from worker.metrics import WorkerMetrics
 from worker.model.model import CausalLM
 from worker.model.weights import INDEX_FILE, checkpoint_files
 from worker.switching.checkpoint_cache import HostWeights
-from worker.switching.loader import PageLock, copy_to_model, new_model, read_to_host
+from worker.switching.loader import copy_to_model, new_model, read_to_host, stream_to_model
+from worker.switching.shard_reader import PageLock, StagingRing
 
 
 def llama(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, tied: bool) -> ModelInfo:
@@ -192,30 +197,6 @@ def host_weights(info: ModelInfo, block: torch.Tensor) -> HostWeights:
     return HostWeights(info.name, tensors, data_bytes, pinned=bool(lock), keepalive=lock)
 
 
-def drop_page_cache(directory: Path) -> None:
-    """Evict the checkpoint files' clean pages, so the next read comes from the disk."""
-    for path in checkpoint_files(directory):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def disk_read_floor(directory: Path) -> float:
-    """Bytes/s of plain sequential reads of the checkpoint's files into one reused 64 MiB buffer,
-    the page cache dropped."""
-    drop_page_cache(directory)
-    view = memoryview(bytearray(64 << 20))
-    total = 0
-    start = time.perf_counter()
-    for path in checkpoint_files(directory):
-        with path.open("rb", buffering=0) as f:
-            while read := f.readinto(view):
-                total += read
-    return total / (time.perf_counter() - start)
-
-
 def h2d_floor() -> float:
     """Pinned host → device bytes/s, median of 10 copies of 1 GiB."""
     src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
@@ -310,15 +291,33 @@ def free_device_memory() -> None:
 class SwitchRow:
     shape: str
     gb: float
-    kind: str  # cold / warm / overlap
+    kind: str  # cold / cold → host / warm / overlap
     seconds: float
     floor_s: float  # the same bytes at the measured floor bandwidth (cold: disk; warm: pinned H2D)
     detail: str
 
 
-def measure_cold(info: ModelInfo, directory: Path, disk_bps: float, stream: torch.cuda.Stream | None) -> SwitchRow:
-    drop_page_cache(directory)
+def measure_cold(
+    info: ModelInfo, directory: Path, disk_bps: float, stream: torch.cuda.Stream | None, staging: StagingRing
+) -> list[SwitchRow]:
+    """Disk → device both ways a worker loads a cold model, the page cache dropped before each:
+    streamed through the staging ring (no host copy kept: the default), and read into kept host
+    buffers then copied (where the host model cache keeps the checkpoint)."""
+    files = checkpoint_files(directory)
+    nbytes = sum(path.stat().st_size for path in files)
     config = engine_config()
+    rows = []
+    how = drop_page_cache(files)
+    model = new_model(info, config)
+    sync()
+    start = time.perf_counter()
+    stream_to_model(model, info.name, directory, staging, stream)
+    seconds = time.perf_counter() - start
+    detail = f"streamed through {staging.count} × {staging.nbytes / staging.count / 1e6:.0f} MB staging; {how}"
+    rows.append(SwitchRow(info.name, nbytes / 1e9, "cold", seconds, nbytes / disk_bps, detail))
+    del model
+    free_device_memory()
+    drop_page_cache(files)
     start = time.perf_counter()
     host = read_to_host(info.name, directory, pin=torch.cuda.is_available())
     read_s = time.perf_counter() - start
@@ -326,11 +325,11 @@ def measure_cold(info: ModelInfo, directory: Path, disk_bps: float, stream: torc
     copy_start = time.perf_counter()
     copy_to_model(model, host, stream)
     copy_s = time.perf_counter() - copy_start
+    detail = f"read to kept host buffers {read_s:.2f} s + copy {copy_s:.2f} s; {how}"
+    rows.append(SwitchRow(info.name, nbytes / 1e9, "cold → host", read_s + copy_s, nbytes / disk_bps, detail))
     del model, host
     free_device_memory()
-    nbytes = sum(path.stat().st_size for path in checkpoint_files(directory))
-    detail = f"read {read_s:.2f} s + copy {copy_s:.2f} s"
-    return SwitchRow(info.name, nbytes / 1e9, "cold", read_s + copy_s, nbytes / disk_bps, detail)
+    return rows
 
 
 def measure_warm(info: ModelInfo, host: HostWeights, h2d_bps: float, stream: torch.cuda.Stream | None) -> SwitchRow:
@@ -444,12 +443,14 @@ def part_switch(args: argparse.Namespace) -> None:
     h2d = h2d_floor() if torch.cuda.is_available() else float("nan")
     print(f"pinned H2D floor: {h2d / 1e9:.1f} GB/s", flush=True)
     rows: list[SwitchRow] = []
+    staging = StagingRing(pin=torch.cuda.is_available())  # one per worker, reused load after load
     for shape in args.cold:
         directory = write_model(SHAPES[shape], args.dir / shape, block)
-        disk = disk_read_floor(directory)
-        rows.append(measure_cold(SHAPES[shape], directory, disk, stream))
-        rows[-1].detail += f"; disk floor {disk / 1e9:.2f} GB/s; {len(checkpoint_files(directory))} shards"
-        print(rows[-1], flush=True)
+        disk = read_floor(checkpoint_files(directory))
+        for row in measure_cold(SHAPES[shape], directory, disk, stream, staging):
+            row.detail += f"; disk floor {disk / 1e9:.2f} GB/s; {len(checkpoint_files(directory))} shards"
+            rows.append(row)
+            print(row, flush=True)
         for path in checkpoint_files(directory):
             path.unlink()
     for shape in args.shapes:

@@ -17,6 +17,7 @@ from cli.admin import AdapterRegistration
 from cli.devices import visible_gpus
 from cli.errors import CommandError
 from cli.state import DEFAULT_STATE_DIR, DEMO_FILE, KERNEL_PLANS_DIR, FleetState, read_json
+from shared.adapter_registry import ADAPTER_NAME
 from shared.config import (
     EngineConfig,
     GatewayConfig,
@@ -98,6 +99,14 @@ def device_name(text: str) -> str:
     if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
         return text
     raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+
+
+def adapter_names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(","))
+    bad = [name for name in names if not ADAPTER_NAME.match(name)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"not an adapter name: {bad[0]!r} (expected NAME[,NAME...])")
+    return tuple(dict.fromkeys(names))
 
 
 def model_spec(text: str) -> ModelSpec:
@@ -263,6 +272,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             cpu_model_cache_bytes=int(args.cpu_model_cache_gb * (1 << 30)),
             switch_grace_s=args.switch_grace,
             kernel_plans_dir=kernel_plans_dir(args),
+            preload_adapters=args.preload_adapters,
         )
     except ValueError as exc:
         raise ConfigError("--heartbeat-interval / --claim-idle-ms", str(exc)) from None

@@ -182,6 +182,14 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
         "adapters (default: twice that)",
     )
     engine.add_argument(
+        "--preload-adapters",
+        type=cfa.adapter_names,
+        default=(),
+        metavar="NAME[,NAME...]",
+        help="registered adapters read into the host cache at start, before serving, so the first requests "
+        "after a restart do not wait on the disk (as many as --adapter-host-cache-gb holds)",
+    )
+    engine.add_argument(
         "--adapter-eviction",
         choices=("lru", "lfu"),
         default=_ENGINE.adapter_eviction,

@@ -20,6 +20,7 @@ import hashlib
 import os
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -44,6 +45,7 @@ __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "AdapterFiles", "AdapterManifest", "fi
 WEIGHTS_FILE = "adapter_model.safetensors"
 ACCEPTED_DTYPES = frozenset({"F16", "BF16", "F32"})
 _CHUNK_BYTES = 1 << 20
+_HASH_PIECE_BYTES = 8 << 20  # read, then hashed while the next piece is read
 # PEFT's saved names: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
 _LORA_KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.("
@@ -169,24 +171,34 @@ def _read_data(
     f: BinaryIO, n: int, digest: hashlib._Hash, allocate: Callable[[int], memoryview] | None
 ) -> memoryview | None:
     """The next `n` bytes (and no more: the file must end there) into `allocate(n)`, or only through
-    `digest` without a buffer."""
-    buffer = None if allocate is None else allocate(n)
-    done = 0
-    while done < n:
-        if buffer is None:
-            chunk = f.read(min(_CHUNK_BYTES, n - done))
-            digest.update(chunk)
-            read = len(chunk)
-        else:
-            read = f.readinto(buffer[done:]) or 0
-        if not read:
-            raise LorafleetError(ErrorCode.INVALID_SAFETENSORS, f"{WEIGHTS_FILE} changed while it was read")
-        done += read
+    `digest` without a buffer. Into a buffer, each piece is hashed on a helper thread while the next
+    is read (hashlib releases the GIL), so a load takes the longer of the read and the hash, not both."""
+    if allocate is None:
+        for done in range(0, n, _CHUNK_BYTES):
+            digest.update(_read_exact(f, min(_CHUNK_BYTES, n - done)))
+        _check_ended(f)
+        return None
+    buffer = allocate(n)
+    with ThreadPoolExecutor(1, thread_name_prefix="adapter-hash") as hasher:  # one thread: pieces hashed in order
+        hashed = []
+        for start in range(0, n, _HASH_PIECE_BYTES):
+            end = min(start + _HASH_PIECE_BYTES, n)
+            done = start
+            while done < end:
+                read = f.readinto(buffer[done:end]) or 0
+                if not read:
+                    raise LorafleetError(ErrorCode.INVALID_SAFETENSORS, f"{WEIGHTS_FILE} changed while it was read")
+                done += read
+            hashed.append(hasher.submit(digest.update, buffer[start:end]))
+        _check_ended(f)
+        for piece in hashed:
+            piece.result()
+    return buffer
+
+
+def _check_ended(f: BinaryIO) -> None:
     if f.read(1):
         raise LorafleetError(ErrorCode.INVALID_SAFETENSORS, f"{WEIGHTS_FILE} changed while it was read")
-    if buffer is not None:
-        digest.update(buffer)
-    return buffer
 
 
 def _manifest(

@@ -180,6 +180,8 @@ class WorkerConfig:
     # LoRA plans tuned on this machine, searched before the packaged kernels/configs/ and written by the
     # start-up tune (worker/kernel_plans.py). None: the packaged plans only
     kernel_plans_dir: Path | None = None
+    # registered adapter names read into the host cache at start, before serving (warm after a restart)
+    preload_adapters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.drain_grace_s < 0:

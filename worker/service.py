@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from shared.config import WorkerConfig
 from shared.jobstore import JobStore
 from shared.redis_client import resilient_redis
+from worker.adapter_preload import preload_adapters
 from worker.engine.engine import LLMEngine
 from worker.engine_thread import EngineThread
 from worker.heartbeat import Heartbeat
@@ -74,6 +75,8 @@ class Worker:
             tune_at_start, self._residency.infos.values(), self.config.engine, self.config.kernel_plans_dir
         )
         engines = await asyncio.to_thread(self._load_engines)
+        if self.config.preload_adapters:  # before the engine thread steps: the pools are still this thread's
+            await preload_adapters(self._redis, self.config.preload_adapters, engines)
         loop = asyncio.get_running_loop()
         results = self._results.queue
         self._engine_thread = EngineThread(

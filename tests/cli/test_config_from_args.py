@@ -46,6 +46,7 @@ def running_up(tmp_path: Path, demo_files: DemoFiles) -> Path:
         (("--device", "tpu"), "--device"),
         (("--model", "no-equals-sign"), "--model"),
         (("--model", "demo=/no/such/dir"), "--model"),
+        (("--preload-adapters", "good,bad:name"), "--preload-adapters"),
     ],
 )
 def test_a_malformed_worker_flag_exits_2_naming_it(capsys: pytest.CaptureFixture, flags: tuple, flag: str) -> None:
@@ -67,7 +68,7 @@ def test_worker_config_carries_every_flag(demo_files: DemoFiles, cpu_only: None)
         *("--adapter-root", str(demo_files.adapter_root), "--device", "cpu", "--dtype", "bfloat16"),
         *("--max-num-seqs", "3", "--max-num-batched-tokens", "99", "--max-loras", "2", "--max-lora-rank", "16"),
         *("--num-kv-blocks", "40", "--gpu-memory-utilization", "0.5", "--worker-id", "w1"),
-        *("--adapter-host-cache-gb", "1.5", "--adapter-eviction", "lfu"),
+        *("--adapter-host-cache-gb", "1.5", "--adapter-eviction", "lfu", "--preload-adapters", "a,b.v2,a"),
     )
     config = cfa.worker_config(args)
     assert (config.redis_url, config.worker_id, config.adapter_root) == (REDIS, "w1", demo_files.adapter_root)
@@ -86,6 +87,7 @@ def test_worker_config_carries_every_flag(demo_files: DemoFiles, cpu_only: None)
         0.5,
     )
     assert (engine.adapter_host_cache_gb, engine.adapter_eviction) == (1.5, "lfu")
+    assert config.preload_adapters == ("a", "b.v2")
 
 
 def test_worker_model_switching_and_gpu_share_flags(demo_files: DemoFiles, cpu_only: None) -> None:
@@ -98,7 +100,7 @@ def test_worker_model_switching_and_gpu_share_flags(demo_files: DemoFiles, cpu_o
     assert config.engine.gpu_memory_fraction is None
     assert cfa.worker_config(parse(*base, "--gpu-memory-fraction", "0.4")).engine.gpu_memory_fraction == 0.4
     defaults = cfa.worker_config(parse(*base))
-    assert (defaults.max_resident_models, defaults.cpu_model_cache_bytes) == (None, 0)
+    assert (defaults.max_resident_models, defaults.cpu_model_cache_bytes, defaults.preload_adapters) == (None, 0, ())
 
 
 def test_worker_joins_a_running_up_through_its_state_dir(running_up: Path, demo_files: DemoFiles, cpu_only) -> None:

@@ -1,5 +1,5 @@
 """Engines and models for tests, built the way a worker builds them: an engine through ModelResidency
-(the memory plan, the checkpoint read into host memory and copied in, the runner, the engine), a
+(the memory plan, the checkpoint streamed from its files into the model, the runner, the engine), a
 model alone by the same loader, and adapters by the adapter pool's own reader and slot writer."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.engine import LLMEngine
 from worker.metrics import WorkerMetrics
 from worker.model.model import CausalLM
-from worker.switching.loader import copy_to_model, new_model, read_to_host
+from worker.switching.loader import new_model, stream_to_model
 from worker.switching.residency import ModelResidency
+from worker.switching.shard_reader import StagingRing
 
 
 def load_engine(
@@ -50,7 +51,7 @@ def load_model(
     is one page)."""
     config = EngineConfig(device=device, dtype=dtype, max_loras=max_loras, max_lora_rank=max_lora_rank)
     model = new_model(info, config)
-    copy_to_model(model, read_to_host(info.name, model_dir, pin=False), None)
+    stream_to_model(model, info.name, model_dir, StagingRing(pin=False), None)
     write_adapters(model, {(slot,): directory for slot, directory in (adapters or {}).items()})
     return model
 

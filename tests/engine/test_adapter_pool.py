@@ -169,6 +169,26 @@ def test_adapters_are_read_to_the_host_while_every_gpu_slot_is_busy(llama: TinyC
     assert_matches_oracle(llama, run_to_completion(engine, []), {"first": "mlp_k_r4", "second": "attn_r4_rslora"})
 
 
+def test_a_queued_requests_adapter_is_loaded_while_the_batch_is_full(llama: TinyCheckpoint):
+    engine = make_engine(llama, max_num_seqs=1)  # the one batch slot taken by a long base request
+    pool = engine.adapter_pool
+    holder = greedy_request(llama, "holder", None)
+    holder = dataclasses.replace(holder, sampling=dataclasses.replace(holder.sampling, max_tokens=100))
+    queued = greedy_request(llama, "queued", "all_r8")
+    engine.add(holder)
+    engine.step()
+    engine.add(queued)  # as the worker hands over every job it has read, runnable or not
+    for _ in range(200):
+        if pool.gpu.holds(queued.adapter.uid) and not pool.loads_in_flight:
+            break
+        engine.step()
+        pool.wait(0.05)
+    assert pool.gpu.holds(queued.adapter.uid) and not pool.loads_in_flight  # loaded ahead of admission
+    assert [seq.seq_id for seq in engine.scheduler.running] == ["holder"]
+    assert engine.abort("holder")
+    assert_matches_oracle(llama, run_to_completion(engine, []), {"queued": "all_r8"})
+
+
 def test_an_adapter_evicted_from_the_gpu_comes_back_from_the_host_tier(llama: TinyCheckpoint):
     metrics = WorkerMetrics(device="cpu")
     engine = make_engine(llama, max_loras=1, metrics=metrics)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from shared.adapter_format import read_adapter
+from shared import adapter_format
+from shared.adapter_format import file_sha256, read_adapter
 from shared.adapter_paths import adapter_relative_path
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import ModelInfo
@@ -72,6 +73,22 @@ def test_valid_adapter_is_described(tmp_path):
     assert manifest.target_modules == ("q_proj", "down_proj")
     assert manifest.scaling == 2.0
     assert len(manifest.sha256) == 64
+
+
+def test_data_read_into_a_buffer_in_many_pieces_is_the_file_and_hashes_as_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(adapter_format, "_HASH_PIECE_BYTES", 300)  # each piece hashed while the next is read
+    directory = write_adapter(tmp_path / "a", rank=4, targets=("q_proj", "down_proj"))
+    buffers = []
+
+    def allocate(n: int) -> memoryview:
+        buffers.append(bytearray(n))
+        return memoryview(buffers[0])
+
+    files = read_adapter(tmp_path, "a", MODEL, max_rank=16, max_bytes=1 << 20, allocate=allocate)
+    weights = directory / "adapter_model.safetensors"
+    assert files.header + bytes(files.data) == weights.read_bytes()
+    assert len(files.data) > 10 * 300
+    assert files.manifest.sha256 == file_sha256(weights) == check(directory).sha256  # with and without a buffer
 
 
 def test_rslora_scaling_uses_the_square_root_of_the_rank(tmp_path):

@@ -1,9 +1,12 @@
-"""Cold reads into host buffers and warm fills of a model, against what the safetensors library reads."""
+"""Cold loads (streamed to the model, or read into host buffers) and warm fills of a model, against
+what the safetensors library reads."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -11,12 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from shared.errors import LorafleetError
 from shared.model_info import ModelInfo
 from tests.engine.tiny_hf import save_tiny_model
 from worker.model.model import CausalLM
 from worker.model.weights import SINGLE_FILE, checkpoint_files
-from worker.switching import loader
-from worker.switching.loader import checkpoint_bytes, copy_to_model, read_to_host
+from worker.switching import shard_reader
+from worker.switching.loader import checkpoint_bytes, copy_to_model, read_to_host, stream_to_model
+from worker.switching.shard_reader import CheckpointReadError, StagingRing
 
 
 def filled_by_safetensors(info: ModelInfo, model_dir: Path, device: str = "cpu") -> CausalLM:
@@ -60,7 +65,9 @@ def test_a_tensor_at_an_unaligned_offset_is_read_correctly(tmp_path: Path) -> No
 def test_offsets_outside_the_file_are_refused(tmp_path: Path) -> None:
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     (tmp_path / SINGLE_FILE).write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
-    with pytest.raises(ValueError, match="outside the file"):
+    with pytest.raises(
+        LorafleetError, match=r"model\.safetensors: the tensors take 16 bytes of data, the file holds 8"
+    ):
         read_to_host("m", tmp_path, pin=False)
 
 
@@ -68,7 +75,7 @@ def test_offsets_outside_the_file_are_refused(tmp_path: Path) -> None:
 def test_a_model_filled_from_host_memory_equals_one_filled_by_safetensors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_size: str | None, segment_bytes: int
 ) -> None:
-    monkeypatch.setattr(loader, "_SEGMENT_BYTES", segment_bytes)  # 4096: many host buffers per file
+    monkeypatch.setattr(shard_reader, "SEGMENT_BYTES", segment_bytes)  # 4096: many host buffers per file
     save_tiny_model("qwen2", tmp_path, seed=3, max_shard_size=shard_size)  # q/k/v biases and a tied head
     info = ModelInfo.from_pretrained("m", tmp_path)
     from_disk = filled_by_safetensors(info, tmp_path)
@@ -79,6 +86,38 @@ def test_a_model_filled_from_host_memory_equals_one_filled_by_safetensors(
     disk_state = from_disk.state_dict()
     for name, tensor in from_host.state_dict().items():
         assert torch.equal(tensor, disk_state[name]), name
+
+
+@pytest.mark.parametrize("shard_size", [None, "20KB"])
+def test_a_model_streamed_from_its_files_equals_one_filled_by_safetensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_size: str | None
+) -> None:
+    monkeypatch.setattr(shard_reader, "SEGMENT_BYTES", 4096)  # the staging buffers reused many times over
+    save_tiny_model("qwen2", tmp_path, seed=4, max_shard_size=shard_size)
+    info = ModelInfo.from_pretrained("m", tmp_path)
+    streamed = CausalLM(info, max_loras=1, max_lora_rank=2, dtype=torch.float32)
+    stream_to_model(streamed, "m", tmp_path, StagingRing(pin=False), stream=None)
+    disk_state = filled_by_safetensors(info, tmp_path).state_dict()
+    for name, tensor in streamed.state_dict().items():
+        assert torch.equal(tensor, disk_state[name]), name
+
+
+def test_a_disk_error_fails_the_streamed_load_naming_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shard_reader, "SEGMENT_BYTES", 4096)  # reads past the first page
+    save_tiny_model("llama", tmp_path, seed=0)
+    model = CausalLM(ModelInfo.from_pretrained("m", tmp_path), max_loras=1, max_lora_rank=2)
+    real_preadv = os.preadv
+
+    def fails_past_the_header(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if offset > 0:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", fails_past_the_header)
+    with pytest.raises(
+        CheckpointReadError, match=r"model\.safetensors: read failed at byte \d+ \(Input/output error\)"
+    ):
+        stream_to_model(model, "m", tmp_path, StagingRing(pin=False), stream=None)
 
 
 def test_a_host_checkpoint_missing_a_tensor_is_refused(tmp_path: Path) -> None:
@@ -98,6 +137,20 @@ def test_pinned_host_copy_on_a_side_stream_fills_the_device_model(tmp_path: Path
     assert all(t.is_pinned() for t in host.tensors.values())
     model = CausalLM(info, max_loras=1, max_lora_rank=2, dtype=torch.float32, device="cuda")
     copy_to_model(model, host, torch.cuda.Stream())
+    reference = filled_by_safetensors(info, tmp_path, device="cuda")
+    for (name, tensor), expected in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(tensor, expected), name
+
+
+@pytest.mark.gpu
+def test_a_model_streamed_through_page_locked_staging_fills_the_device_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shard_reader, "SEGMENT_BYTES", 4096)  # every staging buffer reused behind its copies
+    save_tiny_model("llama", tmp_path, seed=2)
+    info = ModelInfo.from_pretrained("m", tmp_path)
+    model = CausalLM(info, max_loras=1, max_lora_rank=2, dtype=torch.float32, device="cuda")
+    stream_to_model(model, "m", tmp_path, StagingRing(pin=True), torch.cuda.Stream())
     reference = filled_by_safetensors(info, tmp_path, device="cuda")
     for (name, tensor), expected in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(tensor, expected), name

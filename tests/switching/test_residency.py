@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from shared.schema import SamplingParams
 from worker.engine.engine import EngineRequest, LLMEngine
 from worker.metrics import WorkerMetrics
 from worker.switching.residency import ModelResidency
+from worker.switching.shard_reader import CheckpointReadError
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,23 @@ def test_without_a_host_cache_every_load_is_cold(model_dir: Path) -> None:
     models.evict("a")
     assert models.tiers()["cold"] == ["a", "b"]
     assert models.prepare("a").read_s > 0
+
+
+def test_a_disk_error_fails_that_cold_load_alone(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    models = residency(model_dir, "cpu", cache_bytes=0)  # streamed from disk to the model
+    engine = models.activate(models.prepare("a"))
+
+    def disk_error(fd: int, buffers: list[memoryview], offset: int) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "preadv", disk_error)
+        with pytest.raises(CheckpointReadError, match=r"model\.safetensors: read failed"):
+            models.prepare("b")
+    assert models.resident == ("a",) and models.engines["a"] is engine
+    models.evict("a")
+    models.activate(models.prepare("b"))  # the next load of it, the disk healthy again
+    assert models.resident == ("b",)
 
 
 def test_evicting_a_model_with_unfinished_requests_is_refused(model_dir: Path) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -128,6 +128,38 @@ class AdapterPool:
         else:
             self._metrics.miss(AdapterTier.CPU)
         self._pending[uid] = None
+
+    def preload(self, refs: Sequence[AdapterRef]) -> int:
+        """Read `refs` from disk into the host tier before serving starts (never while the engine
+        thread steps: call it before), in parallel, in order, as many as the tier holds, with a log
+        line each. A read that fails is logged and skipped. Returns how many are now on the host."""
+        reads = [(ref, self._executor.submit(self._read, ref)) for ref in refs if ref.uid not in self.host]
+        preloaded = len(refs) - len(reads)
+        for index, (ref, read) in enumerate(reads, 1):
+            try:
+                adapter, seconds = read.result()
+            except Exception as exc:
+                message = exc.message if isinstance(exc, LorafleetError) else f"{type(exc).__name__}: {exc}"
+                log.warning("adapter_preload_failed", adapter=ref.uid, error=message)
+                continue
+            if self.host.nbytes + adapter.nbytes > self.host.budget_bytes:
+                log.warning("adapter_preload_stopped", reason="the host cache is full", preloaded=preloaded)
+                break
+            self.host.put(adapter.uid, adapter, evictable=lambda _: False)
+            self._metrics.loaded(AdapterTier.DISK, seconds)
+            preloaded += 1
+            log.info(
+                "adapter_preloaded",
+                adapter=adapter.uid,
+                done=index,
+                total=len(reads),
+                mb=round(adapter.nbytes / 1e6, 1),
+                seconds=round(seconds, 3),
+            )
+        for _, read in reads:
+            read.cancel()  # after a full cache: those not started yet
+        self.resident = (tuple(self.gpu.resident), tuple(self.host.resident))
+        return preloaded
 
     def drop(self, uid: str) -> None:
         """A request naming `uid` finished or left; the adapter stays cached but becomes evictable

@@ -22,7 +22,7 @@ class HostWeights:
     tensors: dict[str, torch.Tensor]
     nbytes: int
     pinned: bool
-    keepalive: tuple[object, ...] = ()  # what keeps the buffers page-locked (loader.PageLock) while held
+    keepalive: tuple[object, ...] = ()  # what keeps the buffers page-locked (shard_reader.PageLock) while held
 
 
 class CheckpointCache:

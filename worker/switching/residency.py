@@ -1,11 +1,13 @@
 """Which of a worker's base models are resident (an engine on the device), warm (a checkpoint in
 the host cache) or cold (only on disk), and the three moves between those tiers.
 
-- `prepare(name, replacing)` (loader thread): checkpoint to host (a warm hit, or a cold read into
-  pinned buffers, then cached), model allocated on the device, weights copied on a side stream, then
-  the runner: a KV cache carved from a resident slot's KV storage and the decode graphs captured. It
-  runs while the resident models keep serving; the device memory it takes is the prefetch reserve
-  that resident models leave free when the worker serves more models than it keeps resident.
+- `prepare(name, replacing)` (loader thread): model allocated on the device, its weights copied on a
+  side stream from the host cache (warm), or from disk: streamed through reused page-locked buffers
+  (worker/switching/loader.stream_to_model), or read into host buffers first where the host cache
+  will keep them; then the runner: a KV cache carved from a resident slot's KV storage and the
+  decode graphs captured. It runs while the resident models keep serving; the device memory it
+  takes is the prefetch reserve that resident models leave free when the worker serves more models
+  than it keeps resident.
 - `activate(prepared)` (engine thread): the engine around the prepared runner (milliseconds).
 - `evict(name)` (engine thread): drop the engine; its checkpoint stays warm if the cache holds it,
   and its KV storage stays allocated for the next model of that slot.
@@ -40,7 +42,8 @@ from worker.engine.model_runner import ModelRunner
 from worker.memory_plan import DeviceMemory, plan_memory
 from worker.metrics import WorkerMetrics
 from worker.switching.checkpoint_cache import CheckpointCache, HostWeights
-from worker.switching.loader import checkpoint_bytes, copy_to_model, new_model, read_to_host
+from worker.switching.loader import checkpoint_bytes, copy_to_model, new_model, read_to_host, stream_to_model
+from worker.switching.shard_reader import StagingRing
 
 log = structlog.get_logger(__name__)
 
@@ -58,8 +61,8 @@ class PreparedModel:
     runner: ModelRunner  # weights on the device, KV cache carved from kv_storage, decode graphs captured
     tokenizer: Tokenizer
     kv_storage: torch.Tensor  # flat uint8: the resident slot's storage this model will occupy
-    read_s: float  # disk → host; 0 for a warm model
-    copy_s: float  # host → device
+    read_s: float  # disk → host, or disk → device when streamed; 0 for a warm model
+    copy_s: float  # host → device; 0 when streamed (the copies overlap the reads)
     build_s: float  # KV cache and decode graphs
     nbytes: int
 
@@ -89,6 +92,8 @@ class ModelResidency:
         self._resident_names: tuple[str, ...] = ()  # a snapshot readable from any thread
         self._kv_storage: dict[str, torch.Tensor] = {}  # resident model → its slot's KV storage
         self._free_kv_storage: list[torch.Tensor] = []  # storage of slots whose model was evicted
+        self._staging = StagingRing(pin=self.device.type == "cuda")  # cold streamed loads' reused buffers
+        self._staging_lock = threading.Lock()  # one streamed load at a time owns them
 
     # -- tiers ----------------------------------------------------------------------------------
 
@@ -120,20 +125,33 @@ class ModelResidency:
         of `replacing` (a resident model a switch will evict), else of a free slot. Call off the
         engine thread: the resident models keep serving meanwhile."""
         spec = self.specs[name]
-        started = time.perf_counter()
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        pin = self.device.type == "cuda"
         with self._lock:
             host = self.cache.get(name)
+            keep = host is None and self.nbytes[name] <= self.cache.capacity_bytes
         read_s = 0.0
-        if host is None:
-            host = read_to_host(name, spec.path, pin=torch.cuda.is_available())
+        if keep:  # the cache will hold it: read it into host buffers once, for this load and the next
+            started = time.perf_counter()
+            host = read_to_host(name, spec.path, pin=pin)
             read_s = time.perf_counter() - started
             self._cache(host, read_s)
         model = new_model(self.infos[name], self.config.engine)
         copy_started = time.perf_counter()
-        copy_to_model(model, host, torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
-        copy_s = time.perf_counter() - copy_started
-        with self._lock:
-            self.h2d_bytes_per_s = _smooth(self.h2d_bytes_per_s, host.nbytes / max(copy_s, 1e-6))
+        if host is None:  # disk to device, the reads overlapping the copies
+            with self._staging_lock:
+                stream_to_model(model, name, spec.path, self._staging, stream)
+            read_s = time.perf_counter() - copy_started
+            nbytes = self.nbytes[name]
+            with self._lock:
+                self.disk_bytes_per_s = _smooth(self.disk_bytes_per_s, nbytes / max(read_s, 1e-6))
+            copy_s = 0.0  # overlapped with the read
+        else:
+            copy_to_model(model, host, stream)
+            copy_s = time.perf_counter() - copy_started
+            nbytes = host.nbytes
+            with self._lock:
+                self.h2d_bytes_per_s = _smooth(self.h2d_bytes_per_s, nbytes / max(copy_s, 1e-6))
         build_started = time.perf_counter()
         storage = self._kv_storage[replacing] if replacing is not None else self._storage_for_free_slot()
         runner = ModelRunner(model, self.config.engine, storage, self.plan.kv_blocks(name))
@@ -143,12 +161,12 @@ class ModelResidency:
             "model_prepared",
             model=name,
             tier="cold" if read_s else "warm",
-            gb=round(host.nbytes / 1e9, 3),
+            gb=round(nbytes / 1e9, 3),
             read_s=round(read_s, 3),
             copy_s=round(copy_s, 3),
             build_s=round(build_s, 3),
         )
-        return PreparedModel(spec, runner, tokenizer, storage, read_s, copy_s, build_s, host.nbytes)
+        return PreparedModel(spec, runner, tokenizer, storage, read_s, copy_s, build_s, nbytes)
 
     def _cache(self, host: HostWeights, read_s: float) -> None:
         with self._lock:
@@ -207,7 +225,7 @@ class ModelResidency:
             if name in self.cache or self.nbytes[name] > self.cache.capacity_bytes - self.cache.used_bytes:
                 return
         started = time.perf_counter()
-        host = read_to_host(name, self.specs[name].path, pin=torch.cuda.is_available())
+        host = read_to_host(name, self.specs[name].path, pin=self.device.type == "cuda")
         self._cache(host, time.perf_counter() - started)
 
 
