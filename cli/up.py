@@ -21,7 +21,6 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import redis
-import redis.asyncio as aioredis
 import structlog
 
 import cli
@@ -34,6 +33,7 @@ from cli.state import KERNEL_PLANS_DIR, FleetState, ensure_admin_key
 from cli.supervisor import Supervisor
 from shared import keys
 from shared.config import DEFAULT_DRAIN_GRACE_S, ModelSpec
+from shared.redis_client import plain_redis, sync_redis
 
 log = structlog.get_logger(__name__)
 
@@ -93,7 +93,7 @@ class _Fleet:
         self.redis_url = redis_url
         self.embedded = embedded
         self.gateway_url = _local_url(config.host, config.port)
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.redis = sync_redis(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._missed_pings = 0
 
     def run(self) -> int:
@@ -147,7 +147,7 @@ class _Fleet:
         self.redis.close()
 
     async def _provision_demo(self, model: ModelSpec) -> list[DemoTenant]:
-        async with aioredis.Redis.from_url(self.redis_url) as client:
+        async with plain_redis(self.redis_url) as client:
             return await provision_demo(client, self.config.state_dir, self.config.adapter_root, model)
 
     def _forget_models(self, models: tuple[ModelSpec, ...]) -> None:

@@ -2,8 +2,9 @@
 streaming jobs, and stops running jobs that were canceled (or whose record expired).
 
 Results and deltas come from the engine thread through one queue, so a job's token events precede
-its end event. A result is stored before its entry is acknowledged (at-least-once delivery); storing
-is safe to repeat, as the job store keeps the first result.
+its end event. A result and its entry's acknowledgement are one script (at-least-once delivery: an
+entry is never acknowledged without its result), followed by a wait for the replicas when the fleet
+has them; storing is safe to repeat, as the job store keeps the first result.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class ResultPublisher:
                 self.queue.task_done()
 
     async def _store(self, result: EngineResult) -> None:
-        """Store one result and acknowledge its entry. Safe to repeat: the job store keeps the first result."""
+        """Store one result and acknowledge its entry, in one script. Safe to repeat: the job store keeps
+        the first result."""
         job = self._running.get(result.job_id)
         if job is None:
             return  # canceled meanwhile: already acknowledged
@@ -60,8 +62,8 @@ class ResultPublisher:
             error=result.error,
             completion_tokens=result.completion_tokens,
             first_token_ms=result.first_token_ms,
+            entry=(job.model, job.entry_id),
         )
-        await ack(self._redis, job.model, job.entry_id)
         self._running.release(result.job_id)
         log.info(
             "job_finished",
