@@ -21,7 +21,7 @@ import redis
 import redis.sentinel
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 
@@ -89,6 +89,37 @@ def _host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class _PrimaryConnection(SentinelManagedConnection):
+    """redis-py's Sentinel connection, asking the Sentinels for the primary on every connect. redis-py's
+    own reconnects a lost connection, when a command is sent on it again, to the address it had (its
+    `send_packed_command` connects without the Sentinel lookup): after a failover, to the dead primary."""
+
+    async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if self.is_connected:
+            return
+        self.host, self.port = await self.connection_pool.get_master_address()
+        # one try: the caller's retry (the command's, or `connect`'s) backs off and asks the Sentinels again
+        await super().connect_check_health(check_health=check_health, retry_socket_connect=False)
+
+
+class _SyncPrimaryConnection(redis.sentinel.SentinelManagedConnection):
+    """`_PrimaryConnection` for the blocking client (redis-py's has the same stale reconnect)."""
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if self._sock:
+            return
+        self.host, self.port = self.connection_pool.get_master_address()
+        super().connect_check_health(check_health=check_health, retry_socket_connect=False)
+
+
+def _master_for(address: SentinelAddress, options: dict[str, object]) -> Redis:
+    sentinel_options = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+    sentinel = Sentinel(address.sentinels, sentinel_kwargs=sentinel_options)
+    return sentinel.master_for(
+        address.master_name, redis_class=Redis, connection_class=_PrimaryConnection, db=address.db, **options
+    )
+
+
 def resilient_redis(url: str, *, socket_timeout_s: float | None) -> Redis:
     """A client for `url` whose commands retry through a restart or failover. `socket_timeout_s` must
     outlast the longest blocking command the caller issues (XREAD/XREADGROUP BLOCK, WAIT); None: no
@@ -102,19 +133,14 @@ def resilient_redis(url: str, *, socket_timeout_s: float | None) -> Redis:
     }
     if not is_sentinel_url(url):
         return Redis.from_url(url, **options)
-    address = SentinelAddress.parse(url)
-    sentinel_options = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
-    sentinel = Sentinel(address.sentinels, sentinel_kwargs=sentinel_options)
-    return sentinel.master_for(address.master_name, redis_class=Redis, db=address.db, **options)
+    return _master_for(SentinelAddress.parse(url), options)
 
 
 def plain_redis(url: str, **options: object) -> Redis:
     """An asyncio client for `url` without retries, for a one-shot CLI command (`options`: redis-py's)."""
     if not is_sentinel_url(url):
         return Redis.from_url(url, **options)
-    address = SentinelAddress.parse(url)
-    sentinel = Sentinel(address.sentinels, sentinel_kwargs={"socket_timeout": SENTINEL_TIMEOUT_S})
-    return sentinel.master_for(address.master_name, redis_class=Redis, db=address.db, **options)
+    return _master_for(SentinelAddress.parse(url), options)
 
 
 def sync_redis(url: str, **options: object) -> redis.Redis:
@@ -122,5 +148,6 @@ def sync_redis(url: str, **options: object) -> redis.Redis:
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **options)
     address = SentinelAddress.parse(url)
-    sentinel = redis.sentinel.Sentinel(address.sentinels, sentinel_kwargs={"socket_timeout": SENTINEL_TIMEOUT_S})
-    return sentinel.master_for(address.master_name, db=address.db, **options)
+    sentinel_options = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+    sentinel = redis.sentinel.Sentinel(address.sentinels, sentinel_kwargs=sentinel_options)
+    return sentinel.master_for(address.master_name, connection_class=_SyncPrimaryConnection, db=address.db, **options)
