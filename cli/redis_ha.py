@@ -30,6 +30,8 @@ MASTER_NAME = "lorafleet"
 SENTINELS = 3
 QUORUM = 2  # Sentinels that must agree the primary is down; a majority of them also elects the leader
 _LOOPBACK = "127.0.0.1"
+# a replica's first sync starts at once, not after the default 5 s of waiting for more replicas to join
+_SERVER_ARGS = ("--repl-diskless-sync-delay", "0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +82,10 @@ class RedisHA:
     ) -> None:
         if replicas < 1:
             raise ValueError("a Redis without a single point of failure needs at least one replica")
-        # a server restarted (a test's old primary) comes back on its port, as a replica of the new primary
-        common = ("--repl-diskless-sync-delay", "0")
-        self.primary = RedisServer(data_dir / "primary", append_only=append_only, extra_args=common)
-        replica_of = ("--replicaof", _LOOPBACK, str(self.primary.port))
+        self._append_only = append_only
+        self.primary = RedisServer(data_dir / "primary", append_only=append_only, extra_args=_SERVER_ARGS)
         self.replicas = [
-            RedisServer(data_dir / f"replica-{index}", append_only=append_only, extra_args=common + replica_of)
+            self._replica(data_dir / f"replica-{index}", free_port(), self.primary.port)
             for index in range(1, replicas + 1)
         ]
         self._data_dir = data_dir
@@ -136,6 +136,22 @@ class RedisHA:
 
     def server_on(self, port: int) -> RedisServer:
         return next(server for server in [self.primary, *self.replicas] if server.port == port)
+
+    def rejoin(self, server: RedisServer) -> RedisServer:
+        """Start a stopped server again on its port as a replica of the primary the Sentinels name now (as
+        an operator brings back a failed primary: the Sentinels would demote it too, but only after their
+        next 10 s look at it). Returns the new server, which takes the old one's place."""
+        replica = self._replica(server.data_dir, server.port, self.primary_port())
+        replica.start()
+        if server is self.primary:
+            self.primary = replica
+        else:
+            self.replicas[self.replicas.index(server)] = replica
+        return replica
+
+    def _replica(self, data_dir: Path, port: int, primary_port: int) -> RedisServer:
+        replica_of = ("--replicaof", _LOOPBACK, str(primary_port))
+        return RedisServer(data_dir, port=port, append_only=self._append_only, extra_args=_SERVER_ARGS + replica_of)
 
     def _sentinel_config(self, port: int, ids: list[str], ports: list[int], index: int, timing: FailoverTiming) -> str:
         lines = [

@@ -70,15 +70,15 @@ return {1, job_id, entry_id}
 )
 
 _WITHDRAW = """
--- KEYS: job hash, model queue, idempotency key, tenant's active set   ARGV: job id, queue entry id, use_idem
--- Undo a creation no replica confirmed, unless a worker has started the job meanwhile.
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'queued' then return status or 'missing' end
-redis.call('DEL', KEYS[1])
+-- KEYS: job hash, model queue, idempotency key, tenant's active set, job events
+-- ARGV: job id, queue entry id, use_idem
+-- Undo a creation no replica confirmed. A worker may have started the job meanwhile: it finds the record
+-- gone, stops the job and acknowledges its entry, as for an expired record.
+redis.call('DEL', KEYS[1], KEYS[5])
 redis.call('XDEL', KEYS[2], ARGV[2])
 if ARGV[3] == '1' and redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
 redis.call('ZREM', KEYS[4], ARGV[1])
-return 'withdrawn'
+return 1
 """
 
 _START = """
@@ -269,7 +269,7 @@ class JobStore:
 
     async def _create_confirmed(self, record: JobRecord, script_keys: list[str], script_args: list[Any]) -> Any:
         """The create script's reply, once `replica_wait.replicas` replicas have its writes; otherwise the
-        job is withdrawn and ReplicaUnavailable raised (unless a worker has started it meanwhile)."""
+        job is withdrawn and ReplicaUnavailable raised."""
         wait = self._replica_wait
         reply_future = self._batched.evalsha(self._create.sha, len(script_keys), *script_keys, *script_args)
         confirmed_future = self._batched.wait_replicas(wait.replicas, wait.timeout_ms)  # same turn: same batch
@@ -291,17 +291,15 @@ class JobStore:
 
     async def _withdraw_unconfirmed(self, record: JobRecord, script_keys: list[str], reply: Any, confirmed: int) -> Any:
         """The create's reply if it created nothing or enough replicas confirmed it; else withdraw the job
-        and raise ReplicaUnavailable (unless a worker has started it meanwhile: then it lives)."""
+        and raise ReplicaUnavailable."""
         wait = self._replica_wait
         if reply[0] != 1 or confirmed >= wait.replicas:
             return reply
         use_idem = script_keys[2] != keys.job(record.job_id)
-        outcome = await self._withdraw(
-            keys=[script_keys[0], script_keys[1], script_keys[2], keys.active_jobs(record.tenant)],
+        await self._withdraw(
+            keys=[*script_keys[:3], keys.active_jobs(record.tenant), keys.job_events(record.job_id)],
             args=[record.job_id, reply[2], int(use_idem)],
         )
-        if outcome != b"withdrawn" and outcome != b"missing":
-            return reply  # a worker started it already: it lives (and is replicated along with its start)
         raise ReplicaUnavailable(record.job_id, confirmed, wait)
 
     async def get(self, job_id: str) -> JobRecord | None:

@@ -34,20 +34,31 @@ class ResultPublisher:
         self._jobs = jobs
         self._running = running
         self.queue: asyncio.Queue[EngineResult | list[TokenDelta]] = asyncio.Queue()
+        self._storing: set[asyncio.Task[None]] = set()
 
     async def publish(self) -> None:
-        """Forever: store each result and publish each batch of token deltas, in the order they came."""
+        """Forever: publish each batch of token deltas, in the order they came, and store each result once
+        the deltas before it are out. Results are stored concurrently: each waits for the replicas on its
+        own connection, so a slow or missing replica delays that job's completion, not every job behind it."""
         while True:
             result = await self.queue.get()
-            try:
-                if isinstance(result, list):
+            if isinstance(result, list):
+                try:
                     deltas = [delta for delta in result if delta.job_id in self._running]
                     if deltas:
                         await retrying("publish tokens", lambda deltas=deltas: self._jobs.publish_tokens(deltas))
-                else:
-                    await retrying("publish", lambda result=result: self._store(result))
-            finally:
-                self.queue.task_done()
+                finally:
+                    self.queue.task_done()
+            else:
+                task = asyncio.create_task(self._store_and_count(result))
+                self._storing.add(task)  # held, so the task is not collected mid-flight
+                task.add_done_callback(self._storing.discard)
+
+    async def _store_and_count(self, result: EngineResult) -> None:
+        try:
+            await retrying("publish", lambda: self._store(result))
+        finally:
+            self.queue.task_done()  # a draining worker's queue.join() waits for the result to be stored
 
     async def _store(self, result: EngineResult) -> None:
         """Store one result and acknowledge its entry, in one script. Safe to repeat: the job store keeps
