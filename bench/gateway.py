@@ -20,6 +20,13 @@ Lua scripts run).
 Targets (issue #7): submit >= 0.5x the bare handler's requests/s; <= 3 round trips per submit;
 <= 1 per poll of a finished job.
 
+    python -m bench.gateway --replica [...]
+
+adds a replica beside the Redis and runs the gateway with `--redis-wait-replicas 1`: every submit is
+then answered once the replica has the job (one WAIT per auto-pipelined batch). Compare its submit
+rate, latency and commands with a run without it: the difference is what the guarantee costs
+(docs/reliability.md).
+
     python -m bench.gateway --instructions [--rounds 1 --seconds 5 --poll-seconds 5]
 
 runs both servers under callgrind (valgrind must be installed) and reports the instructions each
@@ -44,6 +51,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -246,14 +254,20 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Phase]:
     model_dir = workdir / "model"
     model_dir.mkdir()
     write_demo_model(model_dir)
-    with RedisServer(workdir / "redis", append_only=False) as server:
+    with RedisServer(workdir / "redis", append_only=False) as server, ExitStack() as stack:
+        if args.replica:
+            replica_of = ("--replicaof", "127.0.0.1", str(server.port), "--repl-diskless-sync-delay", "0")
+            stack.enter_context(RedisServer(workdir / "replica", append_only=False, extra_args=replica_of))
         client = aioredis.Redis.from_url(server.url)
+        while args.replica and (await client.info("replication")).get("slave0", {}).get("state") != "online":
+            await asyncio.sleep(0.05)
         info = ModelInfo.from_pretrained(MODEL, model_dir)
         await publish_model(client, info, (model_dir / "tokenizer.json").read_bytes())
         api_key = await create_tenant(client, "bench")
         bare_port, gateway_port, count_file = free_port(), free_port(), workdir / "round_trips"
         here = [sys.executable, "-m", "bench.gateway"]
         gateway_args = ["--redis-url", server.url, "--port", str(gateway_port), *UNLIMITED]
+        gateway_args += ["--redis-wait-replicas", "1"] if args.replica else []
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         logs = (workdir / "gateway.log").open("wb")  # where a deployment's log collector would read them
         callgrind = Callgrind(workdir) if args.instructions else None
@@ -374,6 +388,7 @@ def main() -> None:
     parser.add_argument(
         "--instructions", action="store_true", help="count instructions per request under callgrind (see above)"
     )
+    parser.add_argument("--replica", action="store_true", help="a replica, and submits that wait for it (see above)")
     bare = sub.add_parser("serve-bare")
     bare.add_argument("port", type=int)
     gateway = sub.add_parser("serve-gateway")

@@ -7,7 +7,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis.asyncio as aioredis
 from redis.asyncio import Redis
 
 from shared import keys
@@ -16,6 +15,7 @@ from shared.config import EngineConfig
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import ModelInfo
 from shared.model_registry import get_model
+from shared.redis_client import plain_redis
 from shared.tenants import create_tenant
 
 
@@ -29,7 +29,7 @@ def tenant_create(redis_url: str, name: str, *, as_json: bool) -> int:
 
 
 async def _create_tenant(redis_url: str, name: str) -> str:
-    async with aioredis.Redis.from_url(redis_url) as redis:
+    async with plain_redis(redis_url) as redis:
         return await create_tenant(redis, name)
 
 
@@ -70,7 +70,7 @@ async def _model_info(redis: Redis, model: str, model_path: Path | None) -> Mode
 
 
 async def _register(redis_url: str, registration: AdapterRegistration) -> AdapterRecord:
-    async with aioredis.Redis.from_url(redis_url) as redis:
+    async with plain_redis(redis_url) as redis:
         tenant = registration.tenant
         if tenant != SHARED_OWNER and not await redis.sismember(keys.TENANTS, tenant):
             raise LorafleetError(

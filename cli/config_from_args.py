@@ -22,11 +22,13 @@ from shared.config import (
     EngineConfig,
     GatewayConfig,
     ModelSpec,
+    ReplicaWait,
     TenantLimits,
     WebhookConfig,
     WorkerConfig,
     default_worker_id,
 )
+from shared.redis_client import sentinel_url
 from shared.tenants import hash_admin_key
 
 
@@ -48,6 +50,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def count(text: str) -> int:
+    """An integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -133,8 +146,26 @@ def _fleet_state(args: argparse.Namespace) -> FleetState | None:
     return FleetState.load(state_dir(args))
 
 
+def _sentinel_url(args: argparse.Namespace) -> str | None:
+    """The Sentinel URL of --redis-sentinel and --redis-master-name (given together), None without them."""
+    if not args.redis_sentinel and not args.redis_master_name:
+        return None
+    if not args.redis_sentinel or not args.redis_master_name:
+        raise ConfigError("--redis-sentinel", "--redis-sentinel and --redis-master-name go together")
+    if args.redis_url:
+        raise ConfigError("--redis-url", "give either --redis-url or --redis-sentinel, not both")
+    try:
+        return sentinel_url(args.redis_sentinel, args.redis_master_name)
+    except ValueError as exc:
+        raise ConfigError("--redis-sentinel", str(exc)) from None
+
+
 def redis_url(args: argparse.Namespace) -> str:
-    """--redis-url, else the URL in --state-dir, else $REDIS_URL, else the URL of ./.lorafleet."""
+    """--redis-sentinel's primary, else --redis-url, else the URL in --state-dir, else $REDIS_URL, else
+    the URL of ./.lorafleet."""
+    sentinel = _sentinel_url(args)
+    if sentinel is not None:
+        return sentinel
     if args.redis_url:
         return args.redis_url
     if args.state_dir is not None:
@@ -203,11 +234,16 @@ def _webhooks(args: argparse.Namespace) -> WebhookConfig:
     return WebhookConfig(allow_hosts=hosts, secret=secret, allow_http=args.webhook_allow_http)
 
 
+def _replica_wait(args: argparse.Namespace) -> ReplicaWait:
+    return ReplicaWait(replicas=args.redis_wait_replicas, timeout_ms=args.redis_wait_timeout_ms)
+
+
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     admin_key = _admin_key(args)
     return GatewayConfig(
         webhooks=_webhooks(args),
         redis_url=redis_url(args),
+        replica_wait=_replica_wait(args),
         host=args.host,
         port=args.port,
         admin_key_sha256=None if admin_key is None else hash_admin_key(admin_key),
@@ -273,6 +309,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             switch_grace_s=args.switch_grace,
             kernel_plans_dir=kernel_plans_dir(args),
             preload_adapters=args.preload_adapters,
+            replica_wait=_replica_wait(args),
         )
     except ValueError as exc:
         raise ConfigError("--heartbeat-interval / --claim-idle-ms", str(exc)) from None
@@ -317,6 +354,7 @@ class UpConfig:
     host: str
     port: int
     redis_url: str | None  # None: start an embedded Redis with its data in state_dir/redis
+    redis_replicas: int  # with an embedded Redis: replicas (and three Sentinels) beside its primary
     models: tuple[ModelSpec, ...]  # empty: serve the demo model and adapters
     adapter_root: Path
     gpus: tuple[str, ...]  # one worker pinned to each; empty: one CPU worker
@@ -341,11 +379,15 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     if args.device == "cuda" and not gpus:
         raise ConfigError("--device", "cuda was asked for, but no GPU is visible")
     directory = state_dir(args)
+    given_redis = _sentinel_url(args) or args.redis_url or os.environ.get("REDIS_URL") or None
+    if args.redis_replicas and given_redis is not None:
+        raise ConfigError("--redis-replicas", "replicas are started beside the Redis `up` starts, not a given one")
     return UpConfig(
         state_dir=directory,
         host=args.host,
         port=args.port,
-        redis_url=args.redis_url or os.environ.get("REDIS_URL") or None,
+        redis_url=given_redis,
+        redis_replicas=args.redis_replicas,
         models=models,
         adapter_root=(args.adapter_root or directory / "adapters").expanduser().resolve(),
         gpus=tuple(gpus),

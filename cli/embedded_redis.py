@@ -29,9 +29,9 @@ _LOOPBACK = "127.0.0.1"
 def _previous_port(state_dir: Path) -> int | None:
     try:
         url = urlparse(FleetState.load(state_dir).redis_url)
-    except (StateError, ValueError):
+        return url.port if url.scheme == "redis" and url.hostname == _LOOPBACK else None
+    except (StateError, ValueError):  # no state file, or a URL with a malformed port
         return None
-    return url.port if url.hostname == _LOOPBACK else None
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -30,8 +30,32 @@ _WORKER = WorkerConfig(redis_url="", models=(), adapter_root=Path())
 def _add_redis_flags(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("where the fleet is")
     where.add_argument("--redis-url", help="Redis of the fleet (default: from --state-dir, else $REDIS_URL)")
+    _add_sentinel_flags(where)
     where.add_argument(
         "--state-dir", type=Path, help=f"state dir of a running `lorafleet up` (default: {DEFAULT_STATE_DIR})"
+    )
+
+
+def _add_sentinel_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--redis-sentinel", metavar="HOST:PORT[,HOST:PORT...]", help="reach the Redis primary through these Sentinels"
+    )
+    group.add_argument("--redis-master-name", help="the primary's name in the Sentinels (with --redis-sentinel)")
+
+
+def _add_replica_wait_flags(parser: argparse.ArgumentParser) -> None:
+    durable = parser.add_argument_group("durable writes (Redis with replicas)")
+    durable.add_argument(
+        "--redis-wait-replicas",
+        type=cfa.count,
+        default=_GATEWAY.replica_wait.replicas,
+        help="replicas that must confirm a new job or a result (Redis WAIT); 0: no wait (default: %(default)s)",
+    )
+    durable.add_argument(
+        "--redis-wait-timeout-ms",
+        type=cfa.positive_int,
+        default=_GATEWAY.replica_wait.timeout_ms,
+        help="longest wait for that confirmation; a job unconfirmed by then is withdrawn, 503 (default: %(default)s)",
     )
 
 
@@ -45,6 +69,13 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         help=f"Redis data, generated demo files, lorafleet.json (default: {DEFAULT_STATE_DIR})",
     )
     up.add_argument("--redis-url", help="use this Redis instead of starting one (default: $REDIS_URL)")
+    _add_sentinel_flags(up.add_argument_group("a Redis watched by Sentinels, instead of starting one"))
+    up.add_argument(
+        "--redis-replicas",
+        type=cfa.count,
+        default=0,
+        help="start a primary, this many replicas and three Sentinels; jobs wait for one replica (default: 0)",
+    )
     up.add_argument(
         "--model", type=cfa.model_spec, action="append", metavar="NAME=PATH", help="HF model dir to serve (repeatable)"
     )
@@ -64,6 +95,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
 def _add_gateway(commands: argparse._SubParsersAction) -> None:
     gateway = commands.add_parser("gateway", help="run one gateway process (HTTP API)")
     _add_redis_flags(gateway)
+    _add_replica_wait_flags(gateway)
     gateway.add_argument("--host", default=_GATEWAY.host, help="bind address (default: %(default)s)")
     gateway.add_argument("--port", type=cfa.port_number, default=_GATEWAY.port, help="port (default: %(default)s)")
     gateway.add_argument(
@@ -103,6 +135,7 @@ def _add_gateway(commands: argparse._SubParsersAction) -> None:
 def _add_worker(commands: argparse._SubParsersAction) -> None:
     worker = commands.add_parser("worker", help="run one worker process (one GPU, or the CPU)")
     _add_redis_flags(worker)
+    _add_replica_wait_flags(worker)
     worker.add_argument(
         "--model", type=cfa.model_spec, action="append", metavar="NAME=PATH", help="model to serve (repeatable)"
     )

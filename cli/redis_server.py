@@ -49,12 +49,20 @@ class RedisServer:
     """One redis-server child process bound to 127.0.0.1."""
 
     def __init__(
-        self, data_dir: Path, *, port: int | None = None, append_only: bool = True, binary: str | None = None
+        self,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        append_only: bool = True,
+        binary: str | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
+        """`extra_args`: more redis-server options (a replica's `--replicaof`, cli/redis_ha.py)."""
         self.data_dir = Path(data_dir)
         self.binary = binary
         self.port = port or free_port()
         self.append_only = append_only
+        self.extra_args = extra_args
         self._process: subprocess.Popen | None = None
 
     @property
@@ -75,6 +83,7 @@ class RedisServer:
             "--appendfsync", "everysec",
             # a queue must never silently drop data to make room
             "--maxmemory-policy", "noeviction",
+            *self.extra_args,
         ]  # fmt: skip
         log = (self.data_dir / "redis.log").open("ab")
         # its own session: a Ctrl-C in the terminal reaches only us, and we stop it last; yet it dies with us
@@ -99,6 +108,12 @@ class RedisServer:
                         f"redis-server did not answer on port {self.port} within {timeout_s}s"
                     ) from None
                 time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL, as a machine that dies: nothing is flushed (failover tests)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self._process is None or self._process.poll() is not None:

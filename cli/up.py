@@ -1,6 +1,7 @@
 """`lorafleet up`: the whole fleet on one machine, supervised.
 
-Starts what is missing: a Redis server (unless given a URL), the gateway, and one worker per
+Starts what is missing: a Redis server (unless given a URL; with `--redis-replicas N` a primary, N
+replicas and three Sentinels, cli/redis_ha.py, and every new job waits for a replica), the gateway, and one worker per
 visible GPU (or one CPU worker), each a `python -m cli ...` child. Without `--model` it first
 generates and provisions the demo. It prints "ready" once the gateway answers /readyz and every
 model has been published by a worker; then it watches: SIGINT / SIGTERM stop everything (exit 0),
@@ -21,7 +22,6 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import redis
-import redis.asyncio as aioredis
 import structlog
 
 import cli
@@ -30,10 +30,12 @@ from cli.config_from_args import ConfigError, UpConfig
 from cli.demo import DemoTenant, ensure_demo_files, provision_demo
 from cli.embedded_redis import port_is_free, start_embedded_redis
 from cli.errors import CommandError
+from cli.redis_ha import start_redis_ha
 from cli.state import KERNEL_PLANS_DIR, FleetState, ensure_admin_key
 from cli.supervisor import Supervisor
 from shared import keys
 from shared.config import DEFAULT_DRAIN_GRACE_S, ModelSpec
+from shared.redis_client import plain_redis, sync_redis
 
 log = structlog.get_logger(__name__)
 
@@ -43,6 +45,8 @@ STOP_GRACE_S = DEFAULT_DRAIN_GRACE_S + 10.0
 _POLL_S = 0.25
 _WAITING_LOG_EVERY_S = 10.0
 _REDIS_MISSED_PINGS = 3  # consecutive failures before the embedded Redis counts as dead
+# with replicas, a primary's death is a failover of a few seconds (cli/redis_ha.py), not the fleet's end
+_HA_MISSED_PINGS = 80
 
 # readiness is checked on this machine, never through an HTTP proxy from the environment
 _local_http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -93,7 +97,7 @@ class _Fleet:
         self.redis_url = redis_url
         self.embedded = embedded
         self.gateway_url = _local_url(config.host, config.port)
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.redis = sync_redis(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._missed_pings = 0
 
     def run(self) -> int:
@@ -147,7 +151,7 @@ class _Fleet:
         self.redis.close()
 
     async def _provision_demo(self, model: ModelSpec) -> list[DemoTenant]:
-        async with aioredis.Redis.from_url(self.redis_url) as client:
+        async with plain_redis(self.redis_url) as client:
             return await provision_demo(client, self.config.state_dir, self.config.adapter_root, model)
 
     def _forget_models(self, models: tuple[ModelSpec, ...]) -> None:
@@ -166,8 +170,11 @@ class _Fleet:
         gateway = ["gateway", "--redis-url", self.redis_url, "--host", config.host, "--port", str(config.port)]
         gateway += ["--admin-key-file", str(ensure_admin_key(config.state_dir))]
         gateway += ["--adapter-root", str(config.adapter_root)]
+        # with replicas of its own, a job is accepted (and a result counts) once one of them has it
+        durable = ["--redis-wait-replicas", "1"] if config.redis_replicas else []
+        gateway += durable
         self.supervisor.start("gateway", self._cli(*gateway), _child_env(None))
-        worker = ["worker", "--redis-url", self.redis_url, "--adapter-root", str(config.adapter_root)]
+        worker = ["worker", "--redis-url", self.redis_url, "--adapter-root", str(config.adapter_root), *durable]
         worker += [arg for spec in models for arg in ("--model", f"{spec.name}={spec.path}")]
         worker += ["--metrics-host", config.host, "--kernel-plans-dir", str(config.state_dir / KERNEL_PLANS_DIR)]
         # (name, device flags, CUDA_VISIBLE_DEVICES): one per GPU, or one CPU worker with every GPU hidden.
@@ -198,7 +205,7 @@ class _Fleet:
             self._missed_pings = 0
         except redis.RedisError as exc:
             self._missed_pings += 1
-            if self._missed_pings >= _REDIS_MISSED_PINGS:
+            if self._missed_pings >= (_HA_MISSED_PINGS if self.config.redis_replicas else _REDIS_MISSED_PINGS):
                 log.error("redis_down", url=self.redis_url, error=str(exc))
                 raise CommandError(
                     f"the embedded Redis stopped answering; see {self.config.state_dir / 'redis' / 'redis.log'}"
@@ -244,7 +251,11 @@ def run_up(config: UpConfig) -> int:
         cleanup.callback(log.info, "stopped")
         redis_url = config.redis_url
         if redis_url is None:
-            redis_server = start_embedded_redis(config.state_dir)
+            redis_server = (
+                start_redis_ha(config.state_dir, config.redis_replicas)
+                if config.redis_replicas
+                else start_embedded_redis(config.state_dir)
+            )
             cleanup.callback(redis_server.stop)
             redis_url = redis_server.url
         fleet = _Fleet(config, supervisor, redis_url, embedded=config.redis_url is None)

@@ -55,7 +55,8 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     batched_redis = resilient_redis(config.redis_url, socket_timeout_s=None)
     executor = ThreadPoolExecutor(max_workers=_TOKENIZER_THREADS, thread_name_prefix="tokenize")
     app[REDIS] = redis
-    store = JobStore(redis, config.job_ttl_s, batched=AutoPipeline(batched_redis, timeout_s=redis_timeout_s))
+    batched = AutoPipeline(batched_redis, timeout_s=redis_timeout_s)
+    store = JobStore(redis, config.job_ttl_s, batched=batched, replica_wait=config.replica_wait)
     events = JobEventReader(redis, block_ms=int(min(_KEEPALIVE_S, config.limits.max_wait_s) * 1000))
     events.start()
     app[JOBS] = JobService(

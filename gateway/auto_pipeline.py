@@ -15,6 +15,11 @@ redis-py arms a timer for every reply it reads (and a task for every send), whic
 as the rest of a reply's handling. Connections are taken from the client's pool once and kept for the
 next batches: the pool's lending and taking back (a lock, a check for unread data, observability
 events, each time) cost as much per batch as its reading. One that fails goes back to the pool.
+
+Replica confirmation is group commit: every `wait_replicas` of a turn is answered by one WAIT, sent
+on the batch's connection once the batch's replies are in (so reads are not held up by it), which
+covers every write of the batch. A WAIT is never retried: on a fresh connection it would confirm
+nothing (WAIT counts only the writes its own connection made), so a failed one fails its callers.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from hiredis import pack_command
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.turn_batch import TurnBatch, settle
@@ -51,6 +57,11 @@ class AutoPipeline:
     def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> asyncio.Future[Any]:
         return self._commands.add(("EVALSHA", sha, numkeys, *keys_and_args))
 
+    def wait_replicas(self, replicas: int, timeout_ms: int) -> asyncio.Future[int]:
+        """How many replicas acknowledged every write of this turn's batch (WAIT): call it in the same
+        turn as the writes it must cover."""
+        return self._commands.add(("WAIT", replicas, timeout_ms))
+
     async def script_load(self, script: str) -> str:
         return await self._redis.script_load(script)
 
@@ -60,6 +71,9 @@ class AutoPipeline:
         task.add_done_callback(self._flushes.discard)
 
     async def _send(self, batch: _Batch) -> None:
+        waits = [entry for entry in batch if entry[0][0] == "WAIT"]
+        if waits:
+            batch = [entry for entry in batch if entry[0][0] != "WAIT"]
         pool = self._redis.connection_pool
         try:
             connection = self._idle.pop() if self._idle else await pool.get_connection()
@@ -68,20 +82,21 @@ class AutoPipeline:
                 replies = await connection.retry.call_with_retry(
                     lambda: _exchange(connection, batch, self._timeout_s), lambda _error: connection.disconnect()
                 )
+                settle(batch, replies)
+                if waits:  # on this connection, after the writes it covers; one WAIT answers them all
+                    settle(waits, (await _exchange(connection, waits[:1], self._timeout_s)) * len(waits))
             except BaseException:  # maybe out of step: the pool checks a connection before it lends it again
                 await pool.release(connection)
                 raise
             self._idle.append(connection)
         except asyncio.CancelledError:  # the process is stopping
-            for _, reply in batch:
+            for _, reply in batch + waits:
                 reply.cancel()
             raise
         except Exception as exc:  # the connection failed past the client's retries
-            for _, reply in batch:
+            for _, reply in batch + waits:
                 if not reply.done():
                     reply.set_exception(exc)
-            return
-        settle(batch, replies)
 
 
 async def _exchange(connection: AbstractConnection, batch: _Batch, timeout_s: float) -> list[Any]:
@@ -104,4 +119,8 @@ async def _exchange(connection: AbstractConnection, batch: _Batch, timeout_s: fl
         raise RedisTimeoutError(f"no reply from Redis within {timeout_s:g} s") from None
     except OSError as exc:  # as read_response would: the retry policy retries ConnectionErrors
         raise RedisConnectionError(f"error while reading from Redis: {exc!r}") from exc
+    if any(isinstance(reply, ReadOnlyError) for reply in replies):
+        # the server was demoted (a failover): no write of the batch ran, so it is sent again once the
+        # connection, dropped, reconnects to the primary the Sentinels name now
+        raise RedisConnectionError("Redis answered READONLY: the primary is now a replica")
     return replies

@@ -55,6 +55,8 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.RATE_LIMITED: 429,
     ErrorCode.MODEL_UNAVAILABLE: 503,
+    ErrorCode.REPLICA_UNAVAILABLE: 503,
+    ErrorCode.REDIS_UNAVAILABLE: 503,
     ErrorCode.COMPLETION_TIMEOUT: 504,
 }
 

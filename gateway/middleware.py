@@ -15,6 +15,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import RequestError, error_response
 from gateway.state import METRICS, QUEUED_JOB, REQUEST_ID
@@ -95,6 +97,9 @@ def _error_response(request: web.Request, exc: Exception) -> web.StreamResponse:
         if exc.status < 400:
             raise exc
         return _http_error(request, exc)
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError):  # past the client's retries: try again later
+        log.error("redis_unavailable", method=request.method, path=request.path, error=str(exc))
+        return error_response(ErrorCode.REDIS_UNAVAILABLE, "the job store is unreachable; retry later")
     log.exception("unhandled_error", method=request.method, path=request.path)
     return error_response(ErrorCode.INTERNAL_ERROR, f"internal error (request id {request[REQUEST_ID]})")
 

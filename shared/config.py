@@ -83,8 +83,21 @@ class WebhookConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaWait:
+    """How a write that must survive the loss of the Redis primary is confirmed: `WAIT replicas
+    timeout_ms` after it. `replicas` 0 (a Redis without replicas): writes are not waited for."""
+
+    replicas: int = 0
+    timeout_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0 or self.timeout_ms < 1:
+            raise ValueError("replica wait: replicas must be >= 0 and timeout_ms >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    redis_url: str
+    redis_url: str  # redis://... or redis+sentinel://... (shared/redis_client.py)
     host: str = "127.0.0.1"
     port: int = 8000
     job_ttl_s: int = 24 * 3600
@@ -99,6 +112,8 @@ class GatewayConfig:
     # a known model that no worker has advertised for this long is refused (503) instead of queued:
     # long enough for a worker restart (its heartbeats resume once it has loaded its models)
     model_unserved_after_s: float = 120.0
+    # a job is answered 202 only once this many replicas have it (503 replica_unavailable otherwise)
+    replica_wait: ReplicaWait = field(default_factory=ReplicaWait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +197,8 @@ class WorkerConfig:
     kernel_plans_dir: Path | None = None
     # registered adapter names read into the host cache at start, before serving (warm after a restart)
     preload_adapters: tuple[str, ...] = ()
+    # a job's result and its acknowledgement are confirmed by this many replicas before the job counts as done
+    replica_wait: ReplicaWait = field(default_factory=ReplicaWait)
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.drain_grace_s < 0:

@@ -29,6 +29,9 @@ class ErrorCode(StrEnum):
     INVALID_CHAT_TEMPLATE = "invalid_chat_template"  # the model's template failed to render these messages
     COMPLETION_TIMEOUT = "completion_timeout"  # a blocking completion outlived limits.max_completion_s
     MODEL_UNAVAILABLE = "model_unavailable"  # a known model that no live worker has served for a while
+    # no Redis replica confirmed a new job in time: it was withdrawn, never queued (docs/reliability.md)
+    REPLICA_UNAVAILABLE = "replica_unavailable"
+    REDIS_UNAVAILABLE = "redis_unavailable"  # Redis unreachable past the client's retries (a failover too long)
     ADMIN_DISABLED = "admin_disabled"  # the gateway has no admin key configured
     WEBHOOK_NOT_ALLOWED = "webhook_not_allowed"  # a webhook URL off the allow-list (or webhooks are off)
     TENANT_NAME_RESERVED = "tenant_name_reserved"  # a name with a meaning of its own ("shared")

@@ -4,21 +4,32 @@ Every status change is one Lua script, so a cancel racing a finish, or a job red
 worker crash, can never overwrite a terminal state: the first terminal write wins and the job has
 exactly one stored result. The same script that writes the terminal state queues the job's webhook
 (if it has one) on `lf:webhooks`, so a webhook is queued exactly once, whoever ends the job.
+
+With replicas to wait for (`ReplicaWait`), a new job counts as created only once that many replicas
+acknowledged it (WAIT): one that none confirms in time is withdrawn, every key its creation wrote
+deleted in one script, and ReplicaUnavailable raised. So a job the gateway accepted survives the
+loss of the primary (docs/reliability.md says what that costs).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
 import msgpack
+import structlog
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
+from shared.config import ReplicaWait
+from shared.errors import ErrorCode, LorafleetError
 from shared.rate_limits import ADMIT_LUA, AdmissionCheck, AdmissionDenied, denial
 from shared.schema import (
     JobError,
@@ -32,6 +43,8 @@ from shared.schema import (
     encode_job,
     encode_output,
 )
+
+log = structlog.get_logger(__name__)
 
 _CREATE = (
     ADMIT_LUA
@@ -50,11 +63,23 @@ if admit_args then
 end
 redis.call('HSET', KEYS[1], unpack(record))
 redis.call('EXPIRE', KEYS[1], ttl_s)
-redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
+local entry_id = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
 if use_idem then redis.call('SET', KEYS[3], job_id, 'EX', ttl_s) end
-return {1, job_id}
+return {1, job_id, entry_id}
 """
 )
+
+_WITHDRAW = """
+-- KEYS: job hash, model queue, idempotency key, tenant's active set, job events
+-- ARGV: job id, queue entry id, use_idem
+-- Undo a creation no replica confirmed. A worker may have started the job meanwhile: it finds the record
+-- gone, stops the job and acknowledges its entry, as for an expired record.
+redis.call('DEL', KEYS[1], KEYS[5])
+redis.call('XDEL', KEYS[2], ARGV[2])
+if ARGV[3] == '1' and redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
+redis.call('ZREM', KEYS[4], ARGV[1])
+return 1
+"""
 
 _START = """
 -- KEYS: job hash   ARGV: worker id, now_ms
@@ -76,11 +101,18 @@ end
 """
 
 _FINISH = (
-    """
--- KEYS: job hash, job events, webhooks   ARGV: ttl_s, new status, events cap, field/value...
+    f"""
+-- KEYS: job hash, job events, webhooks[, model queue]   ARGV: ttl_s, new status, events cap, queue entry id
+-- ('' with no queue), field/value...
+-- With a queue, its entry is acknowledged (and deleted) in the same script: a result is never stored
+-- without its ack nor acked without its result, whatever the primary that survives has of them.
+if KEYS[4] then
+  redis.call('XACK', KEYS[4], '{keys.WORKER_GROUP}', ARGV[4])
+  redis.call('XDEL', KEYS[4], ARGV[4])
+end
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'queued' and status ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 4))
+redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 5))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
@@ -125,6 +157,19 @@ class BatchedClient(Protocol):
 
     async def script_load(self, script: str) -> str: ...
 
+    def wait_replicas(self, replicas: int, timeout_ms: int) -> Awaitable[int]:
+        """WAIT on the connection of the writes issued in the same event-loop turn."""
+        ...
+
+
+class ReplicaUnavailable(LorafleetError):
+    """No replica confirmed a new job within the wait: it was withdrawn, and is not queued."""
+
+    def __init__(self, job_id: str, confirmed: int, wait: ReplicaWait) -> None:
+        message = f"{confirmed} of {wait.replicas} Redis replicas confirmed the job within {wait.timeout_ms} ms"
+        super().__init__(ErrorCode.REPLICA_UNAVAILABLE, f"{message}; it was not queued, submit it again")
+        self.job_id = job_id
+
 
 # Events kept per job stream (approximately): a streaming reader further behind than this misses
 # token events; the offsets in the rest (and the final record) let it notice and recover the text.
@@ -137,6 +182,18 @@ async def _load_and_run(client: BatchedClient, script: AsyncScript, keys: list[A
     return await client.evalsha(script.sha, len(keys), *keys, *args)
 
 
+_NO_REPLICA_WAIT = ReplicaWait()
+
+
+def _forget(future: Awaitable[Any]) -> None:
+    """Drop a batched reply no one will await (its error, if any, is retrieved so asyncio does not log it)."""
+    if isinstance(future, asyncio.Future):
+        if not future.done():
+            future.cancel()
+        elif not future.cancelled():
+            future.exception()
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -144,12 +201,22 @@ def now_ms() -> int:
 class JobStore:
     """Owns the `lf:job:*` hashes and `lf:out:*` event streams; queues are written only through `create`."""
 
-    def __init__(self, redis: Redis, job_ttl_s: int, *, batched: BatchedClient | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        job_ttl_s: int,
+        *,
+        batched: BatchedClient | None = None,
+        replica_wait: ReplicaWait = _NO_REPLICA_WAIT,
+    ) -> None:
         """`batched`: send `create` and `get` through this auto-pipeline (a gateway's many concurrent
-        requests then share Redis round trips); otherwise every call is its own round trip."""
+        requests then share Redis round trips, and one WAIT confirms all of a batch's new jobs); otherwise
+        every call is its own round trip. `replica_wait`: how new jobs and results are confirmed."""
         self._redis = redis
         self._batched: BatchedClient = batched or redis
         self._ttl_s = job_ttl_s
+        self._replica_wait = replica_wait
+        self._withdraw = redis.register_script(_WITHDRAW)
         self._create = redis.register_script(_CREATE)
         self._start = redis.register_script(_START)
         self._finish = redis.register_script(_FINISH)
@@ -166,7 +233,8 @@ class JobStore:
         """Write the job hash, then its queue entry, atomically (one script, one round trip). Returns
         (job id, newly created); a repeated idempotency key returns the first job's id and queues
         nothing (nor is admitted again). With `admission`, the job is admitted first in the same script,
-        and AdmissionDenied is raised, with nothing written, when it is not."""
+        and AdmissionDenied is raised, with nothing written, when it is not. With replicas to wait for,
+        ReplicaUnavailable is raised, the job withdrawn, when too few confirm it in time."""
         idem_key = keys.idempotency(record.tenant, idempotency_key) if idempotency_key else keys.job(record.job_id)
         # everything but the message travels as one msgpack argument: hiredis formats each argument's length
         # with sprintf, which cost more than msgpack's packing (bench/gateway.py)
@@ -182,16 +250,57 @@ class JobStore:
         script_keys = [keys.job(record.job_id), keys.queue(record.model), idem_key]
         script_keys += admission.keys if admission else ()
         script_args = [encode_job(message), packed]
-        # EVALSHA awaited here, not through redis-py's Script call (an import and an isinstance check through
-        # typing's Protocol machinery per call) nor a helper coroutine (one more frame to resume on the reply)
-        try:
-            reply = await self._batched.evalsha(self._create.sha, len(script_keys), *script_keys, *script_args)
-        except NoScriptError:
-            reply = await _load_and_run(self._batched, self._create, script_keys, script_args)
+        if self._replica_wait.replicas and self._batched is self._redis:
+            reply, confirmed = await self._run_and_wait(self._create, script_keys, script_args)
+            reply = await self._withdraw_unconfirmed(record, script_keys, reply, confirmed)
+        elif self._replica_wait.replicas:
+            reply = await self._create_confirmed(record, script_keys, script_args)
+        else:
+            # EVALSHA awaited here, not through redis-py's Script call (an import and an isinstance check through
+            # typing's Protocol machinery per call) nor a helper coroutine (one more frame to resume on the reply)
+            try:
+                reply = await self._batched.evalsha(self._create.sha, len(script_keys), *script_keys, *script_args)
+            except NoScriptError:
+                reply = await _load_and_run(self._batched, self._create, script_keys, script_args)
         if reply[0] == 2:
             raise AdmissionDenied(denial(*reply[1:]))
-        created, job_id = reply
+        created, job_id = reply[0], reply[1]
         return job_id.decode() if isinstance(job_id, bytes) else job_id, bool(created)
+
+    async def _create_confirmed(self, record: JobRecord, script_keys: list[str], script_args: list[Any]) -> Any:
+        """The create script's reply, once `replica_wait.replicas` replicas have its writes; otherwise the
+        job is withdrawn and ReplicaUnavailable raised."""
+        wait = self._replica_wait
+        reply_future = self._batched.evalsha(self._create.sha, len(script_keys), *script_keys, *script_args)
+        confirmed_future = self._batched.wait_replicas(wait.replicas, wait.timeout_ms)  # same turn: same batch
+        try:
+            reply = await reply_future
+        except NoScriptError:  # a restarted or promoted Redis: load the script, then create and wait again
+            _forget(confirmed_future)
+            self._create.sha = await self._batched.script_load(self._create.script)
+            return await self._create_confirmed(record, script_keys, script_args)
+        except BaseException:
+            _forget(confirmed_future)
+            raise
+        try:
+            confirmed = await confirmed_future
+        except (RedisConnectionError, RedisTimeoutError) as exc:  # never retried: a new connection confirms nothing
+            log.warning("replica_wait_failed", job=record.job_id, error=str(exc))
+            confirmed = 0
+        return await self._withdraw_unconfirmed(record, script_keys, reply, confirmed)
+
+    async def _withdraw_unconfirmed(self, record: JobRecord, script_keys: list[str], reply: Any, confirmed: int) -> Any:
+        """The create's reply if it created nothing or enough replicas confirmed it; else withdraw the job
+        and raise ReplicaUnavailable."""
+        wait = self._replica_wait
+        if reply[0] != 1 or confirmed >= wait.replicas:
+            return reply
+        use_idem = script_keys[2] != keys.job(record.job_id)
+        await self._withdraw(
+            keys=[*script_keys[:3], keys.active_jobs(record.tenant), keys.job_events(record.job_id)],
+            args=[record.job_id, reply[2], int(use_idem)],
+        )
+        raise ReplicaUnavailable(record.job_id, confirmed, wait)
 
     async def get(self, job_id: str) -> JobRecord | None:
         """The job's record, None when there is none; SchemaError when it cannot be read as one."""
@@ -230,9 +339,13 @@ class JobStore:
         error: JobError | None = None,
         completion_tokens: int = 0,
         first_token_ms: int = 0,
+        entry: tuple[str, bytes] | None = None,
     ) -> bool:
-        """Store the final result once. Returns False when the job already had a terminal status
-        (canceled meanwhile, or finished by another delivery): the caller must not publish twice."""
+        """Store the final result once and, with `entry` (model, queue entry id), acknowledge the job's
+        queue entry in the same script. Returns False when the job already had a terminal status
+        (canceled meanwhile, or finished by another delivery): the caller must not publish twice. With
+        replicas to wait for, it returns once they have the result, or the wait timed out (logged: the
+        result is stored, and if the primary is lost before a replica has it, the job runs again)."""
         assert status.is_terminal, status
         fields: list[str | int | bytes] = ["finished_ms", now_ms(), "completion_tokens", completion_tokens]
         if first_token_ms:
@@ -241,11 +354,38 @@ class JobStore:
             fields += ["output", encode_output(output)]
         if error is not None:
             fields += ["error_code", error.code, "error_message", error.message]
-        stored = await self._finish(
-            keys=[keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS],
-            args=[self._ttl_s, status.value, EVENTS_CAP, *fields],
-        )
+        script_keys = [keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS]
+        script_args: list[Any] = [self._ttl_s, status.value, EVENTS_CAP, b""]
+        if entry is not None:
+            script_keys.append(keys.queue(entry[0]))
+            script_args[3] = entry[1]
+        script_args += fields
+        if not self._replica_wait.replicas:
+            return bool(await self._finish(keys=script_keys, args=script_args))
+        stored, confirmed = await self._run_and_wait(self._finish, script_keys, script_args)
+        if confirmed < self._replica_wait.replicas:
+            log.warning("result_not_replicated", job=job_id, confirmed=confirmed, wanted=self._replica_wait.replicas)
         return bool(stored)
+
+    async def _run_and_wait(
+        self, script: AsyncScript, script_keys: list[Any], script_args: list[Any]
+    ) -> tuple[Any, int]:
+        """Run `script`, then WAIT on the same connection (one round trip): (its reply, replicas that have
+        its writes). A WAIT that fails counts as no replica."""
+        wait = self._replica_wait
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.evalsha(script.sha, len(script_keys), *script_keys, *script_args)
+            pipe.wait(wait.replicas, wait.timeout_ms)
+            reply, confirmed = await pipe.execute(raise_on_error=False)
+        if isinstance(reply, NoScriptError):  # a restarted or promoted Redis: load it, then run and wait again
+            script.sha = await self._redis.script_load(script.script)
+            return await self._run_and_wait(script, script_keys, script_args)
+        if isinstance(reply, Exception):
+            raise reply
+        if isinstance(confirmed, Exception):
+            log.warning("replica_wait_failed", error=str(confirmed))
+            confirmed = 0
+        return reply, confirmed
 
     async def publish_tokens(self, deltas: list[TokenDelta]) -> None:
         """Append each delta as a `token` event to its job's stream, all in one round trip. A job's

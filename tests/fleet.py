@@ -13,7 +13,6 @@ from pathlib import Path
 
 import aiohttp
 import redis
-import redis.asyncio as aioredis
 
 from cli.demo_adapters import DEMO_ADAPTERS, write_demo_adapter
 from cli.demo_model import write_demo_model
@@ -21,6 +20,7 @@ from cli.redis_server import free_port
 from shared import keys
 from shared.adapter_registry import register_adapter
 from shared.model_info import ModelInfo
+from shared.redis_client import plain_redis, sync_redis
 from shared.schema import JobRecord, JobStatus
 from shared.tenants import create_tenant
 from tests.e2e.processes import lorafleet_process, wait_until
@@ -56,7 +56,7 @@ def provision(redis_url: str, model_dir: Path, adapter_root: Path) -> dict[str, 
     info = ModelInfo.from_pretrained(MODEL, model_dir)
 
     async def run() -> dict[str, str]:
-        async with aioredis.Redis.from_url(redis_url) as client:
+        async with plain_redis(redis_url) as client:
             api_keys = {}
             for adapter in DEMO_ADAPTERS:
                 api_keys[adapter.tenant] = await create_tenant(client, adapter.tenant)
@@ -93,13 +93,12 @@ class Fleet:
         return f"http://127.0.0.1:{self.port}"
 
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url)
+        return sync_redis(self.redis_url)
 
-    def start_gateway(self) -> subprocess.Popen:
+    def start_gateway(self, *flags: str) -> subprocess.Popen:
         log = self._log("gateway")
-        process = self.stack.enter_context(
-            lorafleet_process(["gateway", "--redis-url", self.redis_url, "--port", str(self.port), *GATEWAY_FLAGS], log)
-        )
+        args = ["gateway", "--redis-url", self.redis_url, "--port", str(self.port), *GATEWAY_FLAGS, *flags]
+        process = self.stack.enter_context(lorafleet_process(args, log))
 
         def ready() -> bool:
             try:

@@ -2,8 +2,9 @@
 streaming jobs, and stops running jobs that were canceled (or whose record expired).
 
 Results and deltas come from the engine thread through one queue, so a job's token events precede
-its end event. A result is stored before its entry is acknowledged (at-least-once delivery); storing
-is safe to repeat, as the job store keeps the first result.
+its end event. A result and its entry's acknowledgement are one script (at-least-once delivery: an
+entry is never acknowledged without its result), followed by a wait for the replicas when the fleet
+has them; storing is safe to repeat, as the job store keeps the first result.
 """
 
 from __future__ import annotations
@@ -33,23 +34,35 @@ class ResultPublisher:
         self._jobs = jobs
         self._running = running
         self.queue: asyncio.Queue[EngineResult | list[TokenDelta]] = asyncio.Queue()
+        self._storing: set[asyncio.Task[None]] = set()
 
     async def publish(self) -> None:
-        """Forever: store each result and publish each batch of token deltas, in the order they came."""
+        """Forever: publish each batch of token deltas, in the order they came, and store each result once
+        the deltas before it are out. Results are stored concurrently: each waits for the replicas on its
+        own connection, so a slow or missing replica delays that job's completion, not every job behind it."""
         while True:
             result = await self.queue.get()
-            try:
-                if isinstance(result, list):
+            if isinstance(result, list):
+                try:
                     deltas = [delta for delta in result if delta.job_id in self._running]
                     if deltas:
                         await retrying("publish tokens", lambda deltas=deltas: self._jobs.publish_tokens(deltas))
-                else:
-                    await retrying("publish", lambda result=result: self._store(result))
-            finally:
-                self.queue.task_done()
+                finally:
+                    self.queue.task_done()
+            else:
+                task = asyncio.create_task(self._store_and_count(result))
+                self._storing.add(task)  # held, so the task is not collected mid-flight
+                task.add_done_callback(self._storing.discard)
+
+    async def _store_and_count(self, result: EngineResult) -> None:
+        try:
+            await retrying("publish", lambda: self._store(result))
+        finally:
+            self.queue.task_done()  # a draining worker's queue.join() waits for the result to be stored
 
     async def _store(self, result: EngineResult) -> None:
-        """Store one result and acknowledge its entry. Safe to repeat: the job store keeps the first result."""
+        """Store one result and acknowledge its entry, in one script. Safe to repeat: the job store keeps
+        the first result."""
         job = self._running.get(result.job_id)
         if job is None:
             return  # canceled meanwhile: already acknowledged
@@ -60,8 +73,8 @@ class ResultPublisher:
             error=result.error,
             completion_tokens=result.completion_tokens,
             first_token_ms=result.first_token_ms,
+            entry=(job.model, job.entry_id),
         )
-        await ack(self._redis, job.model, job.entry_id)
         self._running.release(result.job_id)
         log.info(
             "job_finished",

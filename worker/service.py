@@ -53,7 +53,7 @@ class Worker:
         self.config = config
         self.id = config.worker_id
         self._redis = resilient_redis(config.redis_url, socket_timeout_s=_SOCKET_TIMEOUT_S)
-        self._jobs = JobStore(self._redis, config.job_ttl_s)
+        self._jobs = JobStore(self._redis, config.job_ttl_s, replica_wait=config.replica_wait)
         # a queue beyond the batch, so admission never idles
         self._running = RunningJobs(capacity=config.engine.max_num_seqs * 2)
         self._results = ResultPublisher(self._redis, self._jobs, self._running)

@@ -4,7 +4,8 @@
 A worker has no HTTP port. Once its models are loaded it writes `lf:worker:{id}` every heartbeat
 interval (2 s by default; the hash expires after three), with `updated_ms`. The containers start
 workers with `--worker-id` set to their hostname (the pod name on Kubernetes), so this check finds
-its own worker by hostname unless `--worker-id` is given. REDIS_URL comes from the environment.
+its own worker by hostname unless `--worker-id` is given. REDIS_URL comes from the environment
+(a `redis+sentinel://` URL reaches the primary through its Sentinels).
 
     lorafleet-worker-health [--worker-id ID] [--max-age-s 10]
 """
@@ -20,6 +21,7 @@ import time
 import redis
 
 from shared import keys
+from shared.redis_client import sync_redis
 
 
 def heartbeat_problem(client: redis.Redis, worker_id: str, max_age_s: float) -> str | None:
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print("REDIS_URL is not set", file=sys.stderr)
         return 2
     try:
-        with redis.Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3) as client:
+        with sync_redis(redis_url, socket_timeout=3, socket_connect_timeout=3) as client:
             problem = heartbeat_problem(client, args.worker_id, args.max_age_s)
     except redis.RedisError as exc:
         problem = f"redis: {exc}"
