@@ -61,9 +61,11 @@ _START = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'missing', 0} end
 if status == 'queued' or status == 'running' then
+  -- counted first: attempts that are no integer fail the script before it writes anything
+  local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
   redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
   redis.call('HSETNX', KEYS[1], 'started_ms', ARGV[2])
-  return {'running', redis.call('HINCRBY', KEYS[1], 'attempts', 1)}
+  return {'running', attempts}
 end
 return {status, redis.call('HGET', KEYS[1], 'attempts')}
 """
@@ -80,10 +82,11 @@ _FINISH = (
 -- KEYS: job hash, job events, webhooks   ARGV: ttl_s, new status, events cap, field/value...
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'queued' and status ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 4))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
+-- the event first: an events key of another type fails the script before the record changes
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
 """
     + _QUEUE_WEBHOOK
     + "return 1"
@@ -198,7 +201,7 @@ class JobStore:
         try:
             raw = await self._batched.hgetall(keys.job(job_id))
         except ResponseError as exc:
-            _raise_if_unreadable(job_id, exc)
+            _raise_if_unreadable(f"job {job_id}'s record", exc)
             raise
         return JobRecord.from_hash(raw) if raw else None
 
@@ -212,7 +215,7 @@ class JobStore:
         try:
             status, attempts = await self._start(keys=[keys.job(job_id)], args=[worker_id, now_ms()])
         except ResponseError as exc:
-            _raise_if_unreadable(job_id, exc)
+            _raise_if_unreadable(f"job {job_id}'s record", exc)
             raise
         status = status.decode(errors="replace")
         try:
@@ -232,7 +235,8 @@ class JobStore:
         first_token_ms: int = 0,
     ) -> bool:
         """Store the final result once. Returns False when the job already had a terminal status
-        (canceled meanwhile, or finished by another delivery): the caller must not publish twice."""
+        (canceled meanwhile, or finished by another delivery): the caller must not publish twice.
+        SchemaError: the record or its events stream cannot be written (a key of another type)."""
         assert status.is_terminal, status
         fields: list[str | int | bytes] = ["finished_ms", now_ms(), "completion_tokens", completion_tokens]
         if first_token_ms:
@@ -241,16 +245,21 @@ class JobStore:
             fields += ["output", encode_output(output)]
         if error is not None:
             fields += ["error_code", error.code, "error_message", error.message]
-        stored = await self._finish(
-            keys=[keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS],
-            args=[self._ttl_s, status.value, EVENTS_CAP, *fields],
-        )
+        try:
+            stored = await self._finish(
+                keys=[keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS],
+                args=[self._ttl_s, status.value, EVENTS_CAP, *fields],
+            )
+        except ResponseError as exc:
+            _raise_if_unreadable(f"job {job_id}'s record or events", exc)
+            raise
         return bool(stored)
 
     async def publish_tokens(self, deltas: list[TokenDelta]) -> None:
         """Append each delta as a `token` event to its job's stream, all in one round trip. A job's
         first events (offset 0) also set the stream's TTL, so a job that never finishes leaves no
-        stream behind."""
+        stream behind. SchemaError when a job's events key is of another type (the others' events are
+        written all the same)."""
         async with self._redis.pipeline(transaction=False) as pipe:
             for delta in deltas:
                 stream = keys.job_events(delta.job_id)
@@ -263,12 +272,20 @@ class JobStore:
                 pipe.xadd(stream, event, maxlen=EVENTS_CAP, approximate=True)
                 if delta.offset == 0:
                     pipe.expire(stream, self._ttl_s)
-            await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                _raise_if_unreadable("a job's token events", reply)
+                raise reply
 
     async def release(self, job_id: str, worker_id: str) -> bool:
         """Hand a running job back to the queue without counting its delivery (a graceful drain).
-        False when it is no longer this worker's running job."""
-        return bool(await self._release(keys=[keys.job(job_id)], args=[worker_id]))
+        False when it is no longer this worker's running job; SchemaError when the record cannot be read."""
+        try:
+            return bool(await self._release(keys=[keys.job(job_id)], args=[worker_id]))
+        except ResponseError as exc:
+            _raise_if_unreadable(f"job {job_id}'s record", exc)
+            raise
 
     async def cancel(self, job_id: str) -> JobStatus | None:
         """Cancel a queued or running job. Returns the status after the call (None: no such job)."""
@@ -278,9 +295,10 @@ class JobStore:
         return None if result is None else decode_status(result.decode(errors="replace"))
 
 
-def _raise_if_unreadable(job_id: str, exc: ResponseError) -> None:
+def _raise_if_unreadable(what: str, exc: ResponseError) -> None:
     """Raise SchemaError when a command failed because the job's record is not one (another Redis
-    type, a field that is no integer); other server errors are the caller's to re-raise."""
+    type, a field that is no integer or would overflow one); other server errors are the caller's to
+    re-raise."""
     message = str(exc)
-    if "WRONGTYPE" in message or "not an integer" in message:
-        raise SchemaError(f"job {job_id}: the record cannot be read ({message[:120]})") from exc
+    if "WRONGTYPE" in message or "not an integer" in message or "would overflow" in message:
+        raise SchemaError(f"{what} cannot be read ({message[:120]})") from exc

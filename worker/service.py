@@ -29,11 +29,12 @@ from redis.exceptions import RedisError
 from shared.config import WorkerConfig
 from shared.jobstore import JobStore
 from shared.redis_client import resilient_redis
+from shared.schema import SchemaError
 from worker.engine.engine import LLMEngine
 from worker.engine_thread import EngineThread
 from worker.heartbeat import Heartbeat
 from worker.intake import Intake
-from worker.job_stream import requeue
+from worker.job_stream import dead_letter, requeue
 from worker.kernel_plans import tune_at_start
 from worker.metrics import WorkerMetrics
 from worker.redis_retry import retrying
@@ -186,8 +187,12 @@ class Worker:
     async def _hand_back(self, job_id: str, job: RunningJob) -> None:
         # a graceful stop does not count as a delivery; after an engine crash it does, so a job that
         # crashes every engine it meets ends in the dead-letter stream instead of looping
-        if self._crash is None:
-            await self._jobs.release(job_id, self.id)
-        await requeue(self._redis, job.model, job.entry_id, job.fields)
+        try:
+            if self._crash is None:
+                await self._jobs.release(job_id, self.id)
+        except SchemaError as exc:  # its record became unreadable while it ran
+            await dead_letter(self._redis, job.model, job.entry_id, job.fields, reason=str(exc))
+        else:
+            await requeue(self._redis, job.model, job.entry_id, job.fields)
         self._running.pop(job_id)
         log.info("job_handed_back", job=job_id, request_id=job.request_id)
