@@ -7,9 +7,10 @@ The job store's Lua scripts make sure only one result is ever stored.
 
 Every loop survives losing Redis (worker/redis_retry.py): the client retries a command through a
 short restart, and past that the loop logs, backs off and tries again, holding on to any result it
-has not stored yet. On `stop()` the worker drains: it reads no more jobs, gives running ones
-`drain_grace_s` to finish, and puts the rest back on their queue as new entries that any worker can
-take at once.
+has not stored yet. On `stop()` (a signal, or a loop that failed) the worker drains: it reads no
+more jobs and withdraws its heartbeat at once, gives running ones `drain_grace_s` to finish, and puts
+the rest back on their queue as new entries that any worker can take at once. The whole stop is
+bounded (drain_grace_s + STOP_MARGIN_S); a loop that ignores its cancellation is left behind.
 
 This module wires the parts and owns the process's life (start, stop, drain, crash): jobs in
 (intake.py), out (results.py), what the fleet is told (heartbeat.py), the jobs running here
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 
 import structlog
 from redis.exceptions import RedisError
@@ -30,6 +32,7 @@ from shared.config import WorkerConfig
 from shared.jobstore import JobStore
 from shared.redis_client import resilient_redis
 from shared.schema import SchemaError
+from shared.tasks import TASK_STOP_S, cancel_and_wait
 from worker.engine.engine import LLMEngine
 from worker.engine_thread import EngineThread
 from worker.heartbeat import Heartbeat
@@ -46,6 +49,21 @@ from worker.switching.switcher import ModelSwitcher
 log = structlog.get_logger(__name__)
 
 _SOCKET_TIMEOUT_S = 10.0  # outlasts the XREADGROUP block; a dead connection is noticed this fast
+STOP_MARGIN_S = 10.0  # the stop sequence's time beyond drain_grace_s: the engine's last step, handing back
+
+
+@dataclass(frozen=True, slots=True)
+class _Loops:
+    """The worker's loops, by the order a stop ends them in."""
+
+    consume: asyncio.Task
+    heartbeat: asyncio.Task
+    publish: asyncio.Task
+    others: list[asyncio.Task]
+
+    @property
+    def all(self) -> list[asyncio.Task]:
+        return [self.consume, self.heartbeat, self.publish, *self.others]
 
 
 class Worker:
@@ -98,23 +116,21 @@ class Worker:
         )
         await retrying("announce", self._heartbeat.announce)
         log.info("worker_ready", worker=self.id, models=[s.name for s in self.config.models], resident=list(engines))
-        consume = asyncio.create_task(self._consume(intake), name="consume")
-        background = [
-            asyncio.create_task(self._results.publish(), name="publish"),
-            asyncio.create_task(self._beat(), name="heartbeat"),
-            asyncio.create_task(CancelWatch(self._redis, self._running, self._engine_thread).watch(), name="cancels"),
-            asyncio.create_task(self._manage_models(), name="models"),
-        ]
-        for task in (consume, *background):
+        loops = _Loops(
+            consume=asyncio.create_task(self._consume(intake), name="consume"),
+            heartbeat=asyncio.create_task(self._beat(), name="heartbeat"),
+            publish=asyncio.create_task(self._results.publish(), name="publish"),
+            others=[
+                asyncio.create_task(
+                    CancelWatch(self._redis, self._running, self._engine_thread).watch(), name="cancels"
+                ),
+                asyncio.create_task(self._manage_models(), name="models"),
+            ],
+        )
+        for task in loops.all:
             task.add_done_callback(self._task_done)
         await self._stopping.wait()
-        await asyncio.gather(consume, return_exceptions=True)  # returns within one read block
-        await self._drain()
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        with contextlib.suppress(RedisError):  # the heartbeat key expires by itself if Redis is away
-            await self._heartbeat.withdraw()
+        await self._stop_within_grace(loops)
         await self._redis.aclose()
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.shutdown)  # waits out its poll interval (0.5 s)
@@ -125,6 +141,29 @@ class Worker:
     def stop(self) -> None:
         self._stopping.set()
         self._running.room.set()  # wake the consumer if it waits for room
+
+    async def _stop_within_grace(self, loops: _Loops) -> None:
+        """Run the stop sequence, for at most drain_grace_s + STOP_MARGIN_S: past that (Redis away, a
+        task that ignores its cancellation) it is left behind and the worker exits as crashed."""
+        stopping = asyncio.create_task(self._stop_serving(loops), name="stop")
+        await asyncio.wait([stopping], timeout=self.config.drain_grace_s + STOP_MARGIN_S)
+        if not stopping.done():
+            log.error("stop_overran", grace_s=self.config.drain_grace_s, margin_s=STOP_MARGIN_S)
+            self._crash = self._crash or TimeoutError("the stop overran its grace period")
+            await cancel_and_wait([stopping], TASK_STOP_S)
+        elif stopping.exception() is not None:
+            log.error("stop_failed", exc_info=stopping.exception())
+            self._crash = self._crash or stopping.exception()
+
+    async def _stop_serving(self, loops: _Loops) -> None:
+        """Stop reading and at once stop advertising (the gateway must not take jobs nobody reads), drain,
+        then end the other loops."""
+        await cancel_and_wait([loops.heartbeat], TASK_STOP_S)
+        with contextlib.suppress(RedisError):  # the heartbeat key expires by itself if Redis is away
+            await self._heartbeat.withdraw()
+        await asyncio.gather(loops.consume, return_exceptions=True)  # returns within one read block
+        await self._drain(loops.publish)
+        await cancel_and_wait([loops.publish, *loops.others], TASK_STOP_S)
 
     # -- start-up and failure -------------------------------------------------------------------
 
@@ -171,13 +210,21 @@ class Worker:
             await retrying("hand back", lambda job_id=job_id, job=job: self._hand_back(job_id, job))
         return len(jobs)
 
-    async def _drain(self) -> None:
-        """Give running jobs `drain_grace_s` to finish (their results stored), then hand the rest back."""
+    async def _drain(self, publish: asyncio.Task) -> None:
+        """Give running jobs `drain_grace_s` to finish (their results stored, their entries still claimed),
+        then hand the rest back."""
         deadline = time.monotonic() + self.config.drain_grace_s
+        renew_at = 0.0
         while len(self._running) and self._crash is None and time.monotonic() < deadline:
+            if time.monotonic() >= renew_at:
+                await retrying("renew claims", self._heartbeat.renew_claims)
+                renew_at = time.monotonic() + self.config.heartbeat_interval_s
             await asyncio.sleep(0.05)
         await asyncio.to_thread(self._engine_thread.stop)
-        await self._results.queue.join()  # results of the engine's last step are stored before we let go
+        # results of the engine's last step are stored before we let go, unless the loop storing them failed
+        stored = asyncio.create_task(self._results.queue.join())
+        await asyncio.wait([stored, publish], return_when=asyncio.FIRST_COMPLETED)
+        stored.cancel()
         if not len(self._running):
             return
         log.warning("drain_incomplete", handed_back=len(self._running), crashed=self._crash is not None)
