@@ -159,11 +159,12 @@ class Worker:
         """Stop reading and at once stop advertising (the gateway must not take jobs nobody reads), drain,
         then end the other loops."""
         await cancel_and_wait([loops.heartbeat], TASK_STOP_S)
+        claims = asyncio.create_task(self._renew_claims(), name="claims")  # running jobs stay ours meanwhile
         with contextlib.suppress(RedisError):  # the heartbeat key expires by itself if Redis is away
             await self._heartbeat.withdraw()
         await asyncio.gather(loops.consume, return_exceptions=True)  # returns within one read block
         await self._drain(loops.publish)
-        await cancel_and_wait([loops.publish, *loops.others], TASK_STOP_S)
+        await cancel_and_wait([claims, loops.publish, *loops.others], TASK_STOP_S)
 
     # -- start-up and failure -------------------------------------------------------------------
 
@@ -196,6 +197,12 @@ class Worker:
             await retrying("heartbeat", lambda: self._heartbeat.beat(self._switcher))
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
+    async def _renew_claims(self) -> None:
+        """A stopping worker's heartbeat: its running entries' claims only, nothing advertised."""
+        while True:
+            await retrying("renew claims", self._heartbeat.renew_claims)
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
     async def _manage_models(self) -> None:
         while True:
             await retrying("model switching", self._switcher.run)
@@ -211,14 +218,9 @@ class Worker:
         return len(jobs)
 
     async def _drain(self, publish: asyncio.Task) -> None:
-        """Give running jobs `drain_grace_s` to finish (their results stored, their entries still claimed),
-        then hand the rest back."""
+        """Give running jobs `drain_grace_s` to finish (their results stored), then hand the rest back."""
         deadline = time.monotonic() + self.config.drain_grace_s
-        renew_at = 0.0
         while len(self._running) and self._crash is None and time.monotonic() < deadline:
-            if time.monotonic() >= renew_at:
-                await retrying("renew claims", self._heartbeat.renew_claims)
-                renew_at = time.monotonic() + self.config.heartbeat_interval_s
             await asyncio.sleep(0.05)
         await asyncio.to_thread(self._engine_thread.stop)
         # results of the engine's last step are stored before we let go, unless the loop storing them failed

@@ -20,7 +20,7 @@ STOP_MARGIN_S = 10.0  # worker/service.py's
 def test_a_draining_worker_withdraws_its_heartbeat_at_once_and_keeps_its_jobs(fleet: Fleet):
     fleet.start_gateway()
     draining = fleet.start_worker("draining", "--drain-grace", "60")
-    job_ids = fleet.submit(jobs_for(8, max_tokens=200))
+    job_ids = fleet.submit(jobs_for(8, max_tokens=400))  # they run for seconds after the SIGTERM
     wait_until(lambda: fleet.running_on("draining", job_ids) >= 2, timeout_s=30, what="the worker to run jobs")
     fleet.start_worker("steady")  # would take over any entry the draining worker stopped claiming
 
