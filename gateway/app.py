@@ -23,6 +23,7 @@ from shared.config import GatewayConfig
 from shared.jobstore import JobStore
 from shared.rate_limits import Admission
 from shared.redis_client import resilient_redis
+from shared.tasks import TASK_STOP_S, cancel_and_wait
 
 # A long-poll holds a Redis XREAD BLOCK for up to limits.max_wait_s; the socket must outwait it by
 # this much, or redis-py's default 5 s read timeout would cut every long-poll short.
@@ -73,8 +74,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         webhooks = asyncio.create_task(WebhookDispatcher(redis, store, config.webhooks, app[METRICS]).run())
     yield
     if webhooks is not None:
-        webhooks.cancel()
-        await asyncio.gather(webhooks, return_exceptions=True)
+        await cancel_and_wait([webhooks], TASK_STOP_S)
     await events.close()
     executor.shutdown(cancel_futures=True)
     await batched_redis.aclose()

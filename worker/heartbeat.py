@@ -1,7 +1,8 @@
 """What the worker tells the fleet: at start, every model it serves (resident or not) with what its
 adapter pool can serve of adapters; every heartbeat, its own record (`lf:worker:{id}`: models and
 their tiers, load, resident adapters), the served stamp of each model, and a renewed claim on every
-running entry so that no live job is taken over; at stop, it withdraws all of that."""
+running entry so that no live job is taken over; the moment it stops reading, it withdraws all of
+that (a draining worker only renews its claims)."""
 
 from __future__ import annotations
 
@@ -45,11 +46,8 @@ class Heartbeat:
 
     async def beat(self, switcher: ModelSwitcher) -> None:
         """Advertise this worker, and renew the claim on every running entry so no live job is stolen."""
+        await self.renew_claims()
         worker_id = self._config.worker_id
-        for model, entry_ids in self._running.entries_by_model().items():
-            await self._redis.xclaim(
-                keys.queue(model), keys.WORKER_GROUP, worker_id, min_idle_time=0, message_ids=entry_ids, justid=True
-            )
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(
                 keys.worker(worker_id),
@@ -68,6 +66,18 @@ class Heartbeat:
                 mark_served(pipe, spec.name, now_ms(), worker_id=worker_id, limits=self._limits[spec.name])
             pipe.sadd(keys.WORKERS, worker_id)
             await pipe.execute()
+
+    async def renew_claims(self) -> None:
+        """Reset the idle time of every running entry (a draining worker does this, advertising nothing)."""
+        for model, entry_ids in self._running.entries_by_model().items():
+            await self._redis.xclaim(
+                keys.queue(model),
+                keys.WORKER_GROUP,
+                self._config.worker_id,
+                min_idle_time=0,
+                message_ids=entry_ids,
+                justid=True,
+            )
 
     async def withdraw(self) -> None:
         """At stop: this worker's record and its adapter limits go (the record would expire anyway)."""

@@ -3,8 +3,10 @@ entries whose worker died, and starts each job in the job store and the engine t
 
 Only resident models' streams are read: a job read for a model that is not resident could not run
 soon, and would sit in this worker's pending list where no other worker takes it. An entry read
-during a stop or a switch is put back for any worker; one that cannot be decoded, or was delivered
-too often, is dead-lettered.
+during a stop or a switch is put back for any worker. An entry that cannot be served is dead-lettered
+with the reason, at its first delivery, and never stops the worker: no `job` field, a message that
+does not decode (shared/schema.py names the field), a job record that cannot be read (another Redis
+type, a status that is no JobStatus, attempts that are no count); so is one delivered too often.
 """
 
 from __future__ import annotations
@@ -108,14 +110,19 @@ class Intake:
 
     async def _accept(self, model: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
-            message = decode_job(fields[b"job"])
-        except (SchemaError, KeyError) as exc:
+            message = _decode_entry(fields)
+        except SchemaError as exc:
             log.error("undecodable_job", model=model, entry=entry_id.decode(), error=str(exc))
             await dead_letter(self._redis, model, entry_id, fields, reason=str(exc))
             return
         if message.job_id in self._running:
             return  # our own entry, already running
-        status, attempts = await self._jobs.start(message.job_id, self._config.worker_id)
+        try:
+            status, attempts = await self._jobs.start(message.job_id, self._config.worker_id)
+        except SchemaError as exc:
+            log.error("unreadable_job_record", job=message.job_id, model=model, error=str(exc))
+            await dead_letter(self._redis, model, entry_id, fields, reason=str(exc))
+            return
         if status is not JobStatus.RUNNING:
             await ack(self._redis, model, entry_id)  # canceled while queued, finished earlier, or expired
             return
@@ -155,3 +162,11 @@ class Intake:
         error = JobError(ErrorCode.WORKER_CRASHED, f"the job was delivered {attempts - 1} times without finishing")
         await self._jobs.finish(message.job_id, JobStatus.FAILED, error=error)
         await dead_letter(self._redis, model, entry_id, fields, reason="too many deliveries")
+
+
+def _decode_entry(fields: dict[bytes, bytes]) -> JobMessage:
+    """The job message a stream entry carries; SchemaError when it carries none or it does not decode."""
+    payload = fields.get(b"job")
+    if payload is None:
+        raise SchemaError(f"the stream entry has no job field (fields: {sorted(fields)!r:.80})")
+    return decode_job(payload)

@@ -23,6 +23,7 @@ def test_killing_a_worker_mid_generation_loses_no_job(fleet: Fleet):
     jobs = jobs_for(100, max_tokens=16)
     job_ids = fleet.submit(jobs)
     wait_until(lambda: fleet.running_on("doomed", job_ids) >= 4, timeout_s=30, what="the doomed worker to run jobs")
+    doomed.send_signal(signal.SIGSTOP)  # frozen: what it runs cannot change between the snapshot and the kill
     running_when_killed = {
         r.job_id for r in fleet.records(job_ids) if r.worker == "doomed" and not r.status.is_terminal
     }
