@@ -58,6 +58,7 @@ def test_a_sigtermed_worker_drains_within_its_grace_period_and_loses_no_job(flee
     fleet.assert_nothing_lost(job_ids, records)
     assert_equal_jobs_equal_outputs(jobs, records)
     assert all(r.attempts == 1 for r in records), "a graceful hand-back must not count as a delivery"
-    assert "job_handed_back" in fleet.log_of("draining").read_text()  # the grace was too short for some: they moved
+    # whether any job outlived the grace (and was handed back) depends on the machine's speed: the
+    # hand-back itself is asserted in tests/e2e/test_model_switching.py, where it is certain
     with fleet.redis() as client:
         assert not client.sismember(keys.WORKERS, "draining")
