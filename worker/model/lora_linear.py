@@ -95,7 +95,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in_features] → [T, sum out_features]; `lora` None when no token uses an adapter
-        (its page table addresses this layer's pages). `residual` [T, sum out_features]: the stream
+        (always on a model without LoRA: the base GEMM alone, no LoRA launch; its page table
+        addresses this layer's pages). `residual` [T, sum out_features]: the stream
         the caller adds the result to next, which may take the LoRA delta instead (at decode sizes
         on CUDA, where the delta is computed beside the base GEMM)."""
         return lora_linear(x, self.weight, self.bias, self.lora_a, self.lora_b, lora, residual=residual)
