@@ -12,7 +12,10 @@ rank 16 on all seven projections, PEFT files written under --adapter-dir (kept, 
 reuses them), spread round-robin over the batch, and loaded through the engine's adapter pool
 before any row is timed.
 Each (batch, prompt) shape first runs once untimed (prefill and one decode, with adapters), so no row
-pays a first-use compile.
+pays a first-use compile. With 0 among --adapters, the base-only rows run a second time, on an engine
+built as a worker started with --max-loras 0 builds it (no LoRA memory or kernels; system "lorafleet
+no-LoRA"), after the first engine is freed; a last table gives the LoRA-enabled engine's base-only
+rows over those (issue 20's target: within 2%, ratio >= 0.98 of tok/s and decode tok/s).
     tok/s   output tokens / wall time of the whole run (prefill included)
     TTFT    mean over requests of (first token - start)
     TPOT    mean over requests of (last token - first token) / (new tokens - 1)
@@ -82,6 +85,9 @@ LLAMA3_8B = ModelInfo(
 )
 RANK = 16
 PREFILL_TOKENS_PER_STEP = 16384  # longer prefills are chunked (the engine's max_num_batched_tokens)
+LORAFLEET, NO_LORA = "lorafleet", "lorafleet no-LoRA"  # engine rows' systems: LoRA enabled, --max-loras 0
+# issue 20: base-only requests on an engine with LoRA enabled keep this share of one started without LoRA
+BASE_WITH_LORA_TARGET = 0.98
 
 
 @dataclass
@@ -96,6 +102,32 @@ class Row:
     tpot_ms: float
     decode_tok_s: float
     roofline_tok_s: float
+
+
+@dataclass(frozen=True)
+class LoRAOffRatio:
+    """One (batch, prompt)'s base-only row on the LoRA-enabled engine over the same row on the engine
+    without LoRA: throughputs (higher is better for LoRA) and TTFT (lower is)."""
+
+    batch: int
+    prompt: int
+    tok_s: float
+    decode_tok_s: float
+    ttft: float
+
+    @property
+    def met(self) -> bool:
+        return min(self.tok_s, self.decode_tok_s) >= BASE_WITH_LORA_TARGET
+
+
+def lora_off_ratios(rows: list[Row]) -> list[LoRAOffRatio]:
+    """The ratio of every (batch, prompt) with a base-only row on both engines, in the rows' order."""
+    off = {(r.batch, r.prompt): r for r in rows if r.system == NO_LORA}
+    return [
+        LoRAOffRatio(r.batch, r.prompt, r.tok_s / o.tok_s, r.decode_tok_s / o.decode_tok_s, r.ttft_ms / o.ttft_ms)
+        for r in rows
+        if r.system == LORAFLEET and r.adapters == 0 and (o := off.get((r.batch, r.prompt))) is not None
+    ]
 
 
 def copy_bandwidth() -> float:
@@ -230,10 +262,14 @@ class EngineBench:
         *,
         rank: int = RANK,
         make_adapter: Callable[[Path, ModelInfo, int, int], AdapterRef] = write_adapter,
+        lora: bool = True,
     ) -> None:
         """KV cache sized for max_seqs sequences of max_context tokens (block size 16); the pool holds
         max_adapters adapters of rank `rank`, make_adapter(adapter_root / f"bench{i}", info, rank, i),
-        loaded before any run."""
+        loaded before any run. lora False: the engine of a worker started with --max-loras 0 (no
+        adapters)."""
+        if not lora and max_adapters:
+            raise ValueError("an engine without LoRA takes no adapters")
         self.info = info
         self.config = EngineConfig(
             device="cuda",
@@ -242,7 +278,7 @@ class EngineBench:
             max_num_batched_tokens=PREFILL_TOKENS_PER_STEP,
             num_kv_blocks=max_seqs * -(-max_context // 16),
             block_size=16,
-            max_loras=max(max_adapters, 1),
+            max_loras=max(max_adapters, 1) if lora else 0,
             max_lora_rank=rank,
             # a max-rank adapter's file (an MoE one's experts: GBs), with room for its header
             max_adapter_bytes=max(
@@ -418,8 +454,59 @@ def mixed_step_ms(bench: EngineBench, batch: int, context: int, chunk: int, adap
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_engine_rows(
+    bench: EngineBench,
+    args: argparse.Namespace,
+    adapter_counts: list[int],
+    system: str,
+    bandwidth: float,
+    report: Callable[[Row], None],
+) -> None:
+    """`report` the grid's rows (every prompt, batch and adapter count of `adapter_counts`) on `bench`'s
+    engine as each is measured, every shape first warmed up untimed (Triton compiles and cuBLAS
+    handles: a LoRA launch configuration's first use at a new token count stalled that row's TTFT by
+    1-2 s on the H200)."""
+    for prompt in args.prompts:
+        for batch in args.batches:
+            bench.run(batch, prompt, 2, max(adapter_counts))
+    for prompt in args.prompts:
+        for batch in args.batches:
+            for adapters in adapter_counts:
+                wall, ttft, tpot = bench.run(batch, prompt, args.new_tokens, adapters)
+                report(
+                    Row(
+                        system,
+                        batch,
+                        prompt,
+                        args.new_tokens,
+                        adapters,
+                        batch * args.new_tokens / wall,
+                        ttft * 1e3,
+                        tpot * 1e3,
+                        batch / tpot,
+                        roofline(bench.info, batch, prompt + args.new_tokens / 2, bandwidth),
+                    )
+                )
+
+
+def print_lora_off_ratios(rows: list[Row]) -> None:
+    ratios = lora_off_ratios(rows)
+    if not ratios:
+        return
+    print(
+        f"\nbase-only requests, engine with LoRA / engine without LoRA (--max-loras 0); "
+        f"target: tok/s and decode tok/s >= {BASE_WITH_LORA_TARGET}"
+    )
+    print(f"{'batch':>6}{'prompt':>7}{'tok/s':>8}{'decode':>8}{'TTFT':>7}  target")
+    for r in ratios:
+        verdict = "met" if r.met else "missed"
+        print(f"{r.batch:>6}{r.prompt:>7}{r.tok_s:>8.3f}{r.decode_tok_s:>8.3f}{r.ttft:>7.3f}  {verdict}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -434,7 +521,11 @@ def main() -> None:
     parser.add_argument("--out", help="write the rows as JSON lines here")
     parser.add_argument("--adapter-dir", help="where the adapters' PEFT files are written, or found from an "
                         "earlier run (default: a new temporary directory)")  # fmt: skip
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     info = LLAMA3_8B
     root = adapter_dir(args.adapter_dir)
     if args.profile_batch:
@@ -473,36 +564,22 @@ def main() -> None:
 
     for adapters in args.hf_adapters:
         b, p, n = args.hf_batch, args.hf_prompt, args.hf_new_tokens or args.new_tokens
-        wall, tok_s = hf_generate(info, b, p, n, adapters)
+        _, tok_s = hf_generate(info, b, p, n, adapters)
         system = "transformers+peft" if adapters else "transformers"
         report(Row(system, b, p, n, adapters, tok_s, 0.0, 0.0, 0.0, roofline(info, b, p + n / 2, bandwidth)))
 
-    bench = EngineBench(info, max(args.adapters), max(args.batches), max(args.prompts) + args.new_tokens, root)
-    sizes = bench.runner.graphs.sizes if bench.runner.graphs else []
-    print(f"engine ready in {bench.setup_s:.1f} s (KV cache, decode graphs for batch sizes {sizes})", flush=True)
-    # warm-up: Triton compiles and cuBLAS handles, for every prefill shape of the grid (a LoRA launch
-    # configuration's first use at a new token count stalled that row's TTFT by 1-2 s on the H200)
-    for prompt in args.prompts:
-        for batch in args.batches:
-            bench.run(batch, prompt, 2, max(args.adapters))
-    for prompt in args.prompts:
-        for batch in args.batches:
-            for adapters in args.adapters:
-                wall, ttft, tpot = bench.run(batch, prompt, args.new_tokens, adapters)
-                report(
-                    Row(
-                        "lorafleet",
-                        batch,
-                        prompt,
-                        args.new_tokens,
-                        adapters,
-                        batch * args.new_tokens / wall,
-                        ttft * 1e3,
-                        tpot * 1e3,
-                        batch / tpot,
-                        roofline(info, batch, prompt + args.new_tokens / 2, bandwidth),
-                    )
-                )
+    max_seqs, max_context = max(args.batches), max(args.prompts) + args.new_tokens
+    # one engine per configuration, one at a time: two 8B engines with their KV caches do not fit an 80 GB GPU
+    configurations = [(LORAFLEET, args.adapters)] + ([(NO_LORA, [0])] if 0 in args.adapters else [])
+    for system, adapter_counts in configurations:
+        lora = system == LORAFLEET
+        bench = EngineBench(info, max(adapter_counts), max_seqs, max_context, root, lora=lora)
+        sizes = bench.runner.graphs.sizes if bench.runner.graphs else []
+        print(f"{system} engine ready in {bench.setup_s:.1f} s (KV cache, decode graphs for {sizes})", flush=True)
+        run_engine_rows(bench, args, adapter_counts, system, bandwidth, report)
+        del bench
+        gc.collect()  # the engine's graphs, weights and KV storage go back before the next is built
+        torch.cuda.empty_cache()
 
     print(
         f"\n{'system':<18}{'batch':>6}{'prompt':>7}{'new':>5}{'adapt':>6}{'tok/s':>9}{'TTFT ms':>9}"
@@ -514,6 +591,7 @@ def main() -> None:
             f"{r.system:<18}{r.batch:>6}{r.prompt:>7}{r.new_tokens:>5}{r.adapters:>6}{r.tok_s:>9.0f}"
             f"{r.ttft_ms:>9.1f}{r.tpot_ms:>9.2f}{r.decode_tok_s:>13.0f}{r.roofline_tok_s:>10.0f}{share:>9.2f}"
         )
+    print_lora_off_ratios(rows)
 
 
 if __name__ == "__main__":

@@ -277,6 +277,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     root = adapter_root(args)
     if not root.is_dir():
         raise ConfigError("--adapter-root", f"{root} is not a directory")
+    if args.preload_adapters and not args.max_loras:
+        raise ConfigError("--preload-adapters", "needs LoRA, which --max-loras 0 turns off")
     engine = EngineConfig(
         device=_worker_device(args.device),
         dtype=args.dtype,

@@ -200,10 +200,10 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
     )
     engine.add_argument(
         "--max-loras",
-        type=cfa.positive_int,
+        type=cfa.count,
         default=_ENGINE.max_loras,
         help="the device's LoRA pool, in adapters of --max-lora-rank; it is paged by 16 ranks, so more adapters "
-        "of lower rank fit (default: %(default)s)",
+        "of lower rank fit. 0: LoRA off (no LoRA memory, jobs naming an adapter refused) (default: %(default)s)",
     )
     engine.add_argument(
         "--max-lora-rank", type=cfa.positive_int, default=_ENGINE.max_lora_rank, help="(default: %(default)s)"

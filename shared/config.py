@@ -133,7 +133,9 @@ class EngineConfig:
     # several processes on one GPU under MPS; the KV cache is sized within it. None: no cap
     gpu_memory_fraction: float | None = None
     cpu_kv_cache_gb: float = 0.5
-    max_loras: int = 8  # the device's LoRA pool, in adapters of max_lora_rank (paged: more of lower rank fit)
+    # the device's LoRA pool, in adapters of max_lora_rank (paged: more of lower rank fit). 0: LoRA off, the
+    # model built without LoRA buffers, no adapter pool, and a job naming an adapter refused
+    max_loras: int = 8
     max_lora_rank: int = 64
     max_adapter_bytes: int = 2 << 30
     # pinned host tier of the adapter pool; None: room for 2 * max_loras max-rank adapters. It must
@@ -153,12 +155,16 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
-        if self.max_loras < 1 or self.max_lora_rank < 1:
-            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("max_loras must be >= 0 (0: LoRA off) and max_lora_rank >= 1")
         if self.adapter_eviction not in ("lru", "lfu"):
             raise ValueError(f"adapter_eviction must be 'lru' or 'lfu', not {self.adapter_eviction!r}")
         if self.adapter_host_cache_gb is not None and self.adapter_host_cache_gb <= 0:
             raise ValueError("adapter_host_cache_gb must be > 0")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.max_loras > 0
 
 
 # how long a worker on SIGTERM lets running jobs finish before handing the rest back
@@ -213,5 +219,7 @@ class WorkerConfig:
             raise ValueError("max_resident_models must be >= 1")
         if self.cpu_model_cache_bytes < 0 or self.switch_grace_s < 0:
             raise ValueError("cpu_model_cache_bytes and switch_grace_s must be >= 0")
+        if self.preload_adapters and not self.engine.lora_enabled:
+            raise ValueError("preload_adapters needs LoRA: max_loras is 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be a TCP port, or 0 for none")

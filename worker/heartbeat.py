@@ -93,6 +93,6 @@ class Heartbeat:
         engine's last step (the pool publishes them as one tuple, safe to read from this thread)."""
         adapters = {}
         for name, engine in dict(self._residency.engines).items():  # a copy: the engine thread may swap models
-            gpu, cpu = engine.adapter_pool.resident
+            gpu, cpu = engine.adapter_pool.resident if engine.adapter_pool is not None else ((), ())  # LoRA off
             adapters[name] = {"gpu": list(gpu), "cpu": list(cpu)}
         return adapters

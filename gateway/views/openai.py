@@ -6,6 +6,7 @@ shape, which OpenAI clients read."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from aiohttp import web
@@ -21,7 +22,7 @@ from gateway.sse import open_event_stream, send_event, send_keepalive
 from gateway.state import CONFIG, JOBS, QUEUED_JOB, REDIS, REQUEST_ID
 from shared.adapter_registry import list_adapters
 from shared.errors import ErrorCode
-from shared.model_registry import list_models
+from shared.model_registry import adapter_limits, list_models
 from shared.schema import JobRecord, JobStatus
 from shared.tenants import Tenant
 
@@ -43,13 +44,25 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """`GET /v1/models`: the base models, then the adapters this tenant may use (with their base as parent)."""
+    """`GET /v1/models`: the base models, then the adapters this tenant may use (with their base as parent).
+    A base model's `max_lora_rank` is the highest adapter rank every live worker serving it takes: 0 when
+    one runs without LoRA (--max-loras 0), null when no worker serves it now."""
     tenant = await request_tenant(request)
     redis = request.app[REDIS]
-    data: list[dict[str, Any]] = [
-        {"id": info.name, "object": "model", "created": 0, "owned_by": _OWNER, "max_model_len": info.max_context}
-        for info in await list_models(redis)
-    ]
+    since_ms = time.time() * 1000 - request.app[CONFIG].model_unserved_after_s * 1000
+    data: list[dict[str, Any]] = []
+    for info in await list_models(redis):
+        limits = await adapter_limits(redis, info.name, since_ms=since_ms)
+        data.append(
+            {
+                "id": info.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": _OWNER,
+                "max_model_len": info.max_context,
+                "max_lora_rank": None if limits is None else limits.max_rank,
+            }
+        )
     data += [
         {
             "id": adapter.name,

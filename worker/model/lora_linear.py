@@ -27,7 +27,8 @@ PAGE_RANK = 16
 class LoRAPages:
     """The device memory every adapted projection keeps for adapters: `num_pages` pages of `page_rank`
     rank rows each (S-LoRA's unified paging). An adapter of rank r takes cdiv(r, page_rank) pages,
-    anywhere in the pool; the model's page table (`CausalLM.slot_pages`) says which."""
+    anywhere in the pool; the model's page table (`CausalLM.slot_pages`) says which. No pages: LoRA
+    is off, and every LoRA buffer is empty (zero bytes, never read)."""
 
     num_pages: int
     page_rank: int
@@ -37,9 +38,9 @@ class LoRAPages:
     def for_pool(cls, info: ModelInfo, *, max_loras: int, max_lora_rank: int) -> LoRAPages:
         """The pages of a pool as large as `max_loras` adapters of rank `max_lora_rank`. MoE models,
         whose expert buffers are not paged, and pools of rank <= PAGE_RANK get one page of the whole
-        max rank per adapter: slots are then pages."""
-        if max_loras < 1 or max_lora_rank < 1:
-            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        max rank per adapter: slots are then pages. max_loras 0: no pages (LoRA off)."""
+        if max_loras < 0 or max_lora_rank < 1:
+            raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
         page_rank = max_lora_rank if info.is_moe or max_lora_rank <= PAGE_RANK else PAGE_RANK
         pages_per_slot = -(-max_lora_rank // page_rank)
         return cls(num_pages=max_loras * pages_per_slot, page_rank=page_rank, pages_per_slot=pages_per_slot)
@@ -94,7 +95,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in_features] → [T, sum out_features]; `lora` None when no token uses an adapter
-        (its page table addresses this layer's pages). `residual` [T, sum out_features]: the stream
+        (always on a model without LoRA: the base GEMM alone, no LoRA launch; its page table
+        addresses this layer's pages). `residual` [T, sum out_features]: the stream
         the caller adds the result to next, which may take the LoRA delta instead (at decode sizes
         on CUDA, where the delta is computed beside the base GEMM)."""
         return lora_linear(x, self.weight, self.bias, self.lora_a, self.lora_b, lora, residual=residual)

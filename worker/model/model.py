@@ -87,7 +87,8 @@ class CausalLM(nn.Module):
         The pool is paged (S-LoRA's unified paging): pages of PAGE_RANK rank rows for every adapted
         projection of every layer, so adapters of lower rank take fewer pages and more of them fit,
         up to one per page. An adapter's slot (its index into the per-slot tensors below) is the
-        index of its first page (LoRAPages.for_pool says when slots are pages)."""
+        index of its first page (LoRAPages.for_pool says when slots are pages). max_loras 0: LoRA
+        off, every LoRA tensor empty; only base-model batches (`lora` None) may run."""
         super().__init__()
         self.info = info
         self.dtype = resolve_dtype(dtype, info)
@@ -120,6 +121,10 @@ class CausalLM(nn.Module):
             torch.zeros(self.num_slots, self.pages_per_slot, dtype=torch.int32, device=device),
             persistent=False,
         )
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.num_pages > 0
 
     def pages_for_rank(self, rank: int) -> int:
         """Pages an adapter of `rank` takes."""
