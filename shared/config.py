@@ -46,7 +46,8 @@ class TenantLimits:
     requests_per_min: int = 600
     tokens_per_min: int = 1_000_000  # prompt tokens + max_tokens of each job
     max_concurrent_jobs: int = 64  # queued + running
-    max_queue_per_model: int = 10_000  # entries in a model's stream (queued + running, all tenants)
+    # entries in a model's stream of one priority class (queued + running, all tenants)
+    max_queue_per_model: int = 10_000
 
     def __post_init__(self) -> None:
         if min(self.requests_per_min, self.tokens_per_min, self.max_concurrent_jobs, self.max_queue_per_model) < 1:

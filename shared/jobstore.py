@@ -179,7 +179,7 @@ class JobStore:
                 admission.args if admission else None,
             ]
         )
-        script_keys = [keys.job(record.job_id), keys.queue(record.model), idem_key]
+        script_keys = [keys.job(record.job_id), keys.queue(record.model, message.priority), idem_key]
         script_keys += admission.keys if admission else ()
         script_args = [encode_job(message), packed]
         # EVALSHA awaited here, not through redis-py's Script call (an import and an isinstance check through

@@ -2,7 +2,8 @@
 
 | key                           | type   | what                                                      |
 | ----------------------------- | ------ | --------------------------------------------------------- |
-| lf:q:{model}                  | stream | queued jobs for one base model (consumer group `workers`) |
+| lf:q:{model}                  | stream | queued interactive jobs for one base model (group `workers`) |
+| lf:qb:{model}                 | stream | queued batch jobs for one base model (group `workers`)    |
 | lf:job:{id}                   | hash   | job record (status, tenant, timings, result); TTL         |
 | lf:out:{id}                   | stream | job events (tokens, final) for long-poll / streaming; TTL |
 | lf:dlq                        | stream | jobs that failed delivery too many times (capped)         |
@@ -19,7 +20,10 @@
 | lf:gw-wake:{process}          | stream | wakes one gateway process's event reader; TTL             |
 """
 
+from shared.schema import Priority
+
 PREFIX = "lf"
+_QUEUE_PREFIX = {Priority.INTERACTIVE: "q", Priority.BATCH: "qb"}
 WORKER_GROUP = "workers"
 WEBHOOKS = f"{PREFIX}:webhooks"
 WEBHOOK_GROUP = "webhooks"
@@ -30,8 +34,9 @@ WORKERS = f"{PREFIX}:workers"
 TENANTS = f"{PREFIX}:tenants"
 
 
-def queue(model: str) -> str:
-    return f"{PREFIX}:q:{model}"
+def queue(model: str, priority: Priority = Priority.INTERACTIVE) -> str:
+    """The stream of `model`'s jobs of one priority class: a worker reads the interactive one first."""
+    return f"{PREFIX}:{_QUEUE_PREFIX[priority]}:{model}"
 
 
 def job(job_id: str) -> str:

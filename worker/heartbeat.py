@@ -46,9 +46,14 @@ class Heartbeat:
     async def beat(self, switcher: ModelSwitcher) -> None:
         """Advertise this worker, and renew the claim on every running entry so no live job is stolen."""
         worker_id = self._config.worker_id
-        for model, entry_ids in self._running.entries_by_model().items():
+        for (model, priority), entry_ids in self._running.entries_by_queue().items():
             await self._redis.xclaim(
-                keys.queue(model), keys.WORKER_GROUP, worker_id, min_idle_time=0, message_ids=entry_ids, justid=True
+                keys.queue(model, priority),
+                keys.WORKER_GROUP,
+                worker_id,
+                min_idle_time=0,
+                message_ids=entry_ids,
+                justid=True,
             )
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(

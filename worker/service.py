@@ -53,8 +53,9 @@ class Worker:
         self.id = config.worker_id
         self._redis = resilient_redis(config.redis_url, socket_timeout_s=_SOCKET_TIMEOUT_S)
         self._jobs = JobStore(self._redis, config.job_ttl_s)
-        # a queue beyond the batch, so admission never idles
-        self._running = RunningJobs(capacity=config.engine.max_num_seqs * 2)
+        # a queue beyond the batch, so admission never idles; batch jobs take at most one batch's worth of it,
+        # so interactive jobs always find room here and reach the engine's scheduler, which preempts batch work
+        self._running = RunningJobs(capacity=config.engine.max_num_seqs * 2, batch_capacity=config.engine.max_num_seqs)
         self._results = ResultPublisher(self._redis, self._jobs, self._running)
         self._stopping = asyncio.Event()
         self._crash: BaseException | None = None
@@ -188,6 +189,6 @@ class Worker:
         # crashes every engine it meets ends in the dead-letter stream instead of looping
         if self._crash is None:
             await self._jobs.release(job_id, self.id)
-        await requeue(self._redis, job.model, job.entry_id, job.fields)
+        await requeue(self._redis, job.model, job.priority, job.entry_id, job.fields)
         self._running.pop(job_id)
         log.info("job_handed_back", job=job_id, request_id=job.request_id)

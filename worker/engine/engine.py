@@ -18,7 +18,16 @@ from tokenizers import Tokenizer
 
 from shared.config import EngineConfig
 from shared.errors import ErrorCode, LorafleetError
-from shared.schema import AdapterRef, FinishReason, JobError, JobOutput, JobStatus, SamplingParams, TokenDelta
+from shared.schema import (
+    AdapterRef,
+    FinishReason,
+    JobError,
+    JobOutput,
+    JobStatus,
+    Priority,
+    SamplingParams,
+    TokenDelta,
+)
 from worker.adapter_pool.pool import AdapterPool, LoadFailure
 from worker.engine.admission_pacer import AdmissionPacer
 from worker.engine.block_manager import BlockManager
@@ -41,6 +50,7 @@ class EngineRequest:
     adapter: AdapterRef | None = None
     deadline: float | None = None  # unix seconds
     stream: bool = True  # hand out a TokenDelta per token (take_deltas); off, the result alone reports it
+    priority: Priority = Priority.INTERACTIVE
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +167,7 @@ class LLMEngine:
             seed=seed,
             tenant=request.tenant,
             adapter_uid=None if request.adapter is None else request.adapter.uid,
+            priority=request.priority,
             arrival=time.monotonic(),
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
