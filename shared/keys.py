@@ -18,6 +18,17 @@
 | lf:active:{tenant}            | zset   | the tenant's admitted job ids (queued or running)         |
 | lf:webhooks                   | stream | finished jobs' webhooks to call (group `webhooks`: gateways) |
 | lf:gw-wake:{process}          | stream | wakes one gateway process's event reader; TTL             |
+| lf:file:{id}                  | hash   | an uploaded or batch-made file's metadata (tenant, bytes…) |
+| lf:file-lines:{id}            | list   | the file's content, one JSONL line per element             |
+| lf:files:{tenant}             | zset   | the tenant's file ids by creation time (ms)                |
+| lf:file-expiry                | zset   | every file id by its expiry time (ms): the janitor's list   |
+| lf:batch:{id}                 | hash   | a batch: status, request counts, cursor, file ids         |
+| lf:batch-jobs:{id}            | hash   | the batch's lines in flight: job id → line index           |
+| lf:batch-out:{id} / -err:{id} | list   | output / error lines so far (become the batch's files)     |
+| lf:batches:{tenant}           | zset   | the tenant's batch ids by creation time (ms)               |
+| lf:batches-active             | set    | batches not yet finished: every gateway's driver scans it  |
+| lf:batch-lease:{id}           | string | the gateway driving a batch now; TTL                       |
+| lf:batch-expiry               | zset   | every batch id by when its record is removed (ms)          |
 """
 
 from shared.schema import Priority
@@ -85,3 +96,44 @@ def rate(tenant_id: str) -> str:
 
 def active_jobs(tenant_id: str) -> str:
     return f"{PREFIX}:active:{tenant_id}"
+
+
+FILE_EXPIRY = f"{PREFIX}:file-expiry"
+BATCHES_ACTIVE = f"{PREFIX}:batches-active"
+BATCH_EXPIRY = f"{PREFIX}:batch-expiry"
+
+
+def file(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}"
+
+
+def file_lines(file_id: str) -> str:
+    return f"{PREFIX}:file-lines:{file_id}"
+
+
+def tenant_files(tenant_id: str) -> str:
+    return f"{PREFIX}:files:{tenant_id}"
+
+
+def batch(batch_id: str) -> str:
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_jobs(batch_id: str) -> str:
+    return f"{PREFIX}:batch-jobs:{batch_id}"
+
+
+def batch_output(batch_id: str) -> str:
+    return f"{PREFIX}:batch-out:{batch_id}"
+
+
+def batch_errors(batch_id: str) -> str:
+    return f"{PREFIX}:batch-err:{batch_id}"
+
+
+def tenant_batches(tenant_id: str) -> str:
+    return f"{PREFIX}:batches:{tenant_id}"
+
+
+def batch_lease(batch_id: str) -> str:
+    return f"{PREFIX}:batch-lease:{batch_id}"
