@@ -167,6 +167,8 @@ class BatchDriver:
                     admit=False,
                 )
             except RequestError as refused:
+                if refused.code is ErrorCode.MODEL_UNAVAILABLE:
+                    return  # no worker serves the model now: the line waits for one, it does not fail
                 line_out = error_line(
                     _line_id(record, index), custom, refused.code, refused.message, param=refused.param
                 )
