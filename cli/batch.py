@@ -59,7 +59,7 @@ def batch_lines(path: Path, model: str) -> tuple[str, bytes]:
     return endpoints.pop(), content
 
 
-def _multipart(purpose: str, filename: str, content: bytes) -> tuple[bytes, str]:
+def multipart_body(purpose: str, filename: str, content: bytes) -> tuple[bytes, str]:
     boundary = f"lorafleet{secrets.token_hex(12)}"
     body = (
         (
@@ -106,7 +106,7 @@ class _ProgressBar:
 def submit_batch(target: SubmitTarget, path: Path, model: str, *, wait: bool, timeout_s: float) -> int:
     """Upload FILE, create its batch, print the batch id; with `wait`, follow it to its end."""
     endpoint, content = batch_lines(path, model)
-    body, content_type = _multipart("batch", path.name, content)
+    body, content_type = multipart_body("batch", path.name, content)
     uploaded = json.loads(send(target, "POST", "/v1/files", _HTTP_TIMEOUT_S, body, content_type))
     request = {"input_file_id": uploaded["id"], "endpoint": endpoint, "completion_window": "24h"}
     batch = call_gateway(target, "POST", "/v1/batches", _HTTP_TIMEOUT_S, request)

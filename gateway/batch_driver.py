@@ -26,6 +26,7 @@ import uuid
 
 import structlog
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from gateway.batch_lines import custom_id, error_line, line_job_request, output_line, parse_line
 from gateway.batches import BatchRecord, BatchStatus, BatchStore
@@ -172,14 +173,20 @@ class BatchDriver:
                 line_out = error_line(
                     _line_id(record, index), custom, refused.code, refused.message, param=refused.param
                 )
+            except RedisError:
+                raise  # Redis away: the step ends here, the next one goes on from the cursor
+            except Exception:  # a line no check foresaw must not stall its batch: it fails alone, logged
+                log.exception("batch_line_failed", batch=record.batch_id, line=index)
+                line_out = error_line(_line_id(record, index), custom, ErrorCode.INTERNAL_ERROR.value, "internal error")
+            else:
                 async with self._redis.pipeline(transaction=True) as pipe:
-                    pipe.rpush(keys.batch_errors(record.batch_id), line_out)
-                    pipe.hincrby(keys.batch(record.batch_id), "failed", 1)
+                    pipe.hset(keys.batch_jobs(record.batch_id), job.job_id, index)
                     pipe.hset(keys.batch(record.batch_id), "cursor", index + 1)
                     await pipe.execute()
                 continue
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(keys.batch_jobs(record.batch_id), job.job_id, index)
+                pipe.rpush(keys.batch_errors(record.batch_id), line_out)
+                pipe.hincrby(keys.batch(record.batch_id), "failed", 1)
                 pipe.hset(keys.batch(record.batch_id), "cursor", index + 1)
                 await pipe.execute()
 
