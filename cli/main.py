@@ -82,6 +82,13 @@ def _add_gateway(commands: argparse._SubParsersAction) -> None:
         ("--max-queue-per-model", _GATEWAY.tenant_limits.max_queue_per_model),
     ):
         limits.add_argument(flag, type=cfa.positive_int, default=default, help="(default: %(default)s)")
+    batches = gateway.add_argument_group("files and batches (the OpenAI Files and Batch APIs; files live in Redis)")
+    for flag, default, what in (
+        ("--max-file-bytes", _GATEWAY.batches.max_file_bytes, "largest file upload"),
+        ("--max-file-lines", _GATEWAY.batches.max_file_lines, "most requests in a batch input file"),
+        ("--batch-lines-in-flight", _GATEWAY.batches.lines_in_flight, "lines of one batch queued or running at once"),
+    ):
+        batches.add_argument(flag, type=cfa.positive_int, default=default, help=f"{what} (default: %(default)s)")
     webhooks = gateway.add_argument_group("job webhooks (off unless a host is allowed)")
     webhooks.add_argument(
         "--webhook-allow-host",
