@@ -1,13 +1,13 @@
 """A batch input file's content, checked line by line at upload: UTF-8 JSONL, each line a JSON
-object with a unique string `custom_id`, within the line limit. What a line asks for (its method,
+object (as strict as a request body: gateway/json_body.py) with a unique string `custom_id`, within
+the line limit. What a line asks for (its method,
 URL and body) is checked when the batch runs it, so a line that asks for something invalid fails
 alone, in the batch's error file."""
 
 from __future__ import annotations
 
-import json
-
 from gateway.errors import RequestError
+from gateway.json_body import parse_json_object
 from shared.errors import ErrorCode
 
 MAX_CUSTOM_ID_CHARS = 512
@@ -42,11 +42,9 @@ def batch_lines(content: bytes, max_lines: int) -> list[str]:
 
 def _custom_id(number: int, line: str) -> str:
     try:
-        data = json.loads(line)
-    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
-        raise _bad_line(number, "is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise _bad_line(number, "is not a JSON object")
+        data = parse_json_object(line.encode())  # as strict as a request body: a line becomes one
+    except RequestError as refused:
+        raise _bad_line(number, f"is not a JSON object as a request body must be: {refused.message}") from None
     custom_id = data.get("custom_id")
     if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID_CHARS:
         raise _bad_line(number, f"needs a custom_id: a string of 1 to {MAX_CUSTOM_ID_CHARS} characters")

@@ -158,3 +158,28 @@ async def test_a_bad_batch_request_is_refused_naming_the_field(
     response = await client.post("/v1/batches", json=body, headers=fleet.auth("acme"))
 
     assert response.status == status and (await response.json())["error"]["param"] == param
+
+
+async def test_lines_that_ask_for_nonsense_fail_alone_and_the_batch_completes(client: TestClient, fleet: Fleet) -> None:
+    odd = [
+        {"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {}},
+        {"custom_id": "url", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny"}},
+        {"custom_id": "nobody", "method": "POST", "url": "/v1/completions", "body": [1]},
+        line("dict-prompt", prompt={"a": 1}),
+        line("model", model=7),
+        line("no-model", model="nonexistent"),
+        line("other-tenant", model="tiny:globex-legal"),
+        line("stream", stream=True),
+        line("huge", max_tokens=2**70),
+    ]
+    batch = await create_batch(client, fleet, [*odd, line("ok")])
+
+    await run_line(fleet)
+    done = await batch_when(client, fleet, batch["id"], "completed")
+
+    errors = await file_lines(client, fleet, done["error_file_id"])
+    assert set(errors) == {item["custom_id"] for item in odd}
+    assert set(await file_lines(client, fleet, done["output_file_id"])) == {"ok"}
+
+    assert errors["other-tenant"]["error"]["code"] == "adapter_not_found"  # another tenant's adapter: as if missing
+    assert "internal_error" not in {item["error"]["code"] for item in errors.values()}

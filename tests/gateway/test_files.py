@@ -99,6 +99,8 @@ async def test_expired_files_are_removed_by_the_janitor(client: TestClient, flee
         (b"\n \n", 400, "empty_file"),
         (b'{"custom_id": "a"}\nnot json\n', 400, "invalid_jsonl"),
         (b"[1, 2]\n", 400, "invalid_jsonl"),
+        (b'{"custom_id": "a", "prompt": "\\ud800"}\n', 400, "invalid_jsonl"),  # a lone surrogate, as a body
+        (b'{"custom_id": "a", "custom_id": "b"}\n', 400, "invalid_jsonl"),
         (b'{"custom_id": 7}\n', 400, "invalid_jsonl"),
         (jsonl("a", "a"), 400, "invalid_jsonl"),
         (b'{"custom_id": "a", "x": ' + b"[" * 1500 + b"]" * 1500 + b"}\n", 400, "invalid_jsonl"),
@@ -162,3 +164,40 @@ async def test_malformed_uploads_are_refused_with_a_4xx_never_a_500(client: Test
         assert 400 <= response.status < 500 or response.status == 200, (content_type, body[:80], response.status)
         if response.status != 200:
             assert (await response.json())["error"]["code"], body[:80]
+
+
+def odd_jsonl(rng: random.Random) -> bytes:
+    """A JSONL upload with odd content: other encodings, control and NUL characters, escapes of lone
+    surrogates, huge numbers, random bytes."""
+    pieces = [
+        '{"custom_id": "\\ud800", "body": {"prompt": "\\udfff"}}',
+        '{"custom_id": "a\\u0000b", "x": 1e999999}',
+        '{"custom_id": "n", "x": ' + "9" * 5000 + "}",
+        '{"custom_id": "d", "custom_id": "d2"}',
+        '{"custom_id": "t", "x": NaN}',
+        '{"custom_id": ""}',
+        '{"custom_id": "' + "c" * 600 + '"}',
+    ]
+    lines = rng.sample(pieces, rng.randint(1, len(pieces)))
+    content = "\n".join(lines).encode(rng.choice(["utf-8", "utf-16", "utf-8-sig", "latin-1"]), errors="replace")
+    if rng.random() < 0.3:
+        content += bytes(rng.randrange(256) for _ in range(rng.randint(1, 40)))
+    return content
+
+
+async def test_odd_jsonl_uploads_are_stored_or_refused_with_a_code_never_a_500(
+    client: TestClient, fleet: Fleet
+) -> None:
+    rng = random.Random(7)
+    for _ in range(40):
+        content = odd_jsonl(rng)
+        response = await upload(client, fleet, content[:MAX_FILE_BYTES])
+        assert response.status in (200, 400), (content[:80], response.status)
+        if response.status == 200:  # what was stored reads back as it was accepted
+            file = await response.json()
+            stored = await client.get(f"/v1/files/{file['id']}/content", headers=fleet.auth("acme"))
+            assert stored.status == 200 and len(await stored.read()) == file["bytes"]
+        else:
+            assert (await response.json())["error"]["code"] in {
+                "invalid_jsonl", "invalid_file_encoding", "empty_file", "file_too_many_lines"
+            }  # fmt: skip
