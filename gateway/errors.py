@@ -59,6 +59,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.BATCH_NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.CONFLICT: 409,
+    ErrorCode.FILE_QUOTA_EXCEEDED: 409,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.FILE_TOO_LARGE: 413,
     ErrorCode.QUEUE_FULL: 429,

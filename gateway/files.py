@@ -143,6 +143,10 @@ class FileStore:
         records = [FileRecord.from_hash(f, raw) for f, raw in zip(file_ids, hashes, strict=True) if raw]
         return [r for r in records if r.expires_ms > now]
 
+    async def count_uploads(self, tenant: str) -> int:
+        """The tenant's uploaded (purpose `batch`) files that have not expired."""
+        return sum(1 for record in await self.list(tenant) if record.purpose is FilePurpose.BATCH)
+
     async def lines(self, file_id: str, start: int, count: int) -> list[str]:
         """Lines [start, start + count) of a file (fewer at its end)."""
         return [line.decode() for line in await self._redis.lrange(keys.file_lines(file_id), start, start + count - 1)]

@@ -91,6 +91,7 @@ class BatchConfig:
 
     max_file_bytes: int = 32 << 20  # one uploaded file
     max_file_lines: int = 50_000  # requests in one batch input file (OpenAI's limit)
+    max_files_per_tenant: int = 100  # uploaded files kept at once (batch-made ones do not count)
     file_ttl_s: int = 30 * 24 * 3600  # uploaded and batch-made files are removed this long after creation
     batch_ttl_s: int = 30 * 24 * 3600  # a finished batch's record, likewise
     completion_window_s: int = 24 * 3600  # the one window offered ("24h"): lines not done by then expire
@@ -99,7 +100,8 @@ class BatchConfig:
     janitor_interval_s: float = 60.0  # how often expired files and batches are removed
 
     def __post_init__(self) -> None:
-        if min(self.max_file_bytes, self.max_file_lines, self.file_ttl_s, self.batch_ttl_s, self.lines_in_flight) < 1:
+        sizes = (self.max_file_bytes, self.max_file_lines, self.max_files_per_tenant, self.file_ttl_s, self.batch_ttl_s)
+        if min(*sizes, self.lines_in_flight) < 1:
             raise ValueError("batch limits must be >= 1")
         if min(self.completion_window_s, self.driver_interval_s, self.janitor_interval_s) <= 0:
             raise ValueError("batch intervals must be > 0")

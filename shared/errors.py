@@ -40,6 +40,7 @@ class ErrorCode(StrEnum):
     INVALID_FILE_ENCODING = "invalid_file_encoding"  # not UTF-8
     INVALID_JSONL = "invalid_jsonl"  # a line that is no JSON object with a unique custom_id; the message names it
     EMPTY_FILE = "empty_file"
+    FILE_QUOTA_EXCEEDED = "file_quota_exceeded"  # the tenant keeps batches.max_files_per_tenant uploads already
     FILE_NOT_FOUND = "file_not_found"
     BATCH_NOT_FOUND = "batch_not_found"
     BATCH_EXPIRED = "batch_expired"  # a batch line not run within the batch's completion window

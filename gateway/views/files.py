@@ -24,8 +24,15 @@ async def upload_file(request: web.Request) -> web.Response:
     if upload.purpose != FilePurpose.BATCH:
         raise RequestError(ErrorCode.INVALID_PURPOSE, "purpose must be `batch`", param="purpose")
     lines = batch_lines(upload.content, limits.max_file_lines)
+    files = request.app[FILES]
+    if await files.count_uploads(tenant.tenant_id) >= limits.max_files_per_tenant:
+        raise RequestError(
+            ErrorCode.FILE_QUOTA_EXCEEDED,
+            f"you keep {limits.max_files_per_tenant} uploaded files already: delete some first",
+            param="file",
+        )
     filename = upload.filename[:_MAX_FILENAME_CHARS]
-    record = await request.app[FILES].create(tenant.tenant_id, filename, FilePurpose.BATCH, lines)
+    record = await files.create(tenant.tenant_id, filename, FilePurpose.BATCH, lines)
     return json_response(record.openai_object())
 
 

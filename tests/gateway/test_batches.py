@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from gateway.app import create_app
+from gateway.batches import BatchRecord, BatchStore
 from shared import keys
 from shared.config import BatchConfig, GatewayConfig
 from shared.schema import JobMessage, Priority
@@ -183,3 +185,35 @@ async def test_lines_that_ask_for_nonsense_fail_alone_and_the_batch_completes(cl
 
     assert errors["other-tenant"]["error"]["code"] == "adapter_not_found"  # another tenant's adapter: as if missing
     assert "internal_error" not in {item["error"]["code"] for item in errors.values()}
+
+
+async def test_two_gateways_drive_one_batch_and_each_line_lands_once(
+    client: TestClient, fleet: Fleet, aiohttp_client: Any, gateway_config: GatewayConfig
+) -> None:
+    await aiohttp_client(create_app(gateway_config))  # a second gateway, its driver on the same Redis
+    batch = await create_batch(client, fleet, [line(str(i)) for i in range(6)])
+
+    for _ in range(6):
+        await run_line(fleet)
+    done = await batch_when(client, fleet, batch["id"], "completed")
+
+    content = await (await client.get(f"/v1/files/{done['output_file_id']}/content", headers=fleet.auth("acme"))).read()
+    assert sorted(json.loads(text)["custom_id"] for text in content.splitlines()) == [str(i) for i in range(6)]
+
+
+async def test_a_batch_whose_gateway_died_holding_its_lease_is_taken_over_once_the_lease_expires(
+    client: TestClient, fleet: Fleet
+) -> None:
+    batch_id = "batch_" + "0" * 24
+    await fleet.redis.set(keys.batch_lease(batch_id), "a-dead-gateway", px=300)
+    content = json.dumps(line("a")).encode() + b"\n"
+    file = await (await client.post("/v1/files", data=form(content), headers=fleet.auth("acme"))).json()
+    record = BatchRecord(batch_id, "acme", "/v1/completions", file["id"], created_ms=1, expires_ms=2**50)
+    await BatchStore(fleet.redis, ttl_s=60).create(record)
+
+    await asyncio.sleep(0.2)
+    assert (await (await client.get(f"/v1/batches/{batch_id}", headers=fleet.auth("acme"))).json())["status"] == (
+        "validating"
+    )  # the lease still holds it
+    await run_line(fleet)
+    assert (await batch_when(client, fleet, batch_id, "completed"))["request_counts"]["completed"] == 1

@@ -12,17 +12,18 @@ import pytest
 from aiohttp import FormData
 from aiohttp.test_utils import TestClient
 
-from gateway.files import FileStore
+from gateway.files import FilePurpose, FileStore
 from shared import keys
 from shared.config import BatchConfig, GatewayConfig
 from tests.gateway.fleet import Fleet
 
-MAX_FILE_BYTES, MAX_LINES = 4096, 5
+MAX_FILE_BYTES, MAX_LINES, MAX_FILES = 4096, 5, 50
 
 
 @pytest.fixture
 def gateway_config(gateway_config: GatewayConfig) -> GatewayConfig:
-    return replace(gateway_config, batches=BatchConfig(max_file_bytes=MAX_FILE_BYTES, max_file_lines=MAX_LINES))
+    batches = BatchConfig(max_file_bytes=MAX_FILE_BYTES, max_file_lines=MAX_LINES, max_files_per_tenant=MAX_FILES)
+    return replace(gateway_config, batches=batches)
 
 
 def jsonl(*custom_ids: str) -> bytes:
@@ -79,6 +80,17 @@ async def test_another_tenants_file_is_reported_as_missing(client: TestClient, f
         assert response.status == 404 and (await response.json())["error"]["code"] == "file_not_found"
     listed = await (await client.get("/v1/files", headers=fleet.auth("globex"))).json()
     assert listed["data"] == []
+
+
+async def test_a_tenant_keeps_at_most_its_quota_of_uploads(client: TestClient, fleet: Fleet) -> None:
+    store = FileStore(fleet.redis, ttl_s=60)
+    kept = [await store.create("acme", "f.jsonl", FilePurpose.BATCH, ['{"custom_id": "a"}']) for _ in range(MAX_FILES)]
+
+    refused = await upload(client, fleet, jsonl("a"))
+    assert refused.status == 409 and (await refused.json())["error"]["code"] == "file_quota_exceeded"
+    assert (await upload(client, fleet, jsonl("a"), tenant="globex")).status == 200  # another tenant's quota
+    await client.delete(f"/v1/files/{kept[0].file_id}", headers=fleet.auth("acme"))
+    assert (await upload(client, fleet, jsonl("a"))).status == 200
 
 
 async def test_expired_files_are_removed_by_the_janitor(client: TestClient, fleet: Fleet) -> None:
