@@ -70,7 +70,7 @@ class Target:
 class BatchOutcome:
     lines: int
     status: str = "unfinished"
-    seconds: float = math.nan  # creation to its end
+    seconds: float = math.nan  # creation to its end (or to the last look, if the budget ended first)
     completed: int = 0
     failed: int = 0
     exactly_once: bool | None = None  # every custom_id in the output or error file once; None: not read
@@ -169,12 +169,11 @@ class PriorityBench:
             time.sleep(_BATCH_POLL_S)
             batch = call_gateway(target, "GET", f"/v1/batches/{batch_id}", _HTTP_TIMEOUT_S)
         outcome = self.batch
-        outcome.status = batch["status"]
+        outcome.status, outcome.seconds = batch["status"], time.monotonic() - started
         outcome.completed, outcome.failed = batch["request_counts"]["completed"], batch["request_counts"]["failed"]
-        if batch["status"] not in _TERMINAL:
+        if batch["status"] not in _TERMINAL:  # lines/s is still measured, over the lines done so far
             print(f"batch {batch_id}: still {batch['status']} when the budget ran out", flush=True)
             return
-        outcome.seconds = time.monotonic() - started
         custom_ids: list[str] = []
         for file_id in (batch["output_file_id"], batch["error_file_id"]):
             if file_id is not None:
