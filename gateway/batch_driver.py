@@ -180,7 +180,8 @@ class BatchDriver:
                 line_out = error_line(_line_id(record, index), custom, ErrorCode.INTERNAL_ERROR.value, "internal error")
             else:
                 async with self._redis.pipeline(transaction=True) as pipe:
-                    pipe.hset(keys.batch_jobs(record.batch_id), job.job_id, index)
+                    # what its output line needs, kept with it: collecting reads no input file
+                    pipe.hset(keys.batch_jobs(record.batch_id), job.job_id, json.dumps([index, custom, parsed.model]))
                     pipe.hset(keys.batch(record.batch_id), "cursor", index + 1)
                     await pipe.execute()
                 continue
@@ -194,26 +195,25 @@ class BatchDriver:
         """Write the lines of finished jobs; returns how many are still in flight. A canceled job's line
         is an error line with code `canceled`, or, None, no line at all (the batch's own cancel)."""
         in_flight = [
-            (job_id.decode(), int(index))
-            for job_id, index in (await self._redis.hgetall(keys.batch_jobs(record.batch_id))).items()
+            (job_id.decode(), *json.loads(value))
+            for job_id, value in (await self._redis.hgetall(keys.batch_jobs(record.batch_id))).items()
         ]
         async with self._redis.pipeline(transaction=False) as pipe:
-            for job_id, _ in in_flight:
+            for job_id, *_ in in_flight:
                 pipe.hget(keys.job(job_id), "status")
             statuses = await pipe.execute()
-        finished = [(job_id, index) for (job_id, index), status in zip(in_flight, statuses, strict=True)
+        finished = [entry for entry, status in zip(in_flight, statuses, strict=True)
                     if status not in (b"queued", b"running")]  # fmt: skip
-        for job_id, index in finished:
+        for job_id, index, custom, model in finished:
             job = await self._store.get(job_id)
-            line = (await self._files.lines(record.input_file_id, index, 1))[0]
-            line_id, custom = _line_id(record, index), custom_id(line)
+            line_id = _line_id(record, index)
             if job is None:  # its record expired: nothing to report but the loss
                 text, ok = error_line(line_id, custom, ErrorCode.JOB_NOT_FOUND.value, "the line's job expired"), False
             elif job.status is JobStatus.CANCELED:
                 message = "the line's job was canceled before it finished"
                 text, ok = ("" if canceled is None else error_line(line_id, custom, canceled.value, message)), False
             else:
-                text, ok = output_line(line_id, custom, job, json.loads(line)["body"]["model"], record.endpoint)
+                text, ok = output_line(line_id, custom, job, model, record.endpoint)
             await self._collect(
                 keys=[
                     keys.batch_jobs(record.batch_id),

@@ -1,6 +1,6 @@
 """Batches in Redis (the OpenAI Batch API's records): `lf:batch:{id}` holds a batch's status, request
 counts, the cursor of the next input line to queue and its file ids; `lf:batch-jobs:{id}` its lines
-in flight (job id → line index); `lf:batch-out:{id}` and `lf:batch-err:{id}` the output and error
+in flight (job id → its line index, custom_id and model); `lf:batch-out:{id}` and `lf:batch-err:{id}` the output and error
 lines so far, which become its files when it finishes. The driver (gateway/batch_driver.py) moves a
 batch along; this module only reads and writes its records.
 
@@ -174,6 +174,17 @@ class BatchStore:
             pipe.zadd(keys.tenant_batches(record.tenant), {record.batch_id: record.created_ms})
             pipe.sadd(keys.BATCHES_ACTIVE, record.batch_id)
             await pipe.execute()
+
+    async def active_using(self, file_id: str) -> str | None:
+        """The id of an unfinished batch whose input is `file_id`, None if there is none."""
+        batch_ids = [b.decode() for b in await self._redis.smembers(keys.BATCHES_ACTIVE)]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for batch_id in batch_ids:
+                pipe.hget(keys.batch(batch_id), "input_file_id")
+            inputs = await pipe.execute()
+        return next(
+            (b for b, f in zip(batch_ids, inputs, strict=True) if f is not None and f.decode() == file_id), None
+        )
 
     async def load(self, batch_id: str) -> BatchRecord | None:
         raw = await self._redis.hgetall(keys.batch(batch_id)) if _BATCH_ID.match(batch_id) else {}

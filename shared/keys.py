@@ -23,7 +23,7 @@
 | lf:files:{tenant}             | zset   | the tenant's file ids by creation time (ms)                |
 | lf:file-expiry                | zset   | every file id by its expiry time (ms): the janitor's list   |
 | lf:batch:{id}                 | hash   | a batch: status, request counts, cursor, file ids         |
-| lf:batch-jobs:{id}            | hash   | the batch's lines in flight: job id → line index           |
+| lf:batch-jobs:{id}            | hash   | lines in flight: job id → JSON [line index, custom_id, model] |
 | lf:batch-out:{id} / -err:{id} | list   | output / error lines so far (become the batch's files)     |
 | lf:batches:{tenant}           | zset   | the tenant's batch ids by creation time (ms)               |
 | lf:batches-active             | set    | batches not yet finished: every gateway's driver scans it  |

@@ -9,7 +9,7 @@ from gateway.batch_input import batch_lines
 from gateway.errors import RequestError
 from gateway.files import FilePurpose
 from gateway.json_response import json_response
-from gateway.state import CONFIG, FILES
+from gateway.state import BATCHES, CONFIG, FILES
 from gateway.upload import read_upload
 from shared.errors import ErrorCode
 
@@ -77,5 +77,10 @@ async def delete_file(request: web.Request) -> web.Response:
     tenant = await request_tenant(request)
     files = request.app[FILES]
     record = await files.get(tenant.tenant_id, request.match_info["file_id"])
+    batch_id = await request.app[BATCHES].active_using(record.file_id)
+    if batch_id is not None:  # its lines are read as the batch goes: deleting it would strand the batch
+        raise RequestError(
+            ErrorCode.CONFLICT, f"the file is the input of batch {batch_id}, which has not finished", param="file_id"
+        )
     await files.delete(record)
     return json_response({"id": record.file_id, "object": "file", "deleted": True})

@@ -217,3 +217,13 @@ async def test_a_batch_whose_gateway_died_holding_its_lease_is_taken_over_once_t
     )  # the lease still holds it
     await run_line(fleet)
     assert (await batch_when(client, fleet, batch_id, "completed"))["request_counts"]["completed"] == 1
+
+
+async def test_the_input_file_of_a_running_batch_cannot_be_deleted(client: TestClient, fleet: Fleet) -> None:
+    batch = await create_batch(client, fleet, [line("a")])
+
+    refused = await client.delete(f"/v1/files/{batch['input_file_id']}", headers=fleet.auth("acme"))
+    assert refused.status == 409 and (await refused.json())["error"]["code"] == "conflict"
+    await run_line(fleet)
+    await batch_when(client, fleet, batch["id"], "completed")
+    assert (await client.delete(f"/v1/files/{batch['input_file_id']}", headers=fleet.auth("acme"))).status == 200
