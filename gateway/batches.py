@@ -1,8 +1,9 @@
 """Batches in Redis (the OpenAI Batch API's records): `lf:batch:{id}` holds a batch's status, request
 counts, the cursor of the next input line to queue and its file ids; `lf:batch-jobs:{id}` its lines
-in flight (job id → its line index, custom_id and model); `lf:batch-out:{id}` and `lf:batch-err:{id}` the output and error
-lines so far, which become its files when it finishes. The driver (gateway/batch_driver.py) moves a
-batch along; this module only reads and writes its records.
+in flight (job id → its line index, custom_id and model); `lf:batch-out:{id}` and
+`lf:batch-err:{id}` the output and error lines so far, which become its files when it finishes.
+The driver (gateway/batch_driver.py) moves a batch along; this module only reads and writes its
+records.
 
 Statuses: validating → in_progress → finalizing → completed | expired (the window passed) |
 cancelled (after cancelling); failed when the input cannot be run at all.
