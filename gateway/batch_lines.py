@@ -62,36 +62,48 @@ async def line_job_request(
     )
 
 
+# lines that got no answer at all (never run, or their job's record is gone): as OpenAI writes them,
+# with a null response and the error alone
+_UNANSWERED = frozenset({ErrorCode.BATCH_EXPIRED, ErrorCode.BATCH_CANCELLED, ErrorCode.JOB_NOT_FOUND})
+
+
+def _status(code: str) -> int:
+    """The HTTP status the endpoint would have answered with; 500 for a code it does not know."""
+    try:
+        return status_for(ErrorCode(code))
+    except ValueError:
+        return 500
+
+
 def output_line(line_id: str, custom: str, record: JobRecord, model: str, endpoint: str) -> tuple[str, bool]:
     """(the JSONL line for a finished job, whether it belongs in the output file rather than the error file)."""
     failure = job_failure(record)
     if failure is None:
         body = completion_body(record, model, chat=endpoint == CHAT_ENDPOINT)
-        return _line(line_id, custom, 200, record.job_id, body, None), True
+        return _line(line_id, custom, (200, record.job_id, body), None), True
     code, message = failure
-    status = status_for(ErrorCode(code)) if code in ErrorCode.__members__.values() else 500
-    return _line(line_id, custom, status, record.job_id, error_body(code, message), failure), False
+    return _line(line_id, custom, (_status(code), record.job_id, error_body(code, message)), failure), False
 
 
 def error_line(line_id: str, custom: str, code: str, message: str, *, param: str | None = None) -> str:
-    """The error-file line of a line that never ran (refused, expired)."""
-    status = status_for(ErrorCode(code)) if code in ErrorCode.__members__.values() else 400
-    return _line(line_id, custom, status, None, error_body(code, message, param=param), (code, message))
+    """The error-file line of a line that was refused, or never ran."""
+    response = None if code in _UNANSWERED else (_status(code), None, error_body(code, message, param=param))
+    return _line(line_id, custom, response, (code, message))
 
 
 def _line(
     line_id: str,
     custom: str,
-    status: int,
-    request_id: str | None,
-    body: dict[str, Any],
+    response: tuple[int, str | None, dict[str, Any]] | None,  # (status, request id, body)
     error: tuple[str, str] | None,
 ) -> str:
     return json.dumps(
         {
             "id": line_id,
             "custom_id": custom,
-            "response": {"status_code": status, "request_id": request_id, "body": body},
+            "response": None
+            if response is None
+            else {"status_code": response[0], "request_id": response[1], "body": response[2]},
             "error": None if error is None else {"code": error[0], "message": error[1]},
         },
         separators=(",", ":"),

@@ -130,6 +130,7 @@ async def test_a_batch_past_its_window_expires_with_its_lines_not_done_as_errors
     errors = await file_lines(client, fleet, done["error_file_id"])
     assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
     assert {item["error"]["code"] for item in errors.values()} == {"batch_expired"} and len(errors) == 2
+    assert all(item["response"] is None for item in errors.values())  # never answered, as OpenAI writes them
 
 
 async def test_another_tenants_batch_is_reported_as_missing(client: TestClient, fleet: Fleet) -> None:
