@@ -135,6 +135,8 @@ class LLMEngine:
             kv_blocks_used=self.blocks.num_blocks - self.blocks.num_free_blocks,
             kv_blocks_total=self.blocks.num_blocks,
             preemptions=self.scheduler.num_preemptions,
+            running_batch=self.scheduler.running_of(Priority.BATCH),
+            waiting_batch=self.scheduler.waiting_of(Priority.BATCH),
         )
 
     def add(self, request: EngineRequest) -> EngineResult | None:
