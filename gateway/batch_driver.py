@@ -52,6 +52,21 @@ end
 return 1
 """
 
+# KEYS: batch hash, batch jobs, error list   ARGV: the line's index, job id (or ''), its in-flight value or error line
+# The cursor moves only from the index the driver read: a driver whose lease ran out mid-step (a
+# slow gateway) and that queues a line another driver has already recorded changes nothing.
+_RECORD_LINE = """
+if tonumber(redis.call('HGET', KEYS[1], 'cursor')) ~= tonumber(ARGV[1]) then return 0 end
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+else
+  redis.call('RPUSH', KEYS[3], ARGV[3])
+  redis.call('HINCRBY', KEYS[1], 'failed', 1)
+end
+redis.call('HSET', KEYS[1], 'cursor', ARGV[1] + 1)
+return 1
+"""
+
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -80,6 +95,7 @@ class BatchDriver:
         self._lease_ms = max(10_000, int(config.driver_interval_s * 20_000))
         self._collect = redis.register_script(_COLLECT)
         self._release = redis.register_script(_RELEASE)
+        self._record_line = redis.register_script(_RECORD_LINE)
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -154,7 +170,7 @@ class BatchDriver:
         deadline_s = max(1.0, record.expires_ms / 1000 - time.time())
         lines = await self._files.lines(record.input_file_id, record.cursor, room)
         for index, line in enumerate(lines, record.cursor):
-            custom = custom_id(line)
+            custom, job_id = custom_id(line), ""
             try:
                 if tenant is None or tenant.disabled:
                     raise RequestError(ErrorCode.TENANT_DISABLED, "the batch's tenant is disabled")
@@ -178,18 +194,15 @@ class BatchDriver:
             except Exception:  # a line no check foresaw must not stall its batch: it fails alone, logged
                 log.exception("batch_line_failed", batch=record.batch_id, line=index)
                 line_out = error_line(_line_id(record, index), custom, ErrorCode.INTERNAL_ERROR.value, "internal error")
-            else:
-                async with self._redis.pipeline(transaction=True) as pipe:
-                    # what its output line needs, kept with it: collecting reads no input file
-                    pipe.hset(keys.batch_jobs(record.batch_id), job.job_id, json.dumps([index, custom, parsed.model]))
-                    pipe.hset(keys.batch(record.batch_id), "cursor", index + 1)
-                    await pipe.execute()
-                continue
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.rpush(keys.batch_errors(record.batch_id), line_out)
-                pipe.hincrby(keys.batch(record.batch_id), "failed", 1)
-                pipe.hset(keys.batch(record.batch_id), "cursor", index + 1)
-                await pipe.execute()
+            else:  # in flight, with what its output line needs: collecting reads no input file
+                job_id, line_out = job.job_id, json.dumps([index, custom, parsed.model])
+            batch_keys = [
+                keys.batch(record.batch_id),
+                keys.batch_jobs(record.batch_id),
+                keys.batch_errors(record.batch_id),
+            ]
+            if not await self._record_line(keys=batch_keys, args=[index, job_id, line_out]):
+                return  # another driver has moved this batch on meanwhile
 
     async def _collect_finished(self, record: BatchRecord, *, canceled: ErrorCode | None) -> int:
         """Write the lines of finished jobs; returns how many are still in flight. A canceled job's line
