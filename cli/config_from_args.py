@@ -19,6 +19,7 @@ from cli.errors import CommandError
 from cli.state import DEFAULT_STATE_DIR, DEMO_FILE, KERNEL_PLANS_DIR, FleetState, read_json
 from shared.adapter_registry import ADAPTER_NAME
 from shared.config import (
+    BatchConfig,
     EngineConfig,
     GatewayConfig,
     ModelSpec,
@@ -253,6 +254,11 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
             tokens_per_min=args.tokens_per_min,
             max_concurrent_jobs=args.max_concurrent_jobs,
             max_queue_per_model=args.max_queue_per_model,
+        ),
+        batches=BatchConfig(
+            max_file_bytes=args.max_file_bytes,
+            max_file_lines=args.max_file_lines,
+            lines_in_flight=args.batch_lines_in_flight,
         ),
     )
 

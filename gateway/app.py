@@ -11,12 +11,15 @@ from aiohttp import web
 
 from gateway.auth import AUTHENTICATOR, Authenticator
 from gateway.auto_pipeline import AutoPipeline
+from gateway.batch_driver import BatchDriver
+from gateway.batches import BatchStore
+from gateway.files import FileStore
 from gateway.job_events import JobEventReader
 from gateway.job_service import JobService
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_middleware
 from gateway.routes import setup_routes
-from gateway.state import CONFIG, JOBS, METRICS, REDIS
+from gateway.state import BATCHES, CONFIG, FILES, JOBS, METRICS, REDIS
 from gateway.tokenization import TokenizerCache
 from gateway.webhooks import WebhookDispatcher
 from shared.config import GatewayConfig
@@ -69,10 +72,16 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         events_idle_s=min(_KEEPALIVE_S, config.limits.max_wait_s),
         model_unserved_after_s=config.model_unserved_after_s,
     )
+    app[FILES] = FileStore(redis, config.batches.file_ttl_s)
+    app[BATCHES] = BatchStore(redis, config.batches.batch_ttl_s)
+    driver = BatchDriver(redis, app[BATCHES], app[FILES], app[JOBS], store, config.batches, config.limits)
+    batch_driver = asyncio.create_task(driver.run())
     webhooks = None
     if config.webhooks.enabled:
         webhooks = asyncio.create_task(WebhookDispatcher(redis, store, config.webhooks, app[METRICS]).run())
     yield
+    driver.stop()
+    await asyncio.gather(batch_driver, return_exceptions=True)
     if webhooks is not None:
         await cancel_and_wait([webhooks], TASK_STOP_S)
     await events.close()

@@ -29,6 +29,7 @@ from gateway.job_events import JobEventReader
 from gateway.job_request import JobRequest
 from gateway.tokenization import TokenizerCache
 from gateway.ttl_cache import TtlCache
+from shared import keys
 from shared.adapter_registry import get_adapter, track_adapter_job
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore
@@ -169,10 +170,17 @@ class JobService:
         self._limits: TtlCache[str, tuple[AdapterLimits | None]] = TtlCache(MODEL_CACHE_TTL_S, max_entries=1024)
 
     async def submit(
-        self, tenant: Tenant, request: JobRequest, *, request_id: str, idempotency_key: str | None
+        self,
+        tenant: Tenant,
+        request: JobRequest,
+        *,
+        request_id: str,
+        idempotency_key: str | None,
+        admit: bool = True,
     ) -> tuple[JobRecord, bool]:
         """Queue a job. Returns (its record, newly created); a repeated idempotency key returns the
-        first job's current record and queues nothing."""
+        first job's current record and queues nothing. `admit=False` skips the tenant's rate and
+        concurrency limits: a batch's lines, which its driver paces itself (gateway/batch_driver.py)."""
         model = self._models.get(request.model) or await self._model(request.model)
         if model is None:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} not found", param="model")
@@ -198,6 +206,7 @@ class JobService:
             created_ms=int(created_at * 1000),
             prompt_tokens=len(prompt_token_ids),
             webhook=request.webhook,
+            priority=request.priority,
         )
         message = JobMessage(
             job_id=record.job_id,
@@ -210,11 +219,16 @@ class JobService:
             deadline=None if request.deadline_s is None else created_at + request.deadline_s,
             request_id=request_id,
             stream=request.stream,
+            priority=request.priority,
         )
         if adapter is not None and not await track_adapter_job(self._redis, adapter.name, job_id):
             raise RequestError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {adapter.name!r} not found", param="adapter")
         cost_tokens = len(prompt_token_ids) + sampling.max_tokens
-        admission = self._admission.check(tenant.tenant_id, tenant.key_lookup, job_id, model.name, cost_tokens)
+        admission = None
+        if admit:
+            admission = self._admission.check(
+                tenant.tenant_id, tenant.key_lookup, job_id, keys.queue(model.name, request.priority), cost_tokens
+            )
         try:
             job_id, created = await self._store.create(record, message, idempotency_key, admission)
         except AdmissionDenied as denied:

@@ -28,8 +28,14 @@ class GatewayMetrics:
         )
         self.queue_depth = Gauge(
             "lorafleet_queue_depth",
-            "entries in a model's queue stream (queued + running)",
-            ["model"],
+            "entries in a model's queue stream of one priority class (queued + running)",
+            ["model", "priority"],
+            registry=self.registry,
+        )
+        self.queue_wait = Gauge(
+            "lorafleet_queue_oldest_seconds",
+            "age of the oldest entry in a model's queue stream of one priority class (0 when empty)",
+            ["model", "priority"],
             registry=self.registry,
         )
 

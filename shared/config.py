@@ -46,7 +46,8 @@ class TenantLimits:
     requests_per_min: int = 600
     tokens_per_min: int = 1_000_000  # prompt tokens + max_tokens of each job
     max_concurrent_jobs: int = 64  # queued + running
-    max_queue_per_model: int = 10_000  # entries in a model's stream (queued + running, all tenants)
+    # entries in a model's stream of one priority class (queued + running, all tenants)
+    max_queue_per_model: int = 10_000
 
     def __post_init__(self) -> None:
         if min(self.requests_per_min, self.tokens_per_min, self.max_concurrent_jobs, self.max_queue_per_model) < 1:
@@ -96,6 +97,30 @@ class ReplicaWait:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """Files and batches (the OpenAI Files and Batch APIs). Files live in Redis, one list element per
+    line, so every gateway reads them and a gateway restart loses nothing; their size is bounded here
+    because Redis holds them in memory."""
+
+    max_file_bytes: int = 32 << 20  # one uploaded file
+    max_file_lines: int = 50_000  # requests in one batch input file (OpenAI's limit)
+    max_files_per_tenant: int = 100  # uploaded files kept at once (batch-made ones do not count)
+    file_ttl_s: int = 30 * 24 * 3600  # uploaded and batch-made files are removed this long after creation
+    batch_ttl_s: int = 30 * 24 * 3600  # a finished batch's record, likewise
+    completion_window_s: int = 24 * 3600  # the one window offered ("24h"): lines not done by then expire
+    lines_in_flight: int = 512  # lines of one batch queued or running at once: the batch stream stays short
+    driver_interval_s: float = 0.5  # how often a gateway's driver advances the batches it leases
+    janitor_interval_s: float = 60.0  # how often expired files and batches are removed
+
+    def __post_init__(self) -> None:
+        sizes = (self.max_file_bytes, self.max_file_lines, self.max_files_per_tenant, self.file_ttl_s, self.batch_ttl_s)
+        if min(*sizes, self.lines_in_flight) < 1:
+            raise ValueError("batch limits must be >= 1")
+        if min(self.completion_window_s, self.driver_interval_s, self.janitor_interval_s) <= 0:
+            raise ValueError("batch intervals must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     redis_url: str  # redis://... or redis+sentinel://... (shared/redis_client.py)
     host: str = "127.0.0.1"
@@ -109,6 +134,7 @@ class GatewayConfig:
     max_lora_rank: int = 64
     max_adapter_bytes: int = 2 << 30
     webhooks: WebhookConfig = field(default_factory=WebhookConfig)
+    batches: BatchConfig = field(default_factory=BatchConfig)
     # a known model that no worker has advertised for this long is refused (503) instead of queued:
     # long enough for a worker restart (its heartbeats resume once it has loaded its models)
     model_unserved_after_s: float = 120.0

@@ -256,7 +256,7 @@ class JobStore:
                 admission.args if admission else None,
             ]
         )
-        script_keys = [keys.job(record.job_id), keys.queue(record.model), idem_key]
+        script_keys = [keys.job(record.job_id), keys.queue(record.model, message.priority), idem_key]
         script_keys += admission.keys if admission else ()
         script_args = [encode_job(message), packed]
         if self._replica_wait.replicas and self._batched is self._redis:
@@ -350,7 +350,7 @@ class JobStore:
         first_token_ms: int = 0,
         entry: tuple[str, bytes] | None = None,
     ) -> bool:
-        """Store the final result once and, with `entry` (model, queue entry id), acknowledge the job's
+        """Store the final result once and, with `entry` (queue stream key, entry id), acknowledge the job's
         queue entry in the same script. Returns False when the job already had a terminal status
         (canceled meanwhile, or finished by another delivery): the caller must not publish twice. With
         replicas to wait for, it returns once they have the result, or the wait timed out (logged: the
@@ -367,7 +367,7 @@ class JobStore:
         script_keys = [keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS]
         script_args: list[Any] = [self._ttl_s, status.value, EVENTS_CAP, b""]
         if entry is not None:
-            script_keys.append(keys.queue(entry[0]))
+            script_keys.append(entry[0])
             script_args[3] = entry[1]
         script_args += fields
         try:

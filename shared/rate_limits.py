@@ -96,16 +96,16 @@ class Admission:
     def __init__(self, defaults: TenantLimits) -> None:
         self._defaults = defaults
 
-    def check(self, tenant_id: str, key_lookup: str, job_id: str, model: str, cost_tokens: int) -> AdmissionCheck:
-        """Admit job `job_id` of `cost_tokens` (prompt + max_tokens) for the tenant whose API key has lookup
-        id `key_lookup`."""
+    def check(self, tenant_id: str, key_lookup: str, job_id: str, queue: str, cost_tokens: int) -> AdmissionCheck:
+        """Admit job `job_id` of `cost_tokens` (prompt + max_tokens), bound for the stream `queue`, for the
+        tenant whose API key has lookup id `key_lookup`."""
         defaults = self._defaults
         return AdmissionCheck(
             keys=(
                 keys.rate(tenant_id),
                 keys.active_jobs(tenant_id),
                 keys.tenant(tenant_id),
-                keys.queue(model),
+                queue,
                 keys.api_key(key_lookup),
             ),
             args=(

@@ -69,9 +69,9 @@ class Heartbeat:
 
     async def renew_claims(self) -> None:
         """Reset the idle time of every running entry (a draining worker does this, advertising nothing)."""
-        for model, entry_ids in self._running.entries_by_model().items():
+        for (model, priority), entry_ids in self._running.entries_by_queue().items():
             await self._redis.xclaim(
-                keys.queue(model),
+                keys.queue(model, priority),
                 keys.WORKER_GROUP,
                 self._config.worker_id,
                 min_idle_time=0,

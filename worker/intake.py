@@ -1,6 +1,10 @@
 """Jobs in: reads the resident models' streams for as many jobs as there is room for, takes over
 entries whose worker died, and starts each job in the job store and the engine thread.
 
+Each model has a stream per priority class: the interactive streams are read first, the batch
+streams with what room is left, up to the batch jobs' share of it (worker/running_jobs.py), so a
+worker full of batch work still reads interactive jobs and hands them to the engine.
+
 Only resident models' streams are read: a job read for a model that is not resident could not run
 soon, and would sit in this worker's pending list where no other worker takes it. An entry read
 during a stop or a switch is put back for any worker. An entry that cannot be served is dead-lettered
@@ -22,7 +26,7 @@ from shared import keys
 from shared.config import WorkerConfig
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore
-from shared.schema import JobError, JobMessage, JobStatus, SchemaError, decode_job
+from shared.schema import PRIORITIES, JobError, JobMessage, JobStatus, Priority, SchemaError, decode_job
 from worker.engine.engine import EngineRequest
 from worker.engine_thread import EngineThread
 from worker.job_stream import ack, autoclaim_page, dead_letter, ensure_group, requeue
@@ -68,14 +72,33 @@ class Intake:
         if time.monotonic() - self._last_claim > self._config.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
             for model in readable:
-                await self._claim_abandoned(model, room)
-            room = self._running.room_left
-            if room <= 0:
+                for priority in PRIORITIES:
+                    await self._claim_abandoned(model, priority, self._room(priority))
+            if self._running.room_left <= 0:
                 return
-        streams = {keys.queue(model): ">" for model in readable}
+        read = await self._read(readable, Priority.INTERACTIVE, block_ms=None)
+        if self._running.batch_room_left > 0:
+            read += await self._read(readable, Priority.BATCH, block_ms=None)
+        if not read:  # both empty: wait for the first entry of either class
+            with_batch = PRIORITIES if self._running.batch_room_left > 0 else (Priority.INTERACTIVE,)
+            await self._read(readable, *with_batch, block_ms=_READ_BLOCK_MS, count=1)
+
+    def _room(self, priority: Priority) -> int:
+        return self._running.room_left if priority is Priority.INTERACTIVE else self._running.batch_room_left
+
+    async def _read(
+        self, readable: list[str], *priorities: Priority, block_ms: int | None, count: int | None = None
+    ) -> int:
+        """Read and accept new entries of `readable` models' streams of `priorities` (at most the room
+        of the first class each); returns how many were read."""
+        queues = {keys.queue(model, priority): (model, priority) for priority in priorities for model in readable}
         try:
             response = await self._redis.xreadgroup(
-                keys.WORKER_GROUP, self._config.worker_id, streams, count=room, block=_READ_BLOCK_MS
+                keys.WORKER_GROUP,
+                self._config.worker_id,
+                dict.fromkeys(queues, ">"),
+                count=count or self._room(priorities[0]),
+                block=block_ms,
             )
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
@@ -83,37 +106,40 @@ class Intake:
             log.error("consumer_group_missing", error=str(exc))  # Redis came back without its data
             for spec in self._config.models:
                 await ensure_group(self._redis, spec.name)
-            return
+            return 0
+        read = 0
         for stream, entries in response or []:
-            model = stream.decode().removeprefix(keys.queue(""))
+            model, priority = queues[stream.decode()]
             for entry_id, fields in entries:
+                read += 1
                 if self._stopping.is_set() or not self._switcher.admitting(model):
-                    await requeue(self._redis, model, entry_id, fields)  # read during a stop or switch: not ours
+                    await requeue(self._redis, model, priority, entry_id, fields)  # read during a stop or switch
                 else:
-                    await self._accept(model, entry_id, fields)
+                    await self._accept(model, priority, entry_id, fields)
+        return read
 
-    async def _claim_abandoned(self, model: str, count: int) -> None:
+    async def _claim_abandoned(self, model: str, priority: Priority, count: int) -> None:
         """Take over entries whose worker stopped renewing them (it died), scanning the whole pending list."""
         cursor: bytes | str = "0-0"
         claimed = 0
         while claimed < count:
             cursor, entries = await autoclaim_page(
-                self._redis, model, self._config.worker_id, self._config.claim_idle_ms, start_id=cursor,
+                self._redis, model, priority, self._config.worker_id, self._config.claim_idle_ms, start_id=cursor,
                 count=count - claimed,
             )  # fmt: skip
             for entry_id, fields in entries:
-                log.warning("job_reclaimed", model=model, entry=entry_id.decode())
-                await self._accept(model, entry_id, fields)
+                log.warning("job_reclaimed", model=model, priority=priority.value, entry=entry_id.decode())
+                await self._accept(model, priority, entry_id, fields)
             claimed += len(entries)
             if cursor in (b"0-0", "0-0"):
                 return
 
-    async def _accept(self, model: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    async def _accept(self, model: str, priority: Priority, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
             message = _decode_entry(fields)
         except SchemaError as exc:
             log.error("undecodable_job", model=model, entry=entry_id.decode(), error=str(exc))
-            await dead_letter(self._redis, model, entry_id, fields, reason=str(exc))
+            await dead_letter(self._redis, model, priority, entry_id, fields, reason=str(exc))
             return
         if message.job_id in self._running:
             return  # our own entry, already running
@@ -121,19 +147,19 @@ class Intake:
             status, attempts = await self._jobs.start(message.job_id, self._config.worker_id)
         except SchemaError as exc:
             log.error("unreadable_job_record", job=message.job_id, model=model, error=str(exc))
-            await dead_letter(self._redis, model, entry_id, fields, reason=str(exc))
+            await dead_letter(self._redis, model, priority, entry_id, fields, reason=str(exc))
             return
         if status is not JobStatus.RUNNING:
-            await ack(self._redis, model, entry_id)  # canceled while queued, finished earlier, or expired
+            await ack(self._redis, model, priority, entry_id)  # canceled while queued, finished earlier, or expired
             return
         if attempts > self._config.max_deliveries:
-            await self._give_up(model, entry_id, fields, message, attempts)
+            await self._give_up(model, priority, entry_id, fields, message, attempts)
             return
         if not self._switcher.admitting(model):  # a switch began while the job was being started
             await self._jobs.release(message.job_id, self._config.worker_id)
-            await requeue(self._redis, model, entry_id, fields)
+            await requeue(self._redis, model, priority, entry_id, fields)
             return
-        self._running.add(message.job_id, RunningJob(model, entry_id, message.request_id, fields))
+        self._running.add(message.job_id, RunningJob(model, priority, entry_id, message.request_id, fields))
         log.info(
             "job_started",
             job=message.job_id,
@@ -152,16 +178,23 @@ class Intake:
                 adapter=message.adapter,
                 deadline=message.deadline,
                 stream=message.stream,
+                priority=priority,
             ),
         )
 
     async def _give_up(
-        self, model: str, entry_id: bytes, fields: dict[bytes, bytes], message: JobMessage, attempts: int
+        self,
+        model: str,
+        priority: Priority,
+        entry_id: bytes,
+        fields: dict[bytes, bytes],
+        message: JobMessage,
+        attempts: int,
     ) -> None:
         log.error("job_dead_lettered", job=message.job_id, attempts=attempts, request_id=message.request_id)
         error = JobError(ErrorCode.WORKER_CRASHED, f"the job was delivered {attempts - 1} times without finishing")
         await self._jobs.finish(message.job_id, JobStatus.FAILED, error=error)
-        await dead_letter(self._redis, model, entry_id, fields, reason="too many deliveries")
+        await dead_letter(self._redis, model, priority, entry_id, fields, reason="too many deliveries")
 
 
 def _decode_entry(fields: dict[bytes, bytes]) -> JobMessage:

@@ -7,10 +7,13 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from shared.schema import Priority
+
 
 @dataclass(slots=True)
 class RunningJob:
     model: str
+    priority: Priority  # which of the model's streams holds its entry
     entry_id: bytes
     request_id: str
     fields: dict[bytes, bytes]  # the entry as read, to queue it again if this worker lets it go
@@ -18,8 +21,12 @@ class RunningJob:
 
 
 class RunningJobs:
-    def __init__(self, capacity: int) -> None:
+    """At most `capacity` jobs, of which at most `batch_capacity` batch jobs: the rest of the room is
+    always there for interactive jobs, so they reach the engine (and preempt batch work) at once."""
+
+    def __init__(self, capacity: int, batch_capacity: int) -> None:
         self.capacity = capacity
+        self.batch_capacity = batch_capacity
         self.jobs: dict[str, RunningJob] = {}
         self.room = asyncio.Event()  # set whenever a job leaves: the intake may read again
 
@@ -35,6 +42,11 @@ class RunningJobs:
     @property
     def room_left(self) -> int:
         return self.capacity - len(self.jobs)
+
+    @property
+    def batch_room_left(self) -> int:
+        batch = sum(1 for job in self.jobs.values() if job.priority is Priority.BATCH)
+        return min(self.room_left, self.batch_capacity - batch)
 
     def add(self, job_id: str, job: RunningJob) -> None:
         self.jobs[job_id] = job
@@ -57,8 +69,9 @@ class RunningJobs:
         started = [job.started for job in self.jobs.values() if job.model == model]
         return len(started), sum(now - t for t in started)
 
-    def entries_by_model(self) -> dict[str, list[bytes]]:
-        by_model: dict[str, list[bytes]] = {}
+    def entries_by_queue(self) -> dict[tuple[str, Priority], list[bytes]]:
+        """Running entry ids by the (model, priority) of the stream that holds them."""
+        by_queue: dict[tuple[str, Priority], list[bytes]] = {}
         for job in self.jobs.values():
-            by_model.setdefault(job.model, []).append(job.entry_id)
-        return by_model
+            by_queue.setdefault((job.model, job.priority), []).append(job.entry_id)
+        return by_queue

@@ -73,8 +73,9 @@ class Worker:
         self.id = config.worker_id
         self._redis = resilient_redis(config.redis_url, socket_timeout_s=_SOCKET_TIMEOUT_S)
         self._jobs = JobStore(self._redis, config.job_ttl_s, replica_wait=config.replica_wait)
-        # a queue beyond the batch, so admission never idles
-        self._running = RunningJobs(capacity=config.engine.max_num_seqs * 2)
+        # a queue beyond the batch, so admission never idles; batch jobs take at most one batch's worth of it,
+        # so interactive jobs always find room here and reach the engine's scheduler, which preempts batch work
+        self._running = RunningJobs(capacity=config.engine.max_num_seqs * 2, batch_capacity=config.engine.max_num_seqs)
         self._results = ResultPublisher(self._redis, self._jobs, self._running)
         self._stopping = asyncio.Event()
         self._crash: BaseException | None = None
@@ -243,8 +244,8 @@ class Worker:
             if self._crash is None:
                 await self._jobs.release(job_id, self.id)
         except SchemaError as exc:  # its record became unreadable while it ran
-            await dead_letter(self._redis, job.model, job.entry_id, job.fields, reason=str(exc))
+            await dead_letter(self._redis, job.model, job.priority, job.entry_id, job.fields, reason=str(exc))
         else:
-            await requeue(self._redis, job.model, job.entry_id, job.fields)
+            await requeue(self._redis, job.model, job.priority, job.entry_id, job.fields)
         self._running.pop(job_id)
         log.info("job_handed_back", job=job_id, request_id=job.request_id)

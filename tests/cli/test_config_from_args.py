@@ -168,6 +168,13 @@ def test_gateway_config_from_flags(running_up: Path) -> None:
     assert (config.redis_url, config.host, config.port) == (REDIS, "0.0.0.0", 9001)
 
 
+def test_gateway_batch_limits_from_flags(running_up: Path) -> None:
+    flags = ("--max-file-bytes", "1024", "--max-file-lines", "10", "--batch-lines-in-flight", "7")
+    config = cfa.gateway_config(parse("gateway", "--state-dir", str(running_up), *flags))
+    batches = config.batches
+    assert (batches.max_file_bytes, batches.max_file_lines, batches.lines_in_flight) == (1024, 10, 7)
+
+
 def test_up_defaults_to_the_demo_in_dot_lorafleet_with_an_embedded_redis(tmp_path: Path, cpu_only: None) -> None:
     config = cfa.up_config(parse("up"))
     assert config.demo and config.redis_url is None and config.gpus == ()

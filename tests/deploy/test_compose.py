@@ -152,7 +152,8 @@ def exported_metric_names() -> set[str]:
     """Every series name the gateway exports (counters' _total, histograms' _bucket/_sum/_count, ...)."""
     metrics = GatewayMetrics()
     metrics.observe_request("GET", "/healthz", 200, 0.01)
-    metrics.queue_depth.labels("demo").set(1)
+    metrics.queue_depth.labels("demo", "interactive").set(1)
+    metrics.queue_wait.labels("demo", "interactive").set(1)
     return {sample.name for family in metrics.registry.collect() for sample in family.samples}
 
 

@@ -18,7 +18,16 @@ from tokenizers import Tokenizer
 
 from shared.config import EngineConfig
 from shared.errors import ErrorCode, LorafleetError
-from shared.schema import AdapterRef, FinishReason, JobError, JobOutput, JobStatus, SamplingParams, TokenDelta
+from shared.schema import (
+    AdapterRef,
+    FinishReason,
+    JobError,
+    JobOutput,
+    JobStatus,
+    Priority,
+    SamplingParams,
+    TokenDelta,
+)
 from worker.adapter_pool.eviction import make_policy
 from worker.adapter_pool.gpu_slots import GpuSlots
 from worker.adapter_pool.pool import AdapterPool, LoadFailure
@@ -43,6 +52,7 @@ class EngineRequest:
     adapter: AdapterRef | None = None
     deadline: float | None = None  # unix seconds
     stream: bool = True  # hand out a TokenDelta per token (take_deltas); off, the result alone reports it
+    priority: Priority = Priority.INTERACTIVE
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +142,8 @@ class LLMEngine:
             kv_blocks_used=self.blocks.num_blocks - self.blocks.num_free_blocks,
             kv_blocks_total=self.blocks.num_blocks,
             preemptions=self.scheduler.num_preemptions,
+            running_batch=self.scheduler.running_of(Priority.BATCH),
+            waiting_batch=self.scheduler.waiting_of(Priority.BATCH),
         )
 
     def add(self, request: EngineRequest) -> EngineResult | None:
@@ -169,6 +181,7 @@ class LLMEngine:
             seed=seed,
             tenant=request.tenant,
             adapter_uid=None if request.adapter is None else request.adapter.uid,
+            priority=request.priority,
             arrival=time.monotonic(),
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
