@@ -21,7 +21,8 @@ if ! podman image exists "$base"; then
     debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >/dev/null
     # this machine's CA certificates (its egress may re-sign TLS), kept when an image reinstalls
     # ca-certificates, and pip told to use them (pip's own bundle would not have them)
-    cp /usr/local/share/ca-certificates/*.crt "$rootfs/usr/local/share/ca-certificates/" 2>/dev/null || true
+    mkdir -p "$rootfs/usr/local/share/ca-certificates"
+    find /usr/local/share/ca-certificates -maxdepth 1 -name '*.crt' -exec cp {} "$rootfs/usr/local/share/ca-certificates/" \;
     install -D -m 0644 /etc/ssl/certs/ca-certificates.crt "$rootfs/etc/ssl/certs/ca-certificates.crt"
     printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$rootfs/etc/pip.conf"
     printf 'APT::Install-Recommends "false";\n' > "$rootfs/etc/apt/apt.conf.d/99no-recommends"

@@ -87,9 +87,19 @@ def test_gateway_scales_behind_the_load_balancer(services: dict[str, dict[str, A
     assert gateway["deploy"]["replicas"] >= 2
     assert gateway["environment"]["REDIS_URL"].startswith("redis://redis:")
     parse_lorafleet_args(gateway["command"])
-    nginx_conf = (DEPLOY / "nginx" / "lorafleet.conf").read_text()
+    nginx_conf = (DEPLOY / "nginx" / "lorafleet.conf.template").read_text()
     assert "http://gateway:8000" in nginx_conf
     assert "proxy_read_timeout" in nginx_conf, "long-polls outlast nginx's default 60 s read timeout"
+
+
+def test_nginx_resolves_through_the_containers_own_nameservers(services: dict[str, dict[str, Any]]):
+    """127.0.0.11 is Docker's embedded DNS only; podman's is the network's aardvark-dns. The nginx image's
+    entrypoint renders templates with the nameservers of the container's /etc/resolv.conf."""
+    lb = services["lb"]
+    assert lb["environment"]["NGINX_ENTRYPOINT_LOCAL_RESOLVERS"]
+    assert "./nginx/lorafleet.conf.template:/etc/nginx/templates/default.conf.template:ro" in lb["volumes"]
+    nginx_conf = (DEPLOY / "nginx" / "lorafleet.conf.template").read_text()
+    assert re.search(r"^resolver \$\{NGINX_LOCAL_RESOLVERS\} ", nginx_conf, re.MULTILINE)
 
 
 @pytest.mark.parametrize("name", ["worker", "worker-mps"])
@@ -161,3 +171,24 @@ def test_the_dashboard_queries_only_metrics_the_gateway_exports():
     used = set(re.findall(r"\b(lorafleet_[a-z_]+)", dashboard))
     assert used, "the dashboard queries no lorafleet metric"
     assert used <= exported_metric_names(), used - exported_metric_names()
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """YAML with compose's merge tags: `!reset` drops what the file below set for that key."""
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: _RESET)
+_RESET = object()
+
+
+def test_the_cpu_override_runs_the_worker_on_the_cpu_without_a_gpu_reservation():
+    override = yaml.load(
+        interpolate((DEPLOY / "docker-compose.cpu.yml").read_text(), {"LORAFLEET_MODEL": "smollm2=/models/smollm2"}),
+        Loader=_ComposeLoader,
+    )
+    assert override["services"].keys() == {"worker"}, "CPU machines change only the worker"
+    worker = override["services"]["worker"]
+    assert worker["deploy"]["resources"] is _RESET, "the GPU reservation must go, or the engine asks for a GPU"
+    args = parse_lorafleet_args(["worker", "--worker-id", "container-1", *worker["command"]])
+    assert args.device == "cpu"
+    assert (args.metrics_port, args.metrics_host) == (9200, "0.0.0.0"), "Prometheus scrapes the worker there"

@@ -83,8 +83,12 @@ def test_the_worker_image_installs_cuda_torch_before_lorafleet():
     assert steps[0][0] == "FROM" and steps[0][1].startswith("nvidia/cuda:")
     runs = [value for instruction, value in steps if instruction == "RUN"]
     torch_at = next(i for i, run in enumerate(runs) if "$TORCH_INDEX_URL" in run)
-    lorafleet_at = next(i for i, run in enumerate(runs) if "pip install ." in run)
-    assert torch_at < lorafleet_at, "pip install . first would pull the CPU torch wheel from PyPI"
+    dependencies_at = next(i for i, run in enumerate(runs) if "pip install -r requirements.txt" in run)
+    lorafleet_at = next(i for i, run in enumerate(runs) if "pip install --no-deps ." in run)
+    assert torch_at < dependencies_at, "the dependencies first would pull PyPI's torch wheel, not $TORCH"
+    # a code change rebuilds only the layers from the first COPY of code on, not the dependencies'
+    first_code_copy = next(i for i, (instruction, value) in enumerate(steps) if value == "cli cli")
+    assert steps.index(("RUN", runs[dependencies_at])) < first_code_copy < steps.index(("RUN", runs[lorafleet_at]))
     assert any("gcc" in run for run in runs), "Triton compiles its launchers with the host C compiler"
     copies = [value for instruction, value in steps if instruction == "COPY"]
     assert "--chmod=0755 deploy/docker/worker_health.py /usr/local/bin/lorafleet-worker-health" in copies
