@@ -40,11 +40,8 @@ torch_wheel="$(cd "$cache/wheels" && ls -t torch-*.whl | head -n1)"
     -f deploy/docker/worker.Dockerfile -t lorafleet-worker:dev . >/dev/null
 podman image prune --force >/dev/null  # the previous builds' layers, now untagged
 
-step "demo model and adapters"
-work="$(mktemp -d /var/tmp/lorafleet-deploy-test.XXXXXX)"
-chmod 0755 "$work"  # the containers run as uid 10001 and mount it read-only
-"$python" deploy/ci/stack_checks.py demo-files "$work"
 
+work="$(mktemp -d /var/tmp/lorafleet-deploy-test.XXXXXX)"
 export LORAFLEET_MODELS_DIR="$work/models" LORAFLEET_ADAPTERS_DIR="$work/adapters"
 export LORAFLEET_MODEL="smollm2=/models/smollm2" REDIS_MAXMEMORY=256mb
 LORAFLEET_PORT="$(free_port)" PROMETHEUS_PORT="$(free_port)"
@@ -67,6 +64,10 @@ teardown() {
     exit "$status"
 }
 trap teardown EXIT
+
+step "demo model and adapters"
+"$python" deploy/ci/stack_checks.py demo-files "$work"
+chmod -R a+rX "$work"  # the containers run as uid 10001 and mount it read-only
 "${compose[@]}" down --volumes --timeout 5 >/dev/null 2>&1 || true  # what an interrupted run left
 
 step "compose up: redis, then gateway x2, lb, worker, prometheus (ports $LORAFLEET_PORT, $PROMETHEUS_PORT)"

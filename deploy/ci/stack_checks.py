@@ -18,12 +18,12 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import openai
 
 from cli.demo import SMOLLM2_MODEL, ensure_smollm2_demo
@@ -32,7 +32,7 @@ from cli.demo_styles import DEMO_QUESTION, STYLE_MARKERS
 
 WORKER_READY_S = 300  # torch's import and the model's load on a busy 2-core machine
 PROMETHEUS_SCRAPED_S = 90  # DNS discovery refreshes every 15 s, then a scrape every 15 s
-JOB_DONE_S = 180
+JOB_DONE_S = 120
 BURST_JOBS = 24
 
 
@@ -45,6 +45,28 @@ class Tenant:
 
 class CheckFailed(Exception):
     pass
+
+
+@dataclass(slots=True)
+class Http:
+    """A client of one base URL (stdlib only); transport errors raise OSError."""
+
+    base_url: str
+
+    def call(self, method: str, path: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, dict]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.base_url + path, data, {"Content-Type": "application/json", **(headers or {})}, method=method
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.load(response)
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode(errors="replace")
+            try:
+                return exc.code, json.loads(text)
+            except ValueError:
+                return exc.code, {"text": text[:200]}
 
 
 def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -95,16 +117,19 @@ def provision(worker: str) -> list[Tenant]:
     return tenants
 
 
-def finished_job(client: httpx.Client, tenant: Tenant, job_id: str) -> dict:
+def finished_job(client: Http, tenant: Tenant, job_id: str) -> dict:
     """Long-poll the job through nginx until it ends; a poll that fails (a gateway going away) is retried."""
     deadline = time.monotonic() + JOB_DONE_S
     while time.monotonic() < deadline:
         try:
-            response = client.get(f"/v1/jobs/{job_id}", params={"wait": 10}, headers=auth(tenant))
-        except httpx.TransportError:
+            status, job = client.call("GET", f"/v1/jobs/{job_id}?wait=10", headers=auth(tenant))
+        except OSError:
+            time.sleep(0.5)
             continue
-        if response.status_code == 200 and response.json()["status"] in ("succeeded", "failed", "cancelled", "expired"):
-            return response.json()
+        if status == 200 and job["status"] in ("succeeded", "failed", "cancelled", "expired"):
+            return job
+        if status != 200:
+            time.sleep(0.5)
     raise CheckFailed(f"job {job_id} of {tenant.name} did not finish within {JOB_DONE_S} s")
 
 
@@ -112,13 +137,13 @@ def auth(tenant: Tenant) -> dict[str, str]:
     return {"Authorization": f"Bearer {tenant.api_key}"}
 
 
-def check_job_api(client: httpx.Client, tenant: Tenant) -> str:
+def check_job_api(client: Http, tenant: Tenant) -> str:
     body = {"model": SMOLLM2_MODEL, "adapter": tenant.adapter, "prompt": "The capital of France is", "max_tokens": 16}
-    response = client.post("/v1/jobs", json=body, headers=auth(tenant))
-    if response.status_code != 202:
-        raise CheckFailed(f"submit: {response.status_code} {response.text[:200]}")
-    job = finished_job(client, tenant, response.json()["id"])
-    if job["status"] != "succeeded" or job["usage"]["completion_tokens"] != 16:
+    status, submitted = client.call("POST", "/v1/jobs", body, auth(tenant))
+    if status != 202:
+        raise CheckFailed(f"submit: {status} {submitted}")
+    job = finished_job(client, tenant, submitted["id"])
+    if job["status"] != "succeeded" or not job["output"]["text"]:
         raise CheckFailed(f"job ended {job['status']}: {json.dumps(job)[:300]}")
     return f"{job['output']['text']!r}"
 
@@ -138,12 +163,12 @@ def check_openai_chat(base_url: str, tenant: Tenant) -> str:
     return repr(text)
 
 
-def check_tenant_isolation(client: httpx.Client, tenant: Tenant, other: Tenant) -> str:
+def check_tenant_isolation(client: Http, tenant: Tenant, other: Tenant) -> str:
     body = {"model": SMOLLM2_MODEL, "adapter": other.adapter, "prompt": "Hi", "max_tokens": 1}
-    response = client.post("/v1/jobs", json=body, headers=auth(tenant))
-    if not 400 <= response.status_code < 500 or "code" not in response.json().get("error", {}):
-        raise CheckFailed(f"{tenant.name} using {other.adapter}: {response.status_code} {response.text[:200]}")
-    return f"{response.status_code} {response.json()['error']['code']}"
+    status, refusal = client.call("POST", "/v1/jobs", body, auth(tenant))
+    if not 400 <= status < 500 or "code" not in refusal.get("error", {}):
+        raise CheckFailed(f"{tenant.name} using {other.adapter}: {status} {refusal}")
+    return f"{status} {refusal['error']['code']}"
 
 
 def check_prometheus(prometheus_url: str, project: str) -> str:
@@ -152,7 +177,7 @@ def check_prometheus(prometheus_url: str, project: str) -> str:
     seen: dict[str, int] = {}
 
     def all_up() -> bool:
-        targets = httpx.get(f"{prometheus_url}/api/v1/targets", params={"state": "active"}, timeout=10).json()
+        _, targets = Http(prometheus_url).call("GET", "/api/v1/targets?state=active")
         seen.clear()
         for target in targets["data"]["activeTargets"]:
             if target["health"] == "up":
@@ -164,7 +189,7 @@ def check_prometheus(prometheus_url: str, project: str) -> str:
     return ", ".join(f"{job}: {count} up" for job, count in sorted(seen.items()))
 
 
-def check_gateway_killed_mid_burst(client: httpx.Client, tenants: list[Tenant], victim: str) -> str:
+def check_gateway_killed_mid_burst(client: Http, tenants: list[Tenant], victim: str) -> str:
     """Submit a burst from several threads, kill one gateway container after a quarter of it is accepted;
     every job a gateway accepted (202) must still succeed. A submission refused while nginx still sent
     it to the dying gateway is counted, not retried: it was never accepted."""
@@ -177,19 +202,19 @@ def check_gateway_killed_mid_burst(client: httpx.Client, tenants: list[Tenant], 
         tenant = tenants[index % len(tenants)]
         body = {"model": SMOLLM2_MODEL, "adapter": tenant.adapter, "prompt": f"Count to {index}:", "max_tokens": 8}
         try:
-            response = client.post("/v1/jobs", json=body, headers={**auth(tenant), "Idempotency-Key": uuid.uuid4().hex})
-        except httpx.TransportError as exc:
+            status, submitted = client.call("POST", "/v1/jobs", body, auth(tenant))
+        except OSError as exc:
             with lock:
                 refused.append(type(exc).__name__)
             return
         with lock:
-            if response.status_code == 202:
-                accepted.append((tenant, response.json()["id"], killed.is_set()))
+            if status == 202:
+                accepted.append((tenant, submitted["id"], killed.is_set()))
                 if len(accepted) == BURST_JOBS // 4 and not killed.is_set():
                     podman("kill", victim)
                     killed.set()
             else:
-                refused.append(str(response.status_code))
+                refused.append(str(status))
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
         list(pool.map(submit, range(BURST_JOBS)))
@@ -202,9 +227,10 @@ def check_gateway_killed_mid_burst(client: httpx.Client, tenants: list[Tenant], 
     failed = [status for status in statuses if status != "succeeded"]
     if failed:
         raise CheckFailed(f"{len(failed)} of {len(accepted)} accepted jobs did not succeed: {failed}")
+    restarted = podman("inspect", "--format", "{{.State.Running}}", victim).stdout.strip() == "true"
     return (
         f"killed {victim}; {len(accepted)} accepted ({after_kill} after the kill), all succeeded; "
-        f"{len(refused)} refused {sorted(set(refused))}"
+        f"{len(refused)} refused {sorted(set(refused))}; {victim} {'restarted' if restarted else 'stayed down'}"
     )
 
 
@@ -216,7 +242,7 @@ class Report:
         started = time.monotonic()
         try:
             detail = check()
-        except (CheckFailed, httpx.HTTPError, openai.OpenAIError, subprocess.SubprocessError, KeyError) as exc:
+        except (CheckFailed, OSError, openai.OpenAIError, subprocess.SubprocessError, KeyError, ValueError) as exc:
             self.failures += 1
             print(f"FAIL  {name} ({time.monotonic() - started:.1f} s): {type(exc).__name__}: {exc}", flush=True)
             return False
@@ -241,17 +267,17 @@ def run_checks(args: argparse.Namespace) -> int:
         return 1
     if not report.run("worker healthy", worker_ready):
         return 1
-    with httpx.Client(base_url=args.url, timeout=60) as client:
-        for tenant in tenants:
-            report.run(f"job API {tenant.name}", lambda tenant=tenant: check_job_api(client, tenant))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(tenants)) as pool:
-            chats = {t.name: pool.submit(check_openai_chat, args.url, t) for t in tenants}
-            for name, chat in chats.items():
-                report.run(f"openai chat {name}", chat.result)
-        report.run("tenant isolation", lambda: check_tenant_isolation(client, tenants[0], tenants[1]))
-        report.run("prometheus scrapes", lambda: check_prometheus(args.prometheus, args.project))
-        gateways = containers(args.project, "gateway")
-        report.run("gateway killed mid-burst", lambda: check_gateway_killed_mid_burst(client, tenants, gateways[0]))
+    client = Http(args.url)
+    for tenant in tenants:
+        report.run(f"job API {tenant.name}", lambda tenant=tenant: check_job_api(client, tenant))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(tenants)) as pool:
+        chats = {t.name: pool.submit(check_openai_chat, args.url, t) for t in tenants}
+        for name, chat in chats.items():
+            report.run(f"openai chat {name}", chat.result)
+    report.run("tenant isolation", lambda: check_tenant_isolation(client, tenants[0], tenants[1]))
+    report.run("prometheus scrapes", lambda: check_prometheus(args.prometheus, args.project))
+    gateways = containers(args.project, "gateway")
+    report.run("gateway killed mid-burst", lambda: check_gateway_killed_mid_burst(client, tenants, gateways[0]))
     print(f"{'PASS' if report.failures == 0 else 'FAIL'}  stack checks: {report.failures} failed", flush=True)
     return 1 if report.failures else 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from typing import Any
 
 import pytest
@@ -85,6 +86,7 @@ def test_gateway_scales_behind_the_load_balancer(services: dict[str, dict[str, A
     gateway = services["gateway"]
     assert "ports" not in gateway, "a fixed host port would stop `--scale gateway=N`"
     assert gateway["deploy"]["replicas"] >= 2
+    assert gateway["deploy"]["mode"] == "replicated", "podman-compose starts one replica unless mode is given"
     assert gateway["environment"]["REDIS_URL"].startswith("redis://redis:")
     parse_lorafleet_args(gateway["command"])
     nginx_conf = (DEPLOY / "nginx" / "lorafleet.conf.template").read_text()
@@ -92,14 +94,33 @@ def test_gateway_scales_behind_the_load_balancer(services: dict[str, dict[str, A
     assert "proxy_read_timeout" in nginx_conf, "long-polls outlast nginx's default 60 s read timeout"
 
 
-def test_nginx_resolves_through_the_containers_own_nameservers(services: dict[str, dict[str, Any]]):
+def test_nginx_resolves_through_the_container_engines_dns(services: dict[str, dict[str, Any]]):
     """127.0.0.11 is Docker's embedded DNS only; podman's is the network's aardvark-dns. The nginx image's
-    entrypoint renders templates with the nameservers of the container's /etc/resolv.conf."""
+    entrypoint sources the mounted envsh, then renders the template with what it exported."""
     lb = services["lb"]
-    assert lb["environment"]["NGINX_ENTRYPOINT_LOCAL_RESOLVERS"]
+    envsh = "16-lorafleet-resolver.envsh"
+    assert f"./nginx/{envsh}:/docker-entrypoint.d/{envsh}:ro" in lb["volumes"]
+    assert (DEPLOY / "nginx" / envsh).stat().st_mode & 0o111, "the entrypoint ignores scripts it cannot execute"
     assert "./nginx/lorafleet.conf.template:/etc/nginx/templates/default.conf.template:ro" in lb["volumes"]
     nginx_conf = (DEPLOY / "nginx" / "lorafleet.conf.template").read_text()
-    assert re.search(r"^resolver \$\{NGINX_LOCAL_RESOLVERS\} ", nginx_conf, re.MULTILINE)
+    assert re.search(r"^resolver \$\{LORAFLEET_RESOLVER\} ", nginx_conf, re.MULTILINE)
+
+
+@pytest.mark.parametrize(
+    ("resolv_conf", "resolver"),
+    [
+        ("nameserver 127.0.0.11\noptions ndots:0\n", "127.0.0.11"),  # Docker
+        ("search dns.podman\nnameserver 10.89.0.1\nnameserver 10.255.255.53\n", "10.89.0.1"),  # podman
+        ("nameserver fd00::1\nnameserver 8.8.8.8\n", "[fd00::1]"),
+    ],
+)
+def test_the_resolver_is_the_first_nameserver(tmp_path, resolv_conf: str, resolver: str):
+    """Only the engine's own DNS knows the services: nginx would also ask the others, in turn."""
+    (tmp_path / "resolv.conf").write_text(resolv_conf)
+    script = (DEPLOY / "nginx" / "16-lorafleet-resolver.envsh").read_text()
+    script = script.replace("/etc/resolv.conf", str(tmp_path / "resolv.conf"))
+    result = subprocess.run(["sh", "-c", f'{script}\nprintf %s "$LORAFLEET_RESOLVER"'], capture_output=True, text=True)
+    assert result.stdout == resolver, result.stderr
 
 
 @pytest.mark.parametrize("name", ["worker", "worker-mps"])

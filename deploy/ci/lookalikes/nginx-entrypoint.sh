@@ -1,16 +1,13 @@
 #!/bin/sh
-# What the upstream nginx image's entrypoint does that lorafleet relies on (15-local-resolvers.envsh and
-# 20-envsubst-on-templates.sh): NGINX_LOCAL_RESOLVERS from /etc/resolv.conf, then every
-# /etc/nginx/templates/X.template rendered to /etc/nginx/conf.d/X with only the set variables replaced.
+# The upstream nginx image's entrypoint, as far as lorafleet uses it: source every executable
+# /docker-entrypoint.d/*.envsh and run every executable *.sh there, in order; 20-envsubst-on-templates.sh
+# renders /etc/nginx/templates/X.template to /etc/nginx/conf.d/X.
 set -eu
-if [ -n "${NGINX_ENTRYPOINT_LOCAL_RESOLVERS:-}" ]; then
-    NGINX_LOCAL_RESOLVERS=$(awk 'BEGIN{ORS=" "} $1=="nameserver" {if ($2 ~ ":") print "[" $2 "]"; else print $2}' /etc/resolv.conf)
-    export NGINX_LOCAL_RESOLVERS="${NGINX_LOCAL_RESOLVERS% }"
-fi
-defined=$(env | sed -n 's/^\([A-Za-z_][A-Za-z0-9_]*\)=.*/${\1}/p' | tr '\n' ' ')
-for template in /etc/nginx/templates/*.template; do
-    [ -f "$template" ] || continue
-    name=$(basename "$template" .template)
-    envsubst "$defined" < "$template" > "/etc/nginx/conf.d/$name"
+for script in $(find /docker-entrypoint.d/ -follow -type f -print | sort -V); do
+    [ -x "$script" ] || continue
+    case "$script" in
+        *.envsh) . "$script" ;;
+        *.sh) "$script" ;;
+    esac
 done
 exec "$@"
