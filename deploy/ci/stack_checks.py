@@ -171,6 +171,22 @@ def check_tenant_isolation(client: Http, tenant: Tenant, other: Tenant) -> str:
     return f"{status} {refusal['error']['code']}"
 
 
+def check_gateway_probes(project: str) -> str:
+    """What the orchestrators probe, in the running containers: the image's HEALTHCHECK (/healthz) and the
+    Kubernetes readiness path (/readyz, which asks Redis) on every gateway replica."""
+    gateways = containers(project, "gateway")
+    for gateway in gateways:
+        if not healthy(gateway):
+            raise CheckFailed(f"{gateway}: its HEALTHCHECK fails")
+        ready = podman("exec", gateway, "python", "-c", _READYZ, check=False)
+        if ready.returncode != 0:
+            raise CheckFailed(f"{gateway}: /readyz: {ready.stderr.strip()[-200:]}")
+    return f"{len(gateways)} gateways: HEALTHCHECK and /readyz pass"
+
+
+_READYZ = "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=3)"
+
+
 def check_prometheus(prometheus_url: str, project: str) -> str:
     """Every gateway replica and the worker are Prometheus targets, and their last scrape succeeded."""
     expected = {"lorafleet-gateway": len(containers(project, "gateway")), "lorafleet-worker": 1}
@@ -275,6 +291,7 @@ def run_checks(args: argparse.Namespace) -> int:
         for name, chat in chats.items():
             report.run(f"openai chat {name}", chat.result)
     report.run("tenant isolation", lambda: check_tenant_isolation(client, tenants[0], tenants[1]))
+    report.run("gateway probes", lambda: check_gateway_probes(args.project))
     report.run("prometheus scrapes", lambda: check_prometheus(args.prometheus, args.project))
     gateways = containers(args.project, "gateway")
     report.run("gateway killed mid-burst", lambda: check_gateway_killed_mid_burst(client, tenants, gateways[0]))

@@ -17,12 +17,13 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv && pip install --index-url "$TORCH_INDEX_URL" "$TORCH"
 WORKDIR /src
-COPY pyproject.toml README.md ./
-# the dependencies in their own layer, which a change of the code does not rebuild (Triton alone is
-# hundreds of MB), then the package itself without dependencies
+COPY pyproject.toml ./
+# the dependencies in their own layer, which a change of the code or the README does not rebuild (Triton
+# alone is hundreds of MB), then the package itself without dependencies
 RUN python3 -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
         > requirements.txt \
     && pip install -r requirements.txt
+COPY README.md ./
 COPY cli cli
 COPY gateway gateway
 COPY kernels kernels
