@@ -28,14 +28,16 @@ deploy/ci/base-images.sh
 step "images: lorafleet-gateway:dev, lorafleet-worker:dev (CPU torch)"
 # --format docker keeps the Dockerfiles' HEALTHCHECK (OCI images have none)
 build=(podman build --quiet --format docker --pull=never)
-"${build[@]}" -f deploy/docker/gateway.Dockerfile -t lorafleet-gateway:dev . >/dev/null
+# podman 4.3 reads only the context's .dockerignore, not BuildKit's per-Dockerfile one: name it
+"${build[@]}" --ignorefile deploy/docker/gateway.Dockerfile.dockerignore -f deploy/docker/gateway.Dockerfile \
+    -t lorafleet-gateway:dev . >/dev/null
 # the torch wheel pip resolves on this machine (the Makefile's TORCH: the CPU build on the CI machines),
 # handed to the worker Dockerfile's TORCH argument through a build volume
 mkdir -p "$cache/wheels"
 # shellcheck disable=SC2086  # TORCH may carry pip options, as in the Makefile
 "$python" -m pip download --quiet --no-deps --dest "$cache/wheels" ${TORCH:-torch==2.13.0}
 torch_wheel="$(cd "$cache/wheels" && ls -t torch-*.whl | head -n1)"
-"${build[@]}" -v "$cache/wheels:/wheels:ro" --build-arg "TORCH=/wheels/$torch_wheel" \
+"${build[@]}" --ignorefile deploy/docker/worker.Dockerfile.dockerignore -v "$cache/wheels:/wheels:ro" --build-arg "TORCH=/wheels/$torch_wheel" \
     --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
     -f deploy/docker/worker.Dockerfile -t lorafleet-worker:dev . >/dev/null
 podman image prune --force >/dev/null  # the previous builds' layers, now untagged
