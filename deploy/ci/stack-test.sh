@@ -37,9 +37,9 @@ mkdir -p "$cache/wheels"
 # shellcheck disable=SC2086  # TORCH may carry pip options, as in the Makefile
 "$python" -m pip download --quiet --no-deps --dest "$cache/wheels" ${TORCH:-torch==2.13.0}
 torch_wheel="$(cd "$cache/wheels" && ls -t torch-*.whl | head -n1)"
-"${build[@]}" --ignorefile deploy/docker/worker.Dockerfile.dockerignore -v "$cache/wheels:/wheels:ro" --build-arg "TORCH=/wheels/$torch_wheel" \
-    --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
-    -f deploy/docker/worker.Dockerfile -t lorafleet-worker:dev . >/dev/null
+"${build[@]}" --ignorefile deploy/docker/worker.Dockerfile.dockerignore -f deploy/docker/worker.Dockerfile \
+    -v "$cache/wheels:/wheels:ro" --build-arg "TORCH=/wheels/$torch_wheel" \
+    --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t lorafleet-worker:dev . >/dev/null
 podman image prune --force >/dev/null  # the previous builds' layers, now untagged
 
 
