@@ -193,7 +193,10 @@ def check_prometheus(prometheus_url: str, project: str) -> str:
     seen: dict[str, int] = {}
 
     def all_up() -> bool:
-        _, targets = Http(prometheus_url).call("GET", "/api/v1/targets?state=active")
+        try:
+            _, targets = Http(prometheus_url).call("GET", "/api/v1/targets?state=active")
+        except OSError:  # still starting
+            return False
         seen.clear()
         for target in targets["data"]["activeTargets"]:
             if target["health"] == "up":
@@ -201,7 +204,10 @@ def check_prometheus(prometheus_url: str, project: str) -> str:
                 seen[job] = seen.get(job, 0) + 1
         return seen == expected
 
-    wait_until(f"targets up {expected} (last seen {seen})", PROMETHEUS_SCRAPED_S, all_up, every_s=3)
+    try:
+        wait_until(f"targets up {expected}", PROMETHEUS_SCRAPED_S, all_up, every_s=3)
+    except CheckFailed as exc:
+        raise CheckFailed(f"{exc}; last seen {seen}") from None
     return ", ".join(f"{job}: {count} up" for job, count in sorted(seen.items()))
 
 
