@@ -144,7 +144,7 @@ def test_strict_validation_catches_a_misspelt_field():
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(misspelt, KUBERNETES_VERSIONS[-1], strict=True)
     (scaled,) = [obj for obj in OBJECTS if obj["kind"] == "ScaledObject"]
-    (trigger,) = scaled["spec"]["triggers"]
-    trigger = {**trigger, "metadata": {**trigger["metadata"], "lenght": "5"}}
+    first, *others = scaled["spec"]["triggers"]
+    trigger = {**first, "metadata": {**first["metadata"], "lenght": "5"}}
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({**scaled, "spec": {**scaled["spec"], "triggers": [trigger]}}, SCALED_OBJECT)
+        jsonschema.validate({**scaled, "spec": {**scaled["spec"], "triggers": [trigger, *others]}}, SCALED_OBJECT)
