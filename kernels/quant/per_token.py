@@ -25,7 +25,7 @@ _ROUNDER = 12582912.0
 
 
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """v (fp32, |v| <= FP8_MAX) rounded to the nearest e4m3 value, ties to even: the grid's step is
     2**(exponent - 3) for normal values and 2**-9 for subnormals (below 2**-6)."""
     bits = v.to(tl.int32, bitcast=True)
@@ -33,6 +33,12 @@ def _round_to_e4m3(v):
     step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
     magnitude = ((tl.abs(v) / step + _ROUNDER) - _ROUNDER) * step
     return tl.where(bits < 0, -magnitude, magnitude)  # the sign bit: -0 and what rounds to zero stay negative
+
+
+@triton.jit
+def saturate_to_e4m3(v):
+    """v clamped to the fp8 range and rounded to the e4m3 grid, in fp32: exact when cast to fp8."""
+    return round_to_e4m3(tl.clamp(v.to(tl.float32), -448.0, 448.0))
 
 
 @triton.jit
@@ -61,7 +67,7 @@ def _quantize_per_token_kernel(
     for start in range(0, num_cols, BLOCK):
         mask = start + cols < num_cols
         x = tl.load(row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_))
+        q = round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_))
         tl.store(out + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

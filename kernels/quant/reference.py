@@ -17,6 +17,11 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
+def to_fp8_saturated(x: torch.Tensor) -> torch.Tensor:
+    """x in fp8, values past the fp8 range clamped to it (a plain cast would make them NaN)."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def rowwise_scales(x: torch.Tensor) -> torch.Tensor:
     """float32 [R, 1]: each row's absolute maximum of x [R, K] over FP8_MAX, at least MIN_SCALE."""
     return (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=MIN_SCALE)
