@@ -43,11 +43,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """`GET /v1/models`: the base models, then the adapters this tenant may use (with their base as parent)."""
+    """`GET /v1/models`: the base models (with how they are quantized), then the adapters this tenant
+    may use (with their base as parent)."""
     tenant = await request_tenant(request)
     redis = request.app[REDIS]
     data: list[dict[str, Any]] = [
-        {"id": info.name, "object": "model", "created": 0, "owned_by": _OWNER, "max_model_len": info.max_context}
+        {
+            "id": info.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": _OWNER,
+            "max_model_len": info.max_context,
+            # how its workers serve it: weights "none" (the checkpoint's dtype) or "fp8"; KV "auto" or "fp8"
+            "quantization": info.quantization,
+            "kv_cache_dtype": info.kv_cache_dtype,
+        }
         for info in await list_models(redis)
     ]
     data += [
