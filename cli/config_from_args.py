@@ -288,6 +288,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     engine = EngineConfig(
         device=_worker_device(args.device),
         dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,

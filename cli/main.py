@@ -194,6 +194,18 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
         "--dtype", choices=("float32", "float16", "bfloat16"), help="weights' dtype (default: the checkpoint's)"
     )
     engine.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        help="quantize the base weights at load: fp8 = W8A8, per-channel weight and per-token activation scales; "
+        "FP8 checkpoints load as they are (default: as the checkpoint holds them)",
+    )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default=_ENGINE.kv_cache_dtype,
+        help="the KV cache's dtype; fp8 holds about twice the blocks (default: %(default)s, the activations')",
+    )
+    engine.add_argument(
         "--max-num-seqs",
         type=cfa.positive_int,
         default=_ENGINE.max_num_seqs,

@@ -1,8 +1,8 @@
 """What the worker tells the fleet: at start, every model it serves (resident or not) with what its
 adapter pool can serve of adapters; every heartbeat, its own record (`lf:worker:{id}`: models and
-their tiers, load, resident adapters), the served stamp of each model, and a renewed claim on every
-running entry so that no live job is taken over; the moment it stops reading, it withdraws all of
-that (a draining worker only renews its claims)."""
+their tiers and quantization, load, resident adapters), the served stamp of each model, and a renewed
+claim on every running entry so that no live job is taken over; the moment it stops reading, it
+withdraws all of that (a draining worker only renews its claims)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ class Heartbeat:
                     "in_flight": len(self._running),
                     "capacity": self._running.capacity,
                     "adapters": json.dumps(self._resident_adapters()),
+                    "quantization": json.dumps(self._quantization()),
                     "updated_ms": now_ms(),
                 },
             )
@@ -87,6 +88,13 @@ class Heartbeat:
             for spec in self._config.models:
                 forget_worker(pipe, spec.name, self._config.worker_id)
             await pipe.execute()
+
+    def _quantization(self) -> dict[str, dict[str, str]]:
+        """Per served model: its weights' format ("none" or "fp8") and its KV cache's dtype."""
+        return {
+            name: {"weights": info.quantization, "kv_cache": info.kv_cache_dtype}
+            for name, info in self._residency.infos.items()
+        }
 
     def _resident_adapters(self) -> dict[str, dict[str, list[str]]]:
         """Per resident model: adapter uids in device slots and in pinned host memory, as of its

@@ -44,9 +44,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """`GET /v1/models`: the base models, then the adapters this tenant may use (with their base as parent).
-    A base model's `max_lora_rank` is the highest adapter rank every live worker serving it takes: 0 when
-    one runs without LoRA (--max-loras 0), null when no worker serves it now."""
+    """`GET /v1/models`: the base models (with how they are quantized), then the adapters this tenant
+    may use (with their base as parent). A base model's `max_lora_rank` is the highest adapter rank every
+    live worker serving it takes: 0 when one runs without LoRA (--max-loras 0), null when no worker serves
+    it now."""
     tenant = await request_tenant(request)
     redis = request.app[REDIS]
     since_ms = time.time() * 1000 - request.app[CONFIG].model_unserved_after_s * 1000
@@ -61,6 +62,9 @@ async def models(request: web.Request) -> web.Response:
                 "owned_by": _OWNER,
                 "max_model_len": info.max_context,
                 "max_lora_rank": None if limits is None else limits.max_rank,
+                # how its workers serve it: weights "none" (the checkpoint's dtype) or "fp8"; KV "auto" or "fp8"
+                "quantization": info.quantization,
+                "kv_cache_dtype": info.kv_cache_dtype,
             }
         )
     data += [

@@ -163,19 +163,30 @@ class CausalLM(nn.Module):
         checkpoint read by worker/switching/loader.py). Copies are queued on the current CUDA stream
         without a host wait: the caller synchronises that stream before use and keeps `tensors`
         alive until then."""
+        if self.info.checkpoint_quantization != "none":
+            # transformers' fp8 format calls the per-channel scale weight_scale_inv (it multiplies all the same)
+            tensors = (
+                (name.removesuffix("_inv") if name.endswith(".weight_scale_inv") else name, t) for name, t in tensors
+            )
         with torch.no_grad():
             load_tensors(tensors, self._checkpoint_loaders(), ignore=self._derived, source=source)
 
     def _derived(self, name: str) -> bool:
-        """Checkpoint tensors the model derives itself: a tied head is the embedding; old checkpoints
-        also saved the rotary frequencies."""
+        """Checkpoint tensors the model derives itself, or does without: a tied head is the embedding;
+        old checkpoints also saved the rotary frequencies."""
+        if self.info.checkpoint_quantization != "none" and name.endswith(".input_scale"):
+            return True  # a static activation scale: activations are quantized per token instead
         return (self.info.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
 
     def _checkpoint_loaders(self) -> dict[str, TensorLoader]:
         """Checkpoint tensor name → where it goes; packed layers declare their own slices."""
         loaders: dict[str, TensorLoader] = {}
         for module_name, module in self.named_modules():
-            if isinstance(module, LoRALinear | MoEBlock):
+            if isinstance(module, LoRALinear):
+                prequantized = self.info.checkpoint_quantization != "none"
+                loaders.update(module.checkpoint_loaders(module_name.rpartition(".")[0], prequantized=prequantized))
+                continue
+            if isinstance(module, MoEBlock):
                 loaders.update(module.checkpoint_loaders(module_name.rpartition(".")[0]))
                 continue
             for param_name, param in module.named_parameters(prefix=module_name, recurse=False):
