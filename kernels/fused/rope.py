@@ -28,8 +28,8 @@ from kernels.quant.reference import FP8_DTYPE
 @triton.jit
 def _for_cache(x, CACHE_FP8: tl.constexpr):
     """x as the cache stores it: itself, or (fp8 cache) saturated and rounded to e4m3 in fp32."""
-    if CACHE_FP8:
-        return saturate_to_e4m3(x)
+    if CACHE_FP8:  # a compile-time branch: one return, so its two types never meet
+        x = saturate_to_e4m3(x)
     return x
 
 

@@ -31,7 +31,7 @@ def round_to_e4m3(v):
     bits = v.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) - 127
     step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    magnitude = ((tl.abs(v) / step + _ROUNDER) - _ROUNDER) * step
+    magnitude = ((tl.math.div_rn(tl.abs(v), step) + _ROUNDER) - _ROUNDER) * step
     return tl.where(bits < 0, -magnitude, magnitude)  # the sign bit: -0 and what rounds to zero stay negative
 
 
@@ -61,13 +61,14 @@ def _quantize_per_token_kernel(
     for start in range(0, num_cols, BLOCK):
         x = tl.load(row + start + cols, mask=start + cols < num_cols, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(x))
-    scale = tl.maximum(tl.max(peak, axis=0) / FP8_MAX_, MIN_SCALE_)
+    # correctly rounded divisions (a compiled `/` is approximate): bit for bit what torch computes
+    scale = tl.maximum(tl.math.div_rn(tl.max(peak, axis=0), FP8_MAX_), MIN_SCALE_)
     tl.store(scale_ptr + token, scale)
     out = q_ptr + token * num_cols
     for start in range(0, num_cols, BLOCK):
         mask = start + cols < num_cols
         x = tl.load(row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_))
+        q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_, FP8_MAX_))
         tl.store(out + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
