@@ -181,9 +181,10 @@ class _Fleet:
         worker += [arg for spec in models for arg in ("--model", f"{spec.name}={spec.path}")]
         worker += ["--metrics-host", config.host, "--kernel-plans-dir", str(config.state_dir / KERNEL_PLANS_DIR)]
         # (name, device flags, CUDA_VISIBLE_DEVICES): one per GPU, or one CPU worker with every GPU hidden.
-        # The demo's checkpoint is float32 (exact on a CPU, where bfloat16 matmuls are slow); GPUs serve it in
-        # bfloat16, as they would any model.
-        gpu_flags = ["--device", "cuda", *(["--dtype", "bfloat16"] if config.demo else [])]
+        # The demo's checkpoint is float32, and GPUs serve it so too: in bfloat16 its base model's first token
+        # for the demo question is a near-tie that the fused kernels' rounding tips into a wrong answer
+        # (docs/demo-model.md); a 135M model costs nothing in float32.
+        gpu_flags = ["--device", "cuda"]
         placements = [(f"worker-gpu{gpu}", gpu_flags, gpu) for gpu in config.gpus] or [
             ("worker-cpu", ["--device", "cpu"], "")
         ]
