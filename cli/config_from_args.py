@@ -248,6 +248,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         port=args.port,
         admin_key_sha256=None if admin_key is None else hash_admin_key(admin_key),
         adapter_root=_gateway_adapter_root(args),
+        adapter_routing=args.adapter_routing == "on",
         tenant_limits=TenantLimits(
             requests_per_min=args.requests_per_min,
             tokens_per_min=args.tokens_per_min,
@@ -300,6 +301,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             worker_id=args.worker_id or default_worker_id(),
             heartbeat_interval_s=args.heartbeat_interval,
             claim_idle_ms=args.claim_idle_ms,
+            steal_after_ms=args.steal_after_ms,
             max_deliveries=args.max_deliveries,
             drain_grace_s=args.drain_grace,
             metrics_port=args.metrics_port,

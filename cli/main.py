@@ -106,6 +106,13 @@ def _add_gateway(commands: argparse._SubParsersAction) -> None:
     gateway.add_argument(
         "--adapter-root", type=Path, help="adapters registered over HTTP must live here (default: from --state-dir)"
     )
+    gateway.add_argument(
+        "--adapter-routing",
+        choices=("on", "off"),
+        default="on" if _GATEWAY.adapter_routing else "off",
+        help="place adapter jobs on the worker holding the adapter; off: any worker takes any job "
+        "(default: %(default)s)",
+    )
     limits = gateway.add_argument_group("per-tenant admission limits (a tenant's own limits, set by an admin, win)")
     for flag, default in (
         ("--requests-per-min", _GATEWAY.tenant_limits.requests_per_min),
@@ -159,6 +166,13 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
         type=cfa.positive_int,
         default=_WORKER.claim_idle_ms,
         help="a running job not renewed for this long is taken over by another worker (default: %(default)s)",
+    )
+    delivery.add_argument(
+        "--steal-after-ms",
+        type=cfa.positive_int,
+        default=_WORKER.steal_after_ms,
+        help="a job routed to another worker that waited there unread this long is taken by a worker with "
+        "free batch slots (default: %(default)s)",
     )
     delivery.add_argument(
         "--max-deliveries",

@@ -27,6 +27,7 @@ from gateway.chat import render_chat
 from gateway.errors import RequestError
 from gateway.job_events import JobEventReader
 from gateway.job_request import JobRequest
+from gateway.routing import FleetView
 from gateway.tokenization import TokenizerCache
 from gateway.ttl_cache import TtlCache
 from shared.adapter_registry import get_adapter, track_adapter_job
@@ -153,12 +154,16 @@ class JobService:
         *,
         events_idle_s: float,
         model_unserved_after_s: float,
+        fleet: FleetView | None = None,
     ) -> None:
+        """`fleet`: where adapter jobs are routed from (gateway/routing.py); None: every job on its model's
+        shared stream."""
         self._redis = redis
         self._store = store
         self._events = events
         self._tokenizers = tokenizers
         self._admission = admission
+        self._fleet = fleet
         self._events_idle_s = events_idle_s  # an event stream yields Idle after this long without events
         self._unserved_after_ms = model_unserved_after_s * 1000
         # when a worker last advertised each model (unix ms): stamps are refreshed every heartbeat, so a
@@ -215,8 +220,11 @@ class JobService:
             raise RequestError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {adapter.name!r} not found", param="adapter")
         cost_tokens = len(prompt_token_ids) + sampling.max_tokens
         admission = self._admission.check(tenant.tenant_id, tenant.key_lookup, job_id, model.name, cost_tokens)
+        queue = None
+        if self._fleet is not None:
+            queue = (await self._fleet.route(model.name, None if adapter is None else adapter.uid)).queue
         try:
-            job_id, created = await self._store.create(record, message, idempotency_key, admission)
+            job_id, created = await self._store.create(record, message, idempotency_key, admission, queue)
         except AdmissionDenied as denied:
             raise _refusal(denied.denial, model, cost_tokens) from None
         if created:

@@ -1,5 +1,6 @@
 """The Prometheus metrics of one gateway process: requests by route and status, request latency, and at
-scrape time the queue depth of each served model (entries in its stream: queued + running).
+scrape time the queue depth of each served model (entries in its streams: queued + running), and
+where routing placed jobs (gateway/routing.py).
 
 Each application gets its own registry, so several apps in one process (tests) never collide. The
 middleware that records requests is in middleware.py (the numbers are request_metrics.py's);
@@ -26,9 +27,16 @@ class GatewayMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.jobs_placed = Counter(
+            "lorafleet_gateway_jobs_placed",
+            "jobs queued, by where routing put them: shared (any worker), gpu / host (a worker holding the "
+            "adapter in that tier), home (the adapter's consistent-hash worker), spill (its home had no room)",
+            ["model", "placement"],
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "lorafleet_queue_depth",
-            "entries in a model's queue stream (queued + running)",
+            "entries in a model's streams, shared and routed (queued + running)",
             ["model"],
             registry=self.registry,
         )

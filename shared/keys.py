@@ -2,7 +2,10 @@
 
 | key                           | type   | what                                                      |
 | ----------------------------- | ------ | --------------------------------------------------------- |
-| lf:q:{model}                  | stream | queued jobs for one base model (consumer group `workers`) |
+| lf:q:{model}                  | stream | queued jobs for one base model, any worker (group `workers`) |
+| lf:wq:{model}:{worker}        | stream | jobs routed to one worker of the model (group `workers`)  |
+| lf:wqs:{model}                | set    | the model's worker streams (routing; stealing; re-claim)  |
+| lf:aliases / lf:alias:{name}  | set / hash | adapter aliases: owner, weighted adapter versions     |
 | lf:job:{id}                   | hash   | job record (status, tenant, timings, result); TTL         |
 | lf:out:{id}                   | stream | job events (tokens, final) for long-poll / streaming; TTL |
 | lf:dlq                        | stream | jobs that failed delivery too many times (capped)         |
@@ -28,10 +31,24 @@ MODELS = f"{PREFIX}:models"
 ADAPTERS = f"{PREFIX}:adapters"
 WORKERS = f"{PREFIX}:workers"
 TENANTS = f"{PREFIX}:tenants"
+ALIASES = f"{PREFIX}:aliases"
 
 
 def queue(model: str) -> str:
     return f"{PREFIX}:q:{model}"
+
+
+# routing (gateway/routing.py, worker/stealing.py): a job for an adapter goes to one worker's stream
+def worker_queue(model: str, worker_id: str) -> str:
+    return f"{PREFIX}:wq:{model}:{worker_id}"
+
+
+def worker_queues(model: str) -> str:
+    return f"{PREFIX}:wqs:{model}"
+
+
+def alias(name: str) -> str:
+    return f"{PREFIX}:alias:{name}"
 
 
 def job(job_id: str) -> str:

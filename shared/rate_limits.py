@@ -30,8 +30,14 @@ LIMIT_FIELDS = {
 # It re-checks the API key (still this tenant's) and that the tenant is enabled, so a gateway may cache
 # authentication without letting a rotated key or a disabled tenant submit.
 ADMIT_LUA = """
--- k: rate hash, active set, tenant hash, model queue, api-key lookup
+-- k: rate hash, active set, tenant hash, model queue, api-key lookup, the model's worker queues (a set)
 -- a: job id, cost (tokens), default rpm, default tpm, default max jobs, max queue, job key prefix, tenant id
+-- the model's queued and running jobs: its shared stream and every worker stream (routing)
+local function model_queue_length(shared, worker_queues)
+  local length = redis.call('XLEN', shared)
+  for _, stream in ipairs(redis.call('SMEMBERS', worker_queues)) do length = length + redis.call('XLEN', stream) end
+  return length
+end
 local function admit(k, a)
   if redis.call('GET', k[5]) ~= a[8] then return {'invalid_api_key', 0, 0} end
   local own = redis.call('HMGET', k[3], 'limit_rpm', 'limit_tpm', 'limit_concurrent', 'disabled')
@@ -41,7 +47,7 @@ local function admit(k, a)
   local max_jobs = tonumber(own[3]) or tonumber(a[5])
   local cost = tonumber(a[2])
   if cost > tpm then return {'tokens_per_request', 0, tpm} end
-  if redis.call('XLEN', k[4]) >= tonumber(a[6]) then return {'queue', 1000, tonumber(a[6])} end
+  if model_queue_length(k[4], k[6]) >= tonumber(a[6]) then return {'queue', 1000, tonumber(a[6])} end
   if redis.call('ZCARD', k[2]) >= max_jobs then
     for _, id in ipairs(redis.call('ZRANGE', k[2], 0, -1)) do
       local status = redis.call('HGET', a[7] .. id, 'status')
@@ -107,6 +113,7 @@ class Admission:
                 keys.tenant(tenant_id),
                 keys.queue(model),
                 keys.api_key(key_lookup),
+                keys.worker_queues(model),
             ),
             args=(
                 job_id,

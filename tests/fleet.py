@@ -191,9 +191,17 @@ class Fleet:
             assert len(record.output.token_ids) == record.completion_tokens > 0
             assert self.end_events(job_id) == 1, f"job {job_id} was finished more than once"
         with self.redis() as client:
-            assert client.xlen(keys.queue(MODEL)) == 0
-            assert client.xpending(keys.queue(MODEL), keys.WORKER_GROUP)["pending"] == 0
+            for stream in self.streams():
+                assert client.xlen(stream) == 0, stream
+                if client.exists(stream):
+                    assert client.xpending(stream, keys.WORKER_GROUP)["pending"] == 0, stream
             assert client.xlen(keys.DEAD_LETTER) == 0
+
+    def streams(self) -> list[str]:
+        """The model's shared stream and every worker stream listed for it (routing)."""
+        with self.redis() as client:
+            members = sorted(member.decode() for member in client.smembers(keys.worker_queues(MODEL)))
+        return [keys.queue(MODEL), *members]
 
 
 def jobs_for(count: int, max_tokens: int) -> list[dict]:

@@ -1,5 +1,7 @@
-"""Jobs in: reads the resident models' streams for as many jobs as there is room for, takes over
-entries whose worker died, and starts each job in the job store and the engine thread.
+"""Jobs in: reads the resident models' streams (each model's shared stream and this worker's own,
+worker/routed_streams.py) for as many jobs as there is room for, takes over entries whose worker
+died, steals entries that waited too long on a busy worker's stream while this one has free batch
+slots, and starts each job in the job store and the engine thread.
 
 Only resident models' streams are read: a job read for a model that is not resident could not run
 soon, and would sit in this worker's pending list where no other worker takes it. An entry read
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from enum import StrEnum
 
 import structlog
 from redis.asyncio import Redis
@@ -24,12 +27,23 @@ from shared.schema import JobError, JobMessage, JobStatus, SchemaError, decode_j
 from worker.engine.engine import EngineRequest
 from worker.engine_thread import EngineThread
 from worker.job_stream import ack, autoclaim_page, dead_letter, ensure_group, requeue
+from worker.metrics import AdapterTier, WorkerMetrics
+from worker.routed_streams import RoutedStreams
 from worker.running_jobs import RunningJob, RunningJobs
 from worker.switching.switcher import ModelSwitcher
 
 log = structlog.get_logger(__name__)
 
 _READ_BLOCK_MS = 1000
+
+
+class Arrival(StrEnum):
+    """How a job reached this worker (metrics: routed vs stolen)."""
+
+    ROUTED = "routed"  # placed on this worker's own stream by the gateway
+    SHARED = "shared"  # read from the model's shared stream (base-model jobs, jobs handed back)
+    STOLEN = "stolen"  # waited past the bound on another worker's stream (worker/routed_streams.py)
+    RECLAIMED = "reclaimed"  # its worker died while running it
 
 
 class Intake:
@@ -42,6 +56,7 @@ class Intake:
         engine_thread: EngineThread,
         switcher: ModelSwitcher,
         stopping: asyncio.Event,
+        metrics: WorkerMetrics,
     ) -> None:
         self._redis = redis
         self._jobs = jobs
@@ -50,10 +65,16 @@ class Intake:
         self._engine_thread = engine_thread
         self._switcher = switcher
         self._stopping = stopping
+        self._metrics = metrics
+        self._streams = RoutedStreams(redis, config.worker_id)
         self._last_claim = 0.0
+        self._last_steal = 0.0
+        # an idle read returns this often, so entries waiting on a busy worker are stolen near the bound
+        self._read_block_ms = max(10, min(_READ_BLOCK_MS, config.steal_after_ms // 4))
 
     async def consume_once(self) -> None:
-        """Wait for room, or read (and first claim abandoned entries, every claim_idle_ms / 2) once."""
+        """Wait for room, or read (and first claim abandoned entries, every claim_idle_ms / 2) once;
+        with free batch slots left after that, steal what waited too long on other workers' streams."""
         room = self._running.room_left
         if room <= 0:
             self._running.room.clear()
@@ -66,73 +87,111 @@ class Intake:
         if time.monotonic() - self._last_claim > self._config.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
             for model in readable:
-                await self._claim_abandoned(model, room)
+                await self._streams.adopt_orphans(model)
+                for stream in await self._streams.of_model(model):
+                    await self._claim_abandoned(model, stream, room)
             room = self._running.room_left
             if room <= 0:
                 return
-        streams = {keys.queue(model): ">" for model in readable}
+        model_of = {keys.queue(model): model for model in readable} | {self._streams.own(m): m for m in readable}
         try:
             response = await self._redis.xreadgroup(
-                keys.WORKER_GROUP, self._config.worker_id, streams, count=room, block=_READ_BLOCK_MS
+                keys.WORKER_GROUP,
+                self._config.worker_id,
+                dict.fromkeys(model_of, ">"),
+                count=room,
+                block=self._read_block_ms,
             )
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             log.error("consumer_group_missing", error=str(exc))  # Redis came back without its data
             for spec in self._config.models:
-                await ensure_group(self._redis, spec.name)
+                await ensure_group(self._redis, keys.queue(spec.name))
+                await self._streams.register(spec.name)
             return
-        for stream, entries in response or []:
-            model = stream.decode().removeprefix(keys.queue(""))
+        for stream_key, entries in response or []:
+            stream = stream_key.decode()
+            model = model_of[stream]
+            arrival = Arrival.SHARED if stream == keys.queue(model) else Arrival.ROUTED
             for entry_id, fields in entries:
                 if self._stopping.is_set() or not self._switcher.admitting(model):
-                    await requeue(self._redis, model, entry_id, fields)  # read during a stop or switch: not ours
+                    await requeue(self._redis, model, stream, entry_id, fields)  # read during a stop or switch
                 else:
-                    await self._accept(model, entry_id, fields)
+                    await self._accept(model, stream, entry_id, fields, arrival)
+        await self._steal_if_idle(readable)
 
-    async def _claim_abandoned(self, model: str, count: int) -> None:
-        """Take over entries whose worker stopped renewing them (it died), scanning the whole pending list."""
+    async def _steal_if_idle(self, readable: list[str]) -> None:
+        """With free batch slots (jobs would run now, not queue), take entries that have waited past
+        `steal_after_ms` on other workers' streams; tried every quarter of the bound at most."""
+        free = self._config.engine.max_num_seqs - len(self._running)
+        if free <= 0 or self._stopping.is_set() or time.monotonic() - self._last_steal < self._read_block_ms / 1000:
+            return
+        self._last_steal = time.monotonic()
+        for model in readable:
+            if not self._switcher.admitting(model):
+                continue
+            for stream, entries in await self._streams.steal(model, free, self._config.steal_after_ms):
+                for entry_id, fields in entries:
+                    log.info("job_stolen", model=model, stream=stream, entry=entry_id.decode())
+                    await self._accept(model, stream, entry_id, fields, Arrival.STOLEN)
+            free = self._config.engine.max_num_seqs - len(self._running)
+            if free <= 0:
+                return
+
+    async def _claim_abandoned(self, model: str, stream: str, count: int) -> None:
+        """Take over entries of `stream` whose worker stopped renewing them (it died), scanning the whole
+        pending list."""
         cursor: bytes | str = "0-0"
         claimed = 0
         while claimed < count:
-            cursor, entries = await autoclaim_page(
-                self._redis, model, self._config.worker_id, self._config.claim_idle_ms, start_id=cursor,
-                count=count - claimed,
-            )  # fmt: skip
+            try:
+                cursor, entries = await autoclaim_page(
+                    self._redis, stream, self._config.worker_id, self._config.claim_idle_ms, start_id=cursor,
+                    count=count - claimed,
+                )  # fmt: skip
+            except ResponseError as exc:  # a worker stream deleted since it was listed: nothing to claim
+                if "NOGROUP" not in str(exc):
+                    raise
+                return
             for entry_id, fields in entries:
-                log.warning("job_reclaimed", model=model, entry=entry_id.decode())
-                await self._accept(model, entry_id, fields)
+                log.warning("job_reclaimed", model=model, stream=stream, entry=entry_id.decode())
+                await self._accept(model, stream, entry_id, fields, Arrival.RECLAIMED)
             claimed += len(entries)
             if cursor in (b"0-0", "0-0"):
                 return
 
-    async def _accept(self, model: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    async def _accept(
+        self, model: str, stream: str, entry_id: bytes, fields: dict[bytes, bytes], arrival: Arrival
+    ) -> None:
         try:
             message = decode_job(fields[b"job"])
         except (SchemaError, KeyError) as exc:
             log.error("undecodable_job", model=model, entry=entry_id.decode(), error=str(exc))
-            await dead_letter(self._redis, model, entry_id, fields, reason=str(exc))
+            await dead_letter(self._redis, model, stream, entry_id, fields, reason=str(exc))
             return
         if message.job_id in self._running:
             return  # our own entry, already running
         status, attempts = await self._jobs.start(message.job_id, self._config.worker_id)
         if status is not JobStatus.RUNNING:
-            await ack(self._redis, model, entry_id)  # canceled while queued, finished earlier, or expired
+            await ack(self._redis, stream, entry_id)  # canceled while queued, finished earlier, or expired
             return
         if attempts > self._config.max_deliveries:
-            await self._give_up(model, entry_id, fields, message, attempts)
+            await self._give_up(model, stream, entry_id, fields, message, attempts)
             return
         if not self._switcher.admitting(model):  # a switch began while the job was being started
             await self._jobs.release(message.job_id, self._config.worker_id)
-            await requeue(self._redis, model, entry_id, fields)
+            await requeue(self._redis, model, stream, entry_id, fields)
             return
-        self._running.add(message.job_id, RunningJob(model, entry_id, message.request_id, fields))
+        self._running.add(message.job_id, RunningJob(model, stream, entry_id, message.request_id, fields))
+        self._metrics.job_started(model, arrival, self._adapter_tier(model, message))
         log.info(
             "job_started",
             job=message.job_id,
             model=model,
             tenant=message.tenant,
             attempt=attempts,
+            arrival=arrival.value,
             request_id=message.request_id,
         )
         self._engine_thread.submit(
@@ -148,10 +207,19 @@ class Intake:
             ),
         )
 
+    def _adapter_tier(self, model: str, message: JobMessage) -> str:
+        """Where the job's adapter is on this worker now (as of its engine's last step): the hit rate by tier."""
+        if message.adapter is None:
+            return "none"
+        engine = self._switcher.residency.engines.get(model)
+        gpu, host = engine.adapter_pool.resident if engine is not None else ((), ())
+        uid = message.adapter.uid
+        return AdapterTier.GPU if uid in gpu else AdapterTier.CPU if uid in host else AdapterTier.DISK
+
     async def _give_up(
-        self, model: str, entry_id: bytes, fields: dict[bytes, bytes], message: JobMessage, attempts: int
+        self, model: str, stream: str, entry_id: bytes, fields: dict[bytes, bytes], message: JobMessage, attempts: int
     ) -> None:
         log.error("job_dead_lettered", job=message.job_id, attempts=attempts, request_id=message.request_id)
         error = JobError(ErrorCode.WORKER_CRASHED, f"the job was delivered {attempts - 1} times without finishing")
         await self._jobs.finish(message.job_id, JobStatus.FAILED, error=error)
-        await dead_letter(self._redis, model, entry_id, fields, reason="too many deliveries")
+        await dead_letter(self._redis, model, stream, entry_id, fields, reason="too many deliveries")

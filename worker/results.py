@@ -73,7 +73,7 @@ class ResultPublisher:
             error=result.error,
             completion_tokens=result.completion_tokens,
             first_token_ms=result.first_token_ms,
-            entry=(job.model, job.entry_id),
+            entry=(job.stream, job.entry_id),
         )
         self._running.release(result.job_id)
         log.info(
@@ -112,6 +112,6 @@ class CancelWatch:
             if job is None or status not in (b"canceled", None):
                 continue
             self._engine_thread.abort(job_id)
-            await ack(self._redis, job.model, job.entry_id)
+            await ack(self._redis, job.stream, job.entry_id)
             self._running.release(job_id)
             log.info("job_aborted", job=job_id, status=(status or b"missing").decode(), request_id=job.request_id)

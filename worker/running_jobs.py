@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class RunningJob:
     model: str
+    stream: str  # the stream its entry was read from: the model's shared stream or a worker's
     entry_id: bytes
     request_id: str
     fields: dict[bytes, bytes]  # the entry as read, to queue it again if this worker lets it go
@@ -57,8 +58,8 @@ class RunningJobs:
         started = [job.started for job in self.jobs.values() if job.model == model]
         return len(started), sum(now - t for t in started)
 
-    def entries_by_model(self) -> dict[str, list[bytes]]:
-        by_model: dict[str, list[bytes]] = {}
+    def entries_by_stream(self) -> dict[str, list[bytes]]:
+        by_stream: dict[str, list[bytes]] = {}
         for job in self.jobs.values():
-            by_model.setdefault(job.model, []).append(job.entry_id)
-        return by_model
+            by_stream.setdefault(job.stream, []).append(job.entry_id)
+        return by_stream

@@ -62,7 +62,7 @@ class Worker:
         self._engine_thread: EngineThread | None = None
         self.metrics = WorkerMetrics(config.engine.device)
         self._residency = ModelResidency(config, self.metrics)  # plans the device's memory: fails early
-        self._heartbeat = Heartbeat(self._redis, config, self._running, self._residency)
+        self._heartbeat = Heartbeat(self._redis, config, self._running, self._residency, self.metrics)
         self._switcher: ModelSwitcher | None = None
 
     async def run(self) -> int:
@@ -96,7 +96,14 @@ class Worker:
             hand_back=self._hand_back_model,
         )
         intake = Intake(
-            self._redis, self._jobs, self.config, self._running, self._engine_thread, self._switcher, self._stopping
+            self._redis,
+            self._jobs,
+            self.config,
+            self._running,
+            self._engine_thread,
+            self._switcher,
+            self._stopping,
+            self.metrics,
         )
         await retrying("announce", self._heartbeat.announce)
         log.info("worker_ready", worker=self.id, models=[s.name for s in self.config.models], resident=list(engines))
@@ -191,6 +198,6 @@ class Worker:
         # crashes every engine it meets ends in the dead-letter stream instead of looping
         if self._crash is None:
             await self._jobs.release(job_id, self.id)
-        await requeue(self._redis, job.model, job.entry_id, job.fields)
+        await requeue(self._redis, job.model, job.stream, job.entry_id, job.fields)
         self._running.pop(job_id)
         log.info("job_handed_back", job=job_id, request_id=job.request_id)

@@ -6,7 +6,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.state import METRICS, REDIS
-from shared import keys
+from shared.model_queues import model_queue_length
 from shared.model_registry import list_models
 
 
@@ -15,10 +15,7 @@ async def metrics_view(request: web.Request) -> web.Response:
     metrics = request.app[METRICS]
     redis = request.app[REDIS]
     models = [info.name for info in await list_models(redis)]
-    async with redis.pipeline(transaction=False) as pipe:
-        for model in models:
-            pipe.xlen(keys.queue(model))
-        depths = await pipe.execute()
+    depths = [await model_queue_length(redis, model) for model in models]
     for model, depth in zip(models, depths, strict=True):
         metrics.queue_depth.labels(model).set(depth)
     response = web.Response(body=generate_latest(metrics.registry))

@@ -67,10 +67,10 @@ async def test_a_result_and_its_ack_are_one_script(aredis, replica_wait):
     await JobStore(aredis, job_ttl_s=60).create(*new_job())
     [[_, [(entry_id, _)]]] = await aredis.xreadgroup(keys.WORKER_GROUP, "w1", {keys.queue("m"): ">"})
     await store.start("job_1", "w1")
-    stored = await store.finish("job_1", JobStatus.SUCCEEDED, output=OUTPUT, entry=("m", entry_id))
+    stored = await store.finish("job_1", JobStatus.SUCCEEDED, output=OUTPUT, entry=(keys.queue("m"), entry_id))
     assert stored  # stored although no replica confirmed it: a result is never thrown away
     assert (await store.get("job_1")).status is JobStatus.SUCCEEDED
     assert (await aredis.xpending(keys.queue("m"), keys.WORKER_GROUP))["pending"] == 0
     assert await aredis.xlen(keys.queue("m")) == 0
     # a second delivery's result is not stored again, and its ack is harmless
-    assert not await store.finish("job_1", JobStatus.FAILED, entry=("m", entry_id))
+    assert not await store.finish("job_1", JobStatus.FAILED, entry=(keys.queue("m"), entry_id))
