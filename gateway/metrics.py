@@ -30,7 +30,8 @@ class GatewayMetrics:
         self.jobs_placed = Counter(
             "lorafleet_gateway_jobs_placed",
             "jobs queued, by where routing put them: shared (any worker), gpu / host (a worker holding the "
-            "adapter in that tier), home (the adapter's consistent-hash worker), spill (its home had no room)",
+            "adapter in that tier), home (the adapter's consistent-hash worker), spill (its home had no room), "
+            "overflow (no worker had room: the shared stream)",
             ["model", "placement"],
             registry=self.registry,
         )

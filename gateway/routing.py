@@ -9,7 +9,11 @@ worker's own stream (`lf:wq:{model}:{worker}`), the first of:
 3. A's home: the live worker ranked first by rendezvous hashing of (A, worker), so each worker is
    home to a stable share of the adapters and a worker joining or leaving moves only its share;
 4. if the home has no room while another worker has, the worker with most room (a spill: rather
-   that than a wait the steal bound would only shorten).
+   that than a wait the steal bound would only shorten);
+5. if no worker has room, the shared stream (overflow): the fleet's backlog then waits where the
+   first worker to free a slot takes it, as it would without routing. A worker reads its own stream
+   up to its capacity at once, so a backlog placed on one worker's stream could only be stolen
+   from what it has not read yet.
 
 Room is a worker's job capacity less its running jobs and the jobs waiting on its own stream, as of
 its last heartbeat, less what this gateway placed on it since. A job that still ends up waiting on
@@ -42,6 +46,7 @@ class Placement(StrEnum):
     HOST = "host"
     HOME = "home"
     SPILL = "spill"
+    OVERFLOW = "overflow"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +90,12 @@ def place(model: str, adapter_uid: str | None, workers: list[WorkerView], placed
             chosen = max(with_room, key=room)
             return Route(keys.worker_queue(model, chosen.worker_id), placement, chosen.worker_id)
     home = max(workers, key=lambda w: rendezvous_rank(adapter_uid, w.worker_id))
+    if room(home) > 0:
+        return Route(keys.worker_queue(model, home.worker_id), Placement.HOME, home.worker_id)
     roomiest = max(workers, key=room)
-    if room(home) <= 0 < room(roomiest):
+    if room(roomiest) > 0:
         return Route(keys.worker_queue(model, roomiest.worker_id), Placement.SPILL, roomiest.worker_id)
-    return Route(keys.worker_queue(model, home.worker_id), Placement.HOME, home.worker_id)
+    return Route(None, Placement.OVERFLOW)
 
 
 def parse_worker(model: str, worker_id: str, raw: dict[bytes, bytes]) -> WorkerView | None:

@@ -63,13 +63,14 @@ def test_an_unheld_adapter_goes_to_its_home_every_time():
     assert set(homes.values()) == set(ids)  # every worker is home to a share
 
 
-def test_a_full_home_spills_to_the_worker_with_most_room_and_a_full_fleet_queues_at_home():
+def test_a_full_home_spills_to_the_worker_with_most_room_and_a_full_fleet_overflows_to_the_shared_stream():
     ids = ["a", "b", "c"]
     home = home_of("x", ids)
     workers = [worker(w, room=0 if w == home else 3) for w in ids]
     assert place(MODEL, "x", workers, {}).placement is Placement.SPILL
     full = [worker(w, room=0) for w in ids]
-    assert place(MODEL, "x", full, {}).worker == home
+    route = place(MODEL, "x", full, {})
+    assert (route.placement, route.queue) == (Placement.OVERFLOW, None)
 
 
 def test_a_worker_joining_or_leaving_moves_only_its_share_of_adapters():
