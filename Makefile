@@ -1,6 +1,7 @@
 # The two commands a fresh machine needs:  `make up`  (install, then serve the demo)
 #                                          `make test` (install with test extras, then lint and test)
 # Options for `lorafleet up` go in ARGS, e.g. `make up ARGS="--port 8001"`; for pytest in PYTEST_ARGS.
+# CI also runs `make deploy-test`: the compose stack built and run under podman (deploy/README.md).
 VENV ?= .venv
 # torch 2.13.0 resolves to the CPU wheel on the CI machines; on a GPU host, override with the
 # CUDA build you want, e.g. `make up TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"`.
@@ -22,10 +23,18 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-run
 	$(PIP) -e ".[test]"
 	touch $@
 
-.PHONY: up test
+# podman-compose for deploy-test (podman itself comes from Debian: deploy/ci/setup-podman.sh)
+$(VENV)/.installed-deploy: $(VENV)/.installed-test
+	$(PIP) podman-compose==1.6.0
+	touch $@
+
+.PHONY: up test deploy-test
 up: $(VENV)/.installed-run
 	$(VENV)/bin/lorafleet up $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+deploy-test: $(VENV)/.installed-deploy
+	VENV=$(VENV) TORCH="$(TORCH)" deploy/ci/stack-test.sh

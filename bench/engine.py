@@ -4,6 +4,7 @@ transformers(+PEFT) on the same workload and the decode roofline.
     python -m bench.engine [--batches 1 8 32 64 128] [--prompts 128 1024] [--new-tokens 128]
                            [--adapters 0 8 32] [--hf-batch 32 --hf-prompt 128 --hf-new-tokens N --hf-adapters 0 8]
                            [--profile-batch 32] [--adapter-dir DIR]
+                           [--quantization none fp8] [--kv-cache-dtype auto fp8]
 
 Engine rows: all requests are added at once to an LLMEngine (scheduler, paged KV, multi-LoRA, the
 GPU sampler; greedy, ignore_eos) and stepped to completion. The engine is built as a worker builds
@@ -12,7 +13,10 @@ rank 16 on all seven projections, PEFT files written under --adapter-dir (kept, 
 reuses them), spread round-robin over the batch, and loaded through the engine's adapter pool
 before any row is timed.
 Each (batch, prompt) shape first runs once untimed (prefill and one decode, with adapters), so no row
-pays a first-use compile.
+pays a first-use compile. With 0 among --adapters, the base-only rows run a second time, on an engine
+built as a worker started with --max-loras 0 builds it (no LoRA memory or kernels; system "lorafleet
+no-LoRA"), after the first engine is freed; a last table gives the LoRA-enabled engine's base-only
+rows over those (issue 20's target: within 2%, ratio >= 0.98 of tok/s and decode tok/s).
     tok/s   output tokens / wall time of the whole run (prefill included)
     TTFT    mean over requests of (first token - start)
     TPOT    mean over requests of (last token - first token) / (new tokens - 1)
@@ -27,7 +31,12 @@ overlapped as the engine runs them, for B decoding sequences (context: the first
 (decode graph), and beside a prefill chunk of each --chunks size, through the piecewise graphs and
 eagerly.
 Roofline (per decode step): all weights read once (lm_head included, embedding rows excluded) plus
-each sequence's K/V at its mean decode context, over the measured device-to-device copy bandwidth.
+each sequence's K/V at its mean decode context, over the measured device-to-device copy bandwidth;
+in each row's own formats (fp8 projections: one byte a weight; an fp8 KV cache: one byte an element).
+--quantization / --kv-cache-dtype: engine rows for every combination given (weights "none": bf16),
+each with the KV blocks its memory plan gives on this GPU, and the issue's targets checked at the end
+(FP8 decode >= 1.7x bf16 at batch 8-32 and >= 80% of its roofline; 8 adapters >= 0.9x the same
+quantized base; KV blocks >= 1.9x with an FP8 KV cache).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 
+from kernels.quant import quantize_weight
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, file_sha256
 from shared.config import EngineConfig
 from shared.model_info import PROJECTIONS, ModelInfo
@@ -58,6 +68,7 @@ from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
 from worker.memory_plan import DeviceMemory, plan_memory
 from worker.metrics import WorkerMetrics
+from worker.model.lora_linear import LoRALinear
 from worker.model.model import CausalLM
 
 LLAMA3_8B = ModelInfo(
@@ -82,11 +93,14 @@ LLAMA3_8B = ModelInfo(
 )
 RANK = 16
 PREFILL_TOKENS_PER_STEP = 16384  # longer prefills are chunked (the engine's max_num_batched_tokens)
+LORAFLEET, NO_LORA = "lorafleet", "lorafleet no-LoRA"  # engine rows' systems: LoRA enabled, --max-loras 0
+# issue 20: base-only requests on an engine with LoRA enabled keep this share of one started without LoRA
+BASE_WITH_LORA_TARGET = 0.98
 
 
 @dataclass
 class Row:
-    system: str
+    system: str  # "lorafleet <weights>/<kv cache>" for engine rows
     batch: int
     prompt: int
     new_tokens: int
@@ -96,6 +110,32 @@ class Row:
     tpot_ms: float
     decode_tok_s: float
     roofline_tok_s: float
+
+
+@dataclass(frozen=True)
+class LoRAOffRatio:
+    """One (batch, prompt)'s base-only row on the LoRA-enabled engine over the same row on the engine
+    without LoRA: throughputs (higher is better for LoRA) and TTFT (lower is)."""
+
+    batch: int
+    prompt: int
+    tok_s: float
+    decode_tok_s: float
+    ttft: float
+
+    @property
+    def met(self) -> bool:
+        return min(self.tok_s, self.decode_tok_s) >= BASE_WITH_LORA_TARGET
+
+
+def lora_off_ratios(rows: list[Row]) -> list[LoRAOffRatio]:
+    """The ratio of every (batch, prompt) with a base-only row on both engines, in the rows' order."""
+    off = {(r.batch, r.prompt): r for r in rows if r.system == NO_LORA}
+    return [
+        LoRAOffRatio(r.batch, r.prompt, r.tok_s / o.tok_s, r.decode_tok_s / o.decode_tok_s, r.ttft_ms / o.ttft_ms)
+        for r in rows
+        if r.system == LORAFLEET and r.adapters == 0 and (o := off.get((r.batch, r.prompt))) is not None
+    ]
 
 
 def copy_bandwidth() -> float:
@@ -114,15 +154,19 @@ def copy_bandwidth() -> float:
 
 
 def weight_bytes(info: ModelInfo) -> int:
-    """bf16 bytes a decode step reads: every layer's weights and the lm_head (embedding rows are few)."""
+    """Bytes a decode step reads: every layer's weights and the lm_head (embedding rows are few); the
+    projections in one byte each (and a float32 scale per output row) when served in fp8."""
     h, i, kv = info.hidden_size, info.intermediate_size, info.num_kv_heads * info.head_dim
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
-    return 2 * (info.num_layers * per_layer + info.vocab_size * h + h)
+    rows = (h + 2 * kv) + h + 2 * i + h
+    projections = h * (h + 2 * kv) + h * h + 3 * h * i
+    projection_bytes = projections + 4 * rows if info.quantization == "fp8" else 2 * projections
+    return info.num_layers * (projection_bytes + 2 * 2 * h) + 2 * (info.vocab_size * h + h)
 
 
 def roofline(info: ModelInfo, batch: int, context: float, bandwidth: float) -> float:
     """Output tok/s if a decode step only moved its weights and K/V at `bandwidth` bytes/s."""
-    kv = 2 * 2 * info.num_layers * info.num_kv_heads * info.head_dim * context * batch
+    kv_element = 1 if info.kv_cache_dtype == "fp8" else 2
+    kv = 2 * kv_element * info.num_layers * info.num_kv_heads * info.head_dim * context * batch
     return batch / ((weight_bytes(info) + kv) / bandwidth)
 
 
@@ -137,8 +181,15 @@ def random_model(info: ModelInfo, config: EngineConfig) -> CausalLM:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
+            elif param.dtype == torch.bfloat16:
                 param.normal_(0.0, 0.02)
+        for module in model.modules():
+            if isinstance(module, LoRALinear) and module.weight_scale is not None:  # fp8: quantized as at load
+                weight, scale = quantize_weight(
+                    torch.empty_like(module.weight, dtype=torch.bfloat16).normal_(0.0, 0.02)
+                )
+                module.weight.copy_(weight)
+                module.weight_scale.copy_(scale)
     return model
 
 
@@ -230,10 +281,14 @@ class EngineBench:
         *,
         rank: int = RANK,
         make_adapter: Callable[[Path, ModelInfo, int, int], AdapterRef] = write_adapter,
+        lora: bool = True,
     ) -> None:
         """KV cache sized for max_seqs sequences of max_context tokens (block size 16); the pool holds
         max_adapters adapters of rank `rank`, make_adapter(adapter_root / f"bench{i}", info, rank, i),
-        loaded before any run."""
+        loaded before any run. lora False: the engine of a worker started with --max-loras 0 (no
+        adapters)."""
+        if not lora and max_adapters:
+            raise ValueError("an engine without LoRA takes no adapters")
         self.info = info
         self.config = EngineConfig(
             device="cuda",
@@ -242,7 +297,7 @@ class EngineBench:
             max_num_batched_tokens=PREFILL_TOKENS_PER_STEP,
             num_kv_blocks=max_seqs * -(-max_context // 16),
             block_size=16,
-            max_loras=max(max_adapters, 1),
+            max_loras=max(max_adapters, 1) if lora else 0,
             max_lora_rank=rank,
             # a max-rank adapter's file (an MoE one's experts: GBs), with room for its header
             max_adapter_bytes=max(
@@ -418,8 +473,59 @@ def mixed_step_ms(bench: EngineBench, batch: int, context: int, chunk: int, adap
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_engine_rows(
+    bench: EngineBench,
+    args: argparse.Namespace,
+    adapter_counts: list[int],
+    system: str,
+    bandwidth: float,
+    report: Callable[[Row], None],
+) -> None:
+    """`report` the grid's rows (every prompt, batch and adapter count of `adapter_counts`) on `bench`'s
+    engine as each is measured, every shape first warmed up untimed (Triton compiles and cuBLAS
+    handles: a LoRA launch configuration's first use at a new token count stalled that row's TTFT by
+    1-2 s on the H200)."""
+    for prompt in args.prompts:
+        for batch in args.batches:
+            bench.run(batch, prompt, 2, max(adapter_counts))
+    for prompt in args.prompts:
+        for batch in args.batches:
+            for adapters in adapter_counts:
+                wall, ttft, tpot = bench.run(batch, prompt, args.new_tokens, adapters)
+                report(
+                    Row(
+                        system,
+                        batch,
+                        prompt,
+                        args.new_tokens,
+                        adapters,
+                        batch * args.new_tokens / wall,
+                        ttft * 1e3,
+                        tpot * 1e3,
+                        batch / tpot,
+                        roofline(bench.info, batch, prompt + args.new_tokens / 2, bandwidth),
+                    )
+                )
+
+
+def print_lora_off_ratios(rows: list[Row]) -> None:
+    ratios = lora_off_ratios(rows)
+    if not ratios:
+        return
+    print(
+        f"\nbase-only requests, engine with LoRA / engine without LoRA (--max-loras 0); "
+        f"target: tok/s and decode tok/s >= {BASE_WITH_LORA_TARGET}"
+    )
+    print(f"{'batch':>6}{'prompt':>7}{'tok/s':>8}{'decode':>8}{'TTFT':>7}  target")
+    for r in ratios:
+        verdict = "met" if r.met else "missed"
+        print(f"{r.batch:>6}{r.prompt:>7}{r.tok_s:>8.3f}{r.decode_tok_s:>8.3f}{r.ttft:>7.3f}  {verdict}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -432,10 +538,21 @@ def main() -> None:
     parser.add_argument("--mixed-steps", type=int, help="time steps admitting requests beside this many decodes")
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 1024], help="prefill chunks (--mixed-steps)")
     parser.add_argument("--out", help="write the rows as JSON lines here")
+    parser.add_argument("--quantization", nargs="+", choices=("none", "fp8"), default=["none"],
+                        help="engine rows for each weight format (none: bf16)")  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", nargs="+", choices=("auto", "fp8"), default=["auto"],
+                        help="engine rows for each KV cache dtype")  # fmt: skip
     parser.add_argument("--adapter-dir", help="where the adapters' PEFT files are written, or found from an "
                         "earlier run (default: a new temporary directory)")  # fmt: skip
-    args = parser.parse_args()
-    info = LLAMA3_8B
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    variants = [
+        served(LLAMA3_8B, weights, kv_cache) for weights in args.quantization for kv_cache in args.kv_cache_dtype
+    ]
+    info = variants[0]
     root = adapter_dir(args.adapter_dir)
     if args.profile_batch:
         prompt = args.prompts[0]
@@ -473,36 +590,29 @@ def main() -> None:
 
     for adapters in args.hf_adapters:
         b, p, n = args.hf_batch, args.hf_prompt, args.hf_new_tokens or args.new_tokens
-        wall, tok_s = hf_generate(info, b, p, n, adapters)
+        _, tok_s = hf_generate(LLAMA3_8B, b, p, n, adapters)
         system = "transformers+peft" if adapters else "transformers"
-        report(Row(system, b, p, n, adapters, tok_s, 0.0, 0.0, 0.0, roofline(info, b, p + n / 2, bandwidth)))
+        report(Row(system, b, p, n, adapters, tok_s, 0.0, 0.0, 0.0, roofline(LLAMA3_8B, b, p + n / 2, bandwidth)))
 
-    bench = EngineBench(info, max(args.adapters), max(args.batches), max(args.prompts) + args.new_tokens, root)
-    sizes = bench.runner.graphs.sizes if bench.runner.graphs else []
-    print(f"engine ready in {bench.setup_s:.1f} s (KV cache, decode graphs for batch sizes {sizes})", flush=True)
-    # warm-up: Triton compiles and cuBLAS handles, for every prefill shape of the grid (a LoRA launch
-    # configuration's first use at a new token count stalled that row's TTFT by 1-2 s on the H200)
-    for prompt in args.prompts:
-        for batch in args.batches:
-            bench.run(batch, prompt, 2, max(args.adapters))
-    for prompt in args.prompts:
-        for batch in args.batches:
-            for adapters in args.adapters:
-                wall, ttft, tpot = bench.run(batch, prompt, args.new_tokens, adapters)
-                report(
-                    Row(
-                        "lorafleet",
-                        batch,
-                        prompt,
-                        args.new_tokens,
-                        adapters,
-                        batch * args.new_tokens / wall,
-                        ttft * 1e3,
-                        tpot * 1e3,
-                        batch / tpot,
-                        roofline(info, batch, prompt + args.new_tokens / 2, bandwidth),
-                    )
-                )
+    max_seqs, max_context = max(args.batches), max(args.prompts) + args.new_tokens
+    kv_blocks: dict[str, int] = {}
+    for variant in variants:
+        system = engine_system(variant)
+        kv_blocks[system] = planned_kv_blocks(variant)
+        print(f"{system}: the memory plan gives {kv_blocks[system]} KV blocks on this GPU", flush=True)
+        # one engine at a time: two 8B engines with their KV caches do not fit an 80 GB GPU. The bf16 base
+        # rows run again on an engine without LoRA (--max-loras 0), the worker LoRA must not slow down
+        configurations = [(system, args.adapters, True)]
+        if system == LORAFLEET and 0 in args.adapters:
+            configurations.append((NO_LORA, [0], False))
+        for name, adapter_counts, lora in configurations:
+            bench = EngineBench(variant, max(adapter_counts), max_seqs, max_context, root, lora=lora)
+            sizes = bench.runner.graphs.sizes if bench.runner.graphs else []
+            print(f"{name} engine ready in {bench.setup_s:.1f} s (KV cache, decode graphs for {sizes})", flush=True)
+            run_engine_rows(bench, args, adapter_counts, name, bandwidth, report)
+            del bench
+            gc.collect()  # the engine's graphs, weights and KV storage go back before the next is built
+            torch.cuda.empty_cache()
 
     print(
         f"\n{'system':<18}{'batch':>6}{'prompt':>7}{'new':>5}{'adapt':>6}{'tok/s':>9}{'TTFT ms':>9}"
@@ -514,6 +624,56 @@ def main() -> None:
             f"{r.system:<18}{r.batch:>6}{r.prompt:>7}{r.new_tokens:>5}{r.adapters:>6}{r.tok_s:>9.0f}"
             f"{r.ttft_ms:>9.1f}{r.tpot_ms:>9.2f}{r.decode_tok_s:>13.0f}{r.roofline_tok_s:>10.0f}{share:>9.2f}"
         )
+    print_lora_off_ratios(rows)
+    print_targets(rows, kv_blocks)
+
+
+def engine_system(info: ModelInfo) -> str:
+    """The rows' system name of an engine serving `info`: plain `lorafleet` for bf16 weights and cache."""
+    if info.quantization == "none" and info.kv_cache_dtype == "auto":
+        return LORAFLEET
+    return f"lorafleet {info.quantization}/{info.kv_cache_dtype}"
+
+
+def served(info: ModelInfo, weights: str, kv_cache: str) -> ModelInfo:
+    """`info` served with weights `weights` ("none": bf16, or "fp8") and a `kv_cache` ("auto" or "fp8") cache."""
+    quantization = None if weights == "none" else weights
+    return info.served(quantization=quantization, kv_cache_dtype=kv_cache, source=Path(info.name))
+
+
+def planned_kv_blocks(info: ModelInfo) -> int:
+    """The KV blocks the worker's memory plan gives `info` on this GPU as it is now (the default
+    engine settings, enough sequences that the room, not a full batch, bounds the cache)."""
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1024)
+    plan = plan_memory({info.name: info}, config, memory=DeviceMemory.measure(torch.device("cuda")))
+    return plan.kv_blocks(info.name)
+
+
+def print_targets(rows: list[Row], kv_blocks: dict[str, int]) -> None:
+    """The quantization targets, each measured figure beside its bound, for the rows this run has."""
+    engine = {(r.system, r.batch, r.prompt, r.adapters): r for r in rows if r.system.startswith("lorafleet")}
+    fp8 = "lorafleet fp8/auto"
+    if not any(system.startswith("lorafleet fp8") for system, *_ in engine):
+        return
+    print("\ntargets")
+    for (system, batch, prompt, adapters), row in sorted(engine.items()):
+        if not system.startswith("lorafleet fp8"):
+            continue
+        share = row.decode_tok_s / row.roofline_tok_s
+        print(f"  {system} batch {batch} prompt {prompt} adapters {adapters}: {share:.2f} of its roofline (>= 0.80)")
+        bf16 = engine.get((LORAFLEET, batch, prompt, adapters))
+        if bf16 is not None and system == fp8 and 8 <= batch <= 32:
+            print(f"    decode {row.decode_tok_s / bf16.decode_tok_s:.2f}x bf16 (>= 1.7)")
+        plain = engine.get((system, batch, prompt, 0))
+        if plain is not None and adapters == 8:
+            print(f"    8 adapters: {row.decode_tok_s / plain.decode_tok_s:.2f}x the same base without (>= 0.9)")
+    for system, blocks in kv_blocks.items():
+        if not system.endswith("/fp8"):
+            continue
+        weights = system.removeprefix("lorafleet ").split("/")[0]
+        weights_only = kv_blocks.get(LORAFLEET if weights == "none" else f"lorafleet {weights}/auto")
+        if weights_only:
+            print(f"  {system}: {blocks / weights_only:.2f}x the KV blocks of the same weights' bf16 cache (>= 1.9)")
 
 
 if __name__ == "__main__":

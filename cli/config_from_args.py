@@ -19,6 +19,7 @@ from cli.errors import CommandError
 from cli.state import DEFAULT_STATE_DIR, DEMO_FILE, KERNEL_PLANS_DIR, FleetState, read_json
 from shared.adapter_registry import ADAPTER_NAME
 from shared.config import (
+    BatchConfig,
     EngineConfig,
     GatewayConfig,
     ModelSpec,
@@ -255,6 +256,11 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
             max_concurrent_jobs=args.max_concurrent_jobs,
             max_queue_per_model=args.max_queue_per_model,
         ),
+        batches=BatchConfig(
+            max_file_bytes=args.max_file_bytes,
+            max_file_lines=args.max_file_lines,
+            lines_in_flight=args.batch_lines_in_flight,
+        ),
     )
 
 
@@ -278,9 +284,13 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     root = adapter_root(args)
     if not root.is_dir():
         raise ConfigError("--adapter-root", f"{root} is not a directory")
+    if args.preload_adapters and not args.max_loras:
+        raise ConfigError("--preload-adapters", "needs LoRA, which --max-loras 0 turns off")
     engine = EngineConfig(
         device=_worker_device(args.device),
         dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,

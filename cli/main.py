@@ -121,6 +121,13 @@ def _add_gateway(commands: argparse._SubParsersAction) -> None:
         ("--max-queue-per-model", _GATEWAY.tenant_limits.max_queue_per_model),
     ):
         limits.add_argument(flag, type=cfa.positive_int, default=default, help="(default: %(default)s)")
+    batches = gateway.add_argument_group("files and batches (the OpenAI Files and Batch APIs; files live in Redis)")
+    for flag, default, what in (
+        ("--max-file-bytes", _GATEWAY.batches.max_file_bytes, "largest file upload"),
+        ("--max-file-lines", _GATEWAY.batches.max_file_lines, "most requests in a batch input file"),
+        ("--batch-lines-in-flight", _GATEWAY.batches.lines_in_flight, "lines of one batch queued or running at once"),
+    ):
+        batches.add_argument(flag, type=cfa.positive_int, default=default, help=f"{what} (default: %(default)s)")
     webhooks = gateway.add_argument_group("job webhooks (off unless a host is allowed)")
     webhooks.add_argument(
         "--webhook-allow-host",
@@ -201,6 +208,18 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
         "--dtype", choices=("float32", "float16", "bfloat16"), help="weights' dtype (default: the checkpoint's)"
     )
     engine.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        help="quantize the base weights at load: fp8 = W8A8, per-channel weight and per-token activation scales; "
+        "FP8 checkpoints load as they are (default: as the checkpoint holds them)",
+    )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default=_ENGINE.kv_cache_dtype,
+        help="the KV cache's dtype; fp8 holds about twice the blocks (default: %(default)s, the activations')",
+    )
+    engine.add_argument(
         "--max-num-seqs",
         type=cfa.positive_int,
         default=_ENGINE.max_num_seqs,
@@ -214,10 +233,10 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
     )
     engine.add_argument(
         "--max-loras",
-        type=cfa.positive_int,
+        type=cfa.count,
         default=_ENGINE.max_loras,
         help="the device's LoRA pool, in adapters of --max-lora-rank; it is paged by 16 ranks, so more adapters "
-        "of lower rank fit (default: %(default)s)",
+        "of lower rank fit. 0: LoRA off (no LoRA memory, jobs naming an adapter refused) (default: %(default)s)",
     )
     engine.add_argument(
         "--max-lora-rank", type=cfa.positive_int, default=_ENGINE.max_lora_rank, help="(default: %(default)s)"
@@ -335,6 +354,33 @@ def _add_submit(commands: argparse._SubParsersAction) -> None:
     submit.set_defaults(run=_run_submit)
 
 
+def _add_target_flags(parser: argparse.ArgumentParser) -> None:
+    """Which gateway, as which tenant (as `submit` takes them)."""
+    parser.add_argument("--url", help="gateway URL (default: the running `up`'s)")
+    parser.add_argument("--api-key", help="tenant API key")
+    parser.add_argument("--state-dir", type=Path, help=f"a running `up`'s state dir (default: {DEFAULT_STATE_DIR})")
+    parser.add_argument("--tenant", help="demo tenant whose key to take from STATE_DIR/demo.json")
+
+
+def _add_batch(commands: argparse._SubParsersAction) -> None:
+    batch = commands.add_parser("batch", help="run a JSONL file of requests as a batch (the OpenAI Batch API)")
+    actions = batch.add_subparsers(dest="action", required=True)
+    submit = actions.add_parser("submit", help="upload FILE, start its batch, follow it with a progress bar")
+    submit.add_argument("file", type=Path, help="JSONL: OpenAI batch lines, or request bodies (prompt or messages)")
+    submit.add_argument("--model", required=True)
+    submit.add_argument("--adapter", help="run every line with this adapter")
+    submit.add_argument("--no-wait", action="store_true", help="print the batch id and return at once")
+    submit.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds to follow it (default: 24 h)")
+    _add_target_flags(submit)
+    submit.set_defaults(run=_run_batch_submit)
+    get = actions.add_parser("get", help="write a finished batch's output lines to --output")
+    get.add_argument("batch_id")
+    get.add_argument("--output", type=Path, required=True, help="where the output JSONL goes")
+    get.add_argument("--errors", type=Path, help="where the error JSONL goes (default: not written)")
+    _add_target_flags(get)
+    get.set_defaults(run=_run_batch_get)
+
+
 def _add_tune(commands: argparse._SubParsersAction) -> None:
     tune = commands.add_parser(
         "tune",
@@ -370,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorafleet", description="Multi-tenant LoRA serving.")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_up, _add_gateway, _add_worker, _add_admin, _add_submit, _add_tune):
+    for add in (_add_up, _add_gateway, _add_worker, _add_admin, _add_submit, _add_batch, _add_tune):
         add(commands)
     return parser
 
@@ -435,6 +481,19 @@ def _run_submit(args: argparse.Namespace) -> int:
         if value is not None
     }
     return submit(cfa.submit_target(args), body, timeout_s=args.timeout, as_json=args.json)
+
+
+def _run_batch_submit(args: argparse.Namespace) -> int:
+    from cli.batch import submit_batch
+
+    model = args.model if args.adapter is None else f"{args.model}:{args.adapter}"
+    return submit_batch(cfa.submit_target(args), args.file, model, wait=not args.no_wait, timeout_s=args.timeout)
+
+
+def _run_batch_get(args: argparse.Namespace) -> int:
+    from cli.batch import get_batch
+
+    return get_batch(cfa.submit_target(args), args.batch_id, args.output, args.errors)
 
 
 def _fail(message: str, exit_code: int) -> int:

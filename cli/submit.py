@@ -21,23 +21,36 @@ _HTTP_SLACK_S = 10.0  # beyond the server's wait, before a GET counts as hung
 _TERMINAL = ("succeeded", "failed", "canceled", "expired")
 
 
-def _call(target: SubmitTarget, method: str, path: str, timeout_s: float, body: dict | None = None) -> dict[str, Any]:
+def call_gateway(
+    target: SubmitTarget, method: str, path: str, timeout_s: float, body: dict | None = None
+) -> dict[str, Any]:
+    """One JSON request to the gateway as the target's tenant; CommandError for any failure."""
+    data = None if body is None else json.dumps(body).encode()
+    answer = send(target, method, path, timeout_s, data, "application/json")
+    try:
+        return json.loads(answer)
+    except ValueError as exc:
+        raise CommandError(f"the gateway answered {method} {path} with something that is not JSON: {exc}") from None
+
+
+def send(
+    target: SubmitTarget, method: str, path: str, timeout_s: float, data: bytes | None, content_type: str
+) -> bytes:
+    """One request to the gateway as the target's tenant: the response's body; CommandError for any failure."""
     request = urllib.request.Request(
         target.gateway_url + path,
         method=method,
-        data=None if body is None else json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {target.api_key}", "Content-Type": "application/json"},
+        data=data,
+        headers={"Authorization": f"Bearer {target.api_key}", "Content-Type": content_type},
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
+            return response.read()
     except urllib.error.HTTPError as exc:
         raise _http_error(exc) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise CommandError(f"cannot reach the gateway at {target.gateway_url}: {reason}") from None
-    except ValueError as exc:
-        raise CommandError(f"the gateway answered {method} {path} with something that is not JSON: {exc}") from None
 
 
 def _http_error(exc: urllib.error.HTTPError) -> CommandError:
@@ -82,7 +95,7 @@ def submit(target: SubmitTarget, body: dict[str, Any], *, timeout_s: float, as_j
     did not succeed."""
     started = time.monotonic()
     progress = _Progress(sys.stderr)
-    job = _call(target, "POST", "/v1/jobs", _HTTP_SLACK_S, body)
+    job = call_gateway(target, "POST", "/v1/jobs", _HTTP_SLACK_S, body)
     job_id = job["id"]
     try:
         while job["status"] not in _TERMINAL:
@@ -91,7 +104,7 @@ def submit(target: SubmitTarget, body: dict[str, Any], *, timeout_s: float, as_j
             if elapsed >= timeout_s:
                 raise CommandError(f"job {job_id} is still {job['status']} after {timeout_s:g}s", code="timeout")
             wait = min(_POLL_WAIT_S, timeout_s - elapsed)
-            job = _call(target, "GET", f"/v1/jobs/{job_id}?wait={wait:.3f}", wait + _HTTP_SLACK_S)
+            job = call_gateway(target, "GET", f"/v1/jobs/{job_id}?wait={wait:.3f}", wait + _HTTP_SLACK_S)
     finally:
         progress.clear()
     if as_json:

@@ -4,8 +4,10 @@ Starts what is missing: a Redis server (unless given a URL; with `--redis-replic
 replicas and three Sentinels, cli/redis_ha.py, and every new job waits for a replica), the gateway, and one worker per
 visible GPU (or one CPU worker), each a `python -m cli ...` child. Without `--model` it first
 generates and provisions the demo. It prints "ready" once the gateway answers /readyz and every
-model has been published by a worker; then it watches: SIGINT / SIGTERM stop everything (exit 0),
-a child dying stops everything (exit 1). Redis is stopped last.
+model has been published by a worker; then it watches: SIGINT / SIGTERM stop everything (exit 0);
+a child that dies before "ready" stops everything (exit 1), one that dies later is restarted with
+backoff (cli/supervisor.py) and the log says so. Redis is stopped last; the embedded Redis dying
+stops everything.
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ class _Fleet:
         print(f"\nready in {time.monotonic() - started:.1f}s: press Ctrl-C to stop", flush=True)
         log.info("ready", gateway=self.gateway_url)
         while not self.supervisor.wait(_POLL_S):
-            self._check_alive()
+            self.supervisor.restart_exited()
+            self._check_redis()
         return self._stop_requested()
 
     def close(self) -> None:
@@ -193,11 +196,15 @@ class _Fleet:
         ]
 
     def _check_alive(self) -> None:
-        """Raise CommandError when a child has exited or the embedded Redis stopped answering."""
+        """Raise CommandError when a child has exited (before "ready") or the embedded Redis stopped answering."""
         child = self.supervisor.first_exited()
         if child is not None:
             log.error("child_exited", child=child.name, exit_code=child.exit_code)
             raise CommandError(f"{child.name} exited unexpectedly with code {child.exit_code}")
+        self._check_redis()
+
+    def _check_redis(self) -> None:
+        """Raise CommandError when the embedded Redis stopped answering."""
         if not self.embedded:
             return
         try:

@@ -23,6 +23,13 @@ Modules, one job each:
   webhooks.py     WebhookDispatcher: consumes lf:webhooks (one group across gateways), calls, retries
   tokenization.py per-model tokenizers from the model registry, encoding off the event loop
   job_service.py  submit (with admission limits) / get / wait / events / cancel, model-name resolution
+  openai_completion.py  an OpenAI request as a job, a finished job as a completion (endpoints and batches)
+  upload.py       a multipart upload read as a bounded stream; anything malformed is invalid_multipart
+  batch_input.py  a batch input file checked at upload: UTF-8 JSONL, a unique custom_id per line
+  files.py        FileStore: files in Redis (metadata hash + one list element per line), expiry
+  batches.py      BatchStore: batch records, compare-and-set status changes, retention
+  batch_lines.py  one input line → a batch-class job request; its output or error line
+  batch_driver.py BatchDriver: every gateway leases active batches in turn and moves them along
   views/          handlers: parse, call the service, render
 
 HTTP contract decisions:
@@ -44,7 +51,13 @@ HTTP contract decisions:
        its own 404 adapter_path_not_found; every other refusal a 400 naming the problem
        (shared/errors.py, the README's table). 400 tenant_name_reserved for an admin's `shared`.
   413  payload_too_large: a body over limits.max_body_bytes, or a text prompt over
-       limits.max_prompt_chars (then with param "prompt").
+       limits.max_prompt_chars (then with param "prompt"); file_too_large: an upload over
+       batches.max_file_bytes.
+  Files and batches: POST /v1/files and POST /v1/batches answer 200 with the object (as OpenAI's);
+  an upload that is not batch JSONL is a 400 naming the problem (invalid_multipart, invalid_purpose,
+  invalid_file_encoding, invalid_jsonl with the line, empty_file, file_too_many_lines); another
+  tenant's file or batch is file_not_found / batch_not_found, like a missing one; cancelling a batch
+  that is past cancelling answers with the batch as it is.
   429  rate_limit_exceeded (a tenant's requests/min, tokens/min or concurrent jobs) and queue_full (the
        model's queue cap), both with Retry-After. A job larger than a minute's tokens is a 400.
   403  forbidden / admin_disabled on /v1/admin/*: only the admin key (whose SHA-256 is configured) passes.

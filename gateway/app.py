@@ -11,19 +11,23 @@ from aiohttp import web
 
 from gateway.auth import AUTHENTICATOR, Authenticator
 from gateway.auto_pipeline import AutoPipeline
+from gateway.batch_driver import BatchDriver
+from gateway.batches import BatchStore
+from gateway.files import FileStore
 from gateway.job_events import JobEventReader
 from gateway.job_service import JobService
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_middleware
 from gateway.routes import setup_routes
 from gateway.routing import FleetView
-from gateway.state import CONFIG, JOBS, METRICS, REDIS
+from gateway.state import BATCHES, CONFIG, FILES, JOBS, METRICS, REDIS
 from gateway.tokenization import TokenizerCache
 from gateway.webhooks import WebhookDispatcher
 from shared.config import GatewayConfig
 from shared.jobstore import JobStore
 from shared.rate_limits import Admission
 from shared.redis_client import resilient_redis
+from shared.tasks import TASK_STOP_S, cancel_and_wait
 
 # A long-poll holds a Redis XREAD BLOCK for up to limits.max_wait_s; the socket must outwait it by
 # this much, or redis-py's default 5 s read timeout would cut every long-poll short.
@@ -70,13 +74,18 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         model_unserved_after_s=config.model_unserved_after_s,
         fleet=FleetView(redis, app[METRICS].jobs_placed) if config.adapter_routing else None,
     )
+    app[FILES] = FileStore(redis, config.batches.file_ttl_s)
+    app[BATCHES] = BatchStore(redis, config.batches.batch_ttl_s)
+    driver = BatchDriver(redis, app[BATCHES], app[FILES], app[JOBS], store, config.batches, config.limits)
+    batch_driver = asyncio.create_task(driver.run())
     webhooks = None
     if config.webhooks.enabled:
         webhooks = asyncio.create_task(WebhookDispatcher(redis, store, config.webhooks, app[METRICS]).run())
     yield
+    driver.stop()
+    await asyncio.gather(batch_driver, return_exceptions=True)
     if webhooks is not None:
-        webhooks.cancel()
-        await asyncio.gather(webhooks, return_exceptions=True)
+        await cancel_and_wait([webhooks], TASK_STOP_S)
     await events.close()
     executor.shutdown(cancel_futures=True)
     await batched_redis.aclose()

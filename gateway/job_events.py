@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from shared import keys
+from shared.tasks import TASK_STOP_S, cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
@@ -81,8 +82,7 @@ class JobEventReader:
     async def close(self) -> None:
         self._closed = True  # redis-py may turn the cancellation of a blocked read into a RedisError
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task], TASK_STOP_S)
 
     @contextlib.asynccontextmanager
     async def subscribe(self, job_id: str, after: str = "0-0") -> AsyncIterator[Subscription]:

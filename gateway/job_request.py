@@ -15,7 +15,7 @@ from gateway.errors import RequestError
 from gateway.webhook_policy import check_webhook_url
 from shared.config import RequestLimits, WebhookConfig
 from shared.errors import ErrorCode
-from shared.schema import SamplingParams
+from shared.schema import PRIORITIES, Priority, SamplingParams
 
 FIELDS = frozenset(
     {
@@ -32,6 +32,7 @@ FIELDS = frozenset(
         "deadline_s",
         "stream",
         "webhook",
+        "priority",
     }
 )
 _DEFAULTS = SamplingParams()
@@ -59,6 +60,7 @@ class JobRequest:
     deadline_s: float | None = None  # seconds after submission; a job not finished by then expires
     stream: bool = False
     webhook: str | None = None  # an allowed URL, called once with the finished job
+    priority: Priority = Priority.INTERACTIVE
 
 
 def invalid(param: str, message: str) -> RequestError:
@@ -191,7 +193,17 @@ def parse_job_request(body: dict[str, Any], limits: RequestLimits, webhooks: Web
         deadline_s=_deadline(body, limits),
         stream=boolean(body, "stream", False),
         webhook=None if body.get("webhook") is None else check_webhook_url(body["webhook"], webhooks),
+        priority=_priority(body),
     )
+
+
+def _priority(body: dict[str, Any]) -> Priority:
+    value = body.get("priority")
+    if value is None:
+        return Priority.INTERACTIVE
+    if value not in PRIORITIES:  # a StrEnum member equals its string
+        raise invalid("priority", f"priority must be one of {', '.join(PRIORITIES)}")
+    return Priority(value)
 
 
 def _deadline(body: dict[str, Any], limits: RequestLimits) -> float | None:

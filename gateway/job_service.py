@@ -36,7 +36,7 @@ from shared.jobstore import JobStore
 from shared.model_info import ModelInfo
 from shared.model_registry import AdapterLimits, adapter_limits, get_chat_template, get_model, served_ms
 from shared.rate_limits import Admission, AdmissionDenied, Denial
-from shared.schema import AdapterRef, JobMessage, JobRecord, JobStatus, SamplingParams
+from shared.schema import AdapterRef, JobMessage, JobRecord, JobStatus, Priority, SamplingParams
 from shared.tenants import Tenant
 
 _JOB_ID = re.compile(r"^job_[0-9a-f]{32}$")
@@ -174,10 +174,17 @@ class JobService:
         self._limits: TtlCache[str, tuple[AdapterLimits | None]] = TtlCache(MODEL_CACHE_TTL_S, max_entries=1024)
 
     async def submit(
-        self, tenant: Tenant, request: JobRequest, *, request_id: str, idempotency_key: str | None
+        self,
+        tenant: Tenant,
+        request: JobRequest,
+        *,
+        request_id: str,
+        idempotency_key: str | None,
+        admit: bool = True,
     ) -> tuple[JobRecord, bool]:
         """Queue a job. Returns (its record, newly created); a repeated idempotency key returns the
-        first job's current record and queues nothing."""
+        first job's current record and queues nothing. `admit=False` skips the tenant's rate and
+        concurrency limits: a batch's lines, which its driver paces itself (gateway/batch_driver.py)."""
         model = self._models.get(request.model) or await self._model(request.model)
         if model is None:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} not found", param="model")
@@ -203,6 +210,7 @@ class JobService:
             created_ms=int(created_at * 1000),
             prompt_tokens=len(prompt_token_ids),
             webhook=request.webhook,
+            priority=request.priority,
         )
         message = JobMessage(
             job_id=record.job_id,
@@ -215,13 +223,19 @@ class JobService:
             deadline=None if request.deadline_s is None else created_at + request.deadline_s,
             request_id=request_id,
             stream=request.stream,
+            priority=request.priority,
         )
         if adapter is not None and not await track_adapter_job(self._redis, adapter.name, job_id):
             raise RequestError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {adapter.name!r} not found", param="adapter")
         cost_tokens = len(prompt_token_ids) + sampling.max_tokens
-        admission = self._admission.check(tenant.tenant_id, tenant.key_lookup, job_id, model.name, cost_tokens)
+        admission = None
+        if admit:
+            admission = self._admission.check(
+                tenant.tenant_id, tenant.key_lookup, job_id, model.name, request.priority, cost_tokens
+            )
         queue = None
-        if self._fleet is not None:
+        if self._fleet is not None and request.priority is Priority.INTERACTIVE:
+            # batch jobs wait on the model's shared batch stream: routing places interactive jobs only
             queue = (await self._fleet.route(model.name, None if adapter is None else adapter.uid)).queue
         try:
             job_id, created = await self._store.create(record, message, idempotency_key, admission, queue)

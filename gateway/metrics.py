@@ -37,8 +37,14 @@ class GatewayMetrics:
         )
         self.queue_depth = Gauge(
             "lorafleet_queue_depth",
-            "entries in a model's streams, shared and routed (queued + running)",
-            ["model"],
+            "entries in a model's streams of one priority class, shared and routed (queued + running)",
+            ["model", "priority"],
+            registry=self.registry,
+        )
+        self.queue_wait = Gauge(
+            "lorafleet_queue_oldest_seconds",
+            "age of the oldest entry in a model's streams of one priority class, shared and routed (0 when empty)",
+            ["model", "priority"],
             registry=self.registry,
         )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.views import admin, health, jobs, lora, metrics, openai, webhooks
+from gateway.views import admin, batches, files, health, jobs, lora, metrics, openai, webhooks
 
 
 def setup_routes(app: web.Application) -> None:
@@ -21,6 +21,15 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", openai.completions)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_get("/v1/models", openai.models)
+    app.router.add_post("/v1/files", files.upload_file)
+    app.router.add_get("/v1/files", files.list_files)
+    app.router.add_get("/v1/files/{file_id}", files.get_file)
+    app.router.add_delete("/v1/files/{file_id}", files.delete_file)
+    app.router.add_get("/v1/files/{file_id}/content", files.file_content)
+    app.router.add_post("/v1/batches", batches.create_batch)
+    app.router.add_get("/v1/batches", batches.list_batches)
+    app.router.add_get("/v1/batches/{batch_id}", batches.get_batch)
+    app.router.add_post("/v1/batches/{batch_id}/cancel", batches.cancel_batch)
     # vLLM-compatible adapter loading (the caller's tenant)
     app.router.add_post("/v1/load_lora_adapter", lora.load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", lora.unload_lora_adapter)

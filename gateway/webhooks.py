@@ -39,6 +39,7 @@ from gateway.webhook_signature import DELIVERY_HEADER, SIGNATURE_HEADER, signatu
 from shared import keys
 from shared.config import WebhookConfig
 from shared.jobstore import JobStore
+from shared.tasks import TASK_STOP_S, cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
@@ -82,9 +83,7 @@ class WebhookDispatcher:
                         await asyncio.sleep(delay)
                         delay = min(2 * delay, _REDIS_BACKOFF_S[1])
             finally:
-                for task in self._calls:
-                    task.cancel()
-                await asyncio.gather(*self._calls, return_exceptions=True)
+                await cancel_and_wait(self._calls, TASK_STOP_S)
 
     async def _once(self, session: aiohttp.ClientSession) -> None:
         room = self._config.max_concurrent - len(self._calls)

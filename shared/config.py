@@ -46,7 +46,8 @@ class TenantLimits:
     requests_per_min: int = 600
     tokens_per_min: int = 1_000_000  # prompt tokens + max_tokens of each job
     max_concurrent_jobs: int = 64  # queued + running
-    max_queue_per_model: int = 10_000  # entries in a model's stream (queued + running, all tenants)
+    # entries in a model's stream of one priority class (queued + running, all tenants)
+    max_queue_per_model: int = 10_000
 
     def __post_init__(self) -> None:
         if min(self.requests_per_min, self.tokens_per_min, self.max_concurrent_jobs, self.max_queue_per_model) < 1:
@@ -96,6 +97,30 @@ class ReplicaWait:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """Files and batches (the OpenAI Files and Batch APIs). Files live in Redis, one list element per
+    line, so every gateway reads them and a gateway restart loses nothing; their size is bounded here
+    because Redis holds them in memory."""
+
+    max_file_bytes: int = 32 << 20  # one uploaded file
+    max_file_lines: int = 50_000  # requests in one batch input file (OpenAI's limit)
+    max_files_per_tenant: int = 100  # uploaded files kept at once (batch-made ones do not count)
+    file_ttl_s: int = 30 * 24 * 3600  # uploaded and batch-made files are removed this long after creation
+    batch_ttl_s: int = 30 * 24 * 3600  # a finished batch's record, likewise
+    completion_window_s: int = 24 * 3600  # the one window offered ("24h"): lines not done by then expire
+    lines_in_flight: int = 512  # lines of one batch queued or running at once: the batch stream stays short
+    driver_interval_s: float = 0.5  # how often a gateway's driver advances the batches it leases
+    janitor_interval_s: float = 60.0  # how often expired files and batches are removed
+
+    def __post_init__(self) -> None:
+        sizes = (self.max_file_bytes, self.max_file_lines, self.max_files_per_tenant, self.file_ttl_s, self.batch_ttl_s)
+        if min(*sizes, self.lines_in_flight) < 1:
+            raise ValueError("batch limits must be >= 1")
+        if min(self.completion_window_s, self.driver_interval_s, self.janitor_interval_s) <= 0:
+            raise ValueError("batch intervals must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     redis_url: str  # redis://... or redis+sentinel://... (shared/redis_client.py)
     host: str = "127.0.0.1"
@@ -109,6 +134,7 @@ class GatewayConfig:
     max_lora_rank: int = 64
     max_adapter_bytes: int = 2 << 30
     webhooks: WebhookConfig = field(default_factory=WebhookConfig)
+    batches: BatchConfig = field(default_factory=BatchConfig)
     # a known model that no worker has advertised for this long is refused (503) instead of queued:
     # long enough for a worker restart (its heartbeats resume once it has loaded its models)
     model_unserved_after_s: float = 120.0
@@ -126,6 +152,9 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: str | None = None  # None: the checkpoint's dtype
+    # weights quantized at load ("fp8": W8A8, shared/quantization.py); None: as the checkpoint holds them
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # or "fp8": about twice the KV blocks in the same memory
     max_num_seqs: int = 64  # sequences in the running batch
     max_seqs_per_tenant: int | None = None  # while others wait; None: half the batch
     max_num_batched_tokens: int = 2048  # tokens one step may process (prefill chunks + decodes)
@@ -136,7 +165,9 @@ class EngineConfig:
     # several processes on one GPU under MPS; the KV cache is sized within it. None: no cap
     gpu_memory_fraction: float | None = None
     cpu_kv_cache_gb: float = 0.5
-    max_loras: int = 8  # the device's LoRA pool, in adapters of max_lora_rank (paged: more of lower rank fit)
+    # the device's LoRA pool, in adapters of max_lora_rank (paged: more of lower rank fit). 0: LoRA off, the
+    # model built without LoRA buffers, no adapter pool, and a job naming an adapter refused
+    max_loras: int = 8
     max_lora_rank: int = 64
     max_adapter_bytes: int = 2 << 30
     # pinned host tier of the adapter pool; None: room for 2 * max_loras max-rank adapters. It must
@@ -156,12 +187,20 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
-        if self.max_loras < 1 or self.max_lora_rank < 1:
-            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("max_loras must be >= 0 (0: LoRA off) and max_lora_rank >= 1")
         if self.adapter_eviction not in ("lru", "lfu"):
             raise ValueError(f"adapter_eviction must be 'lru' or 'lfu', not {self.adapter_eviction!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be 'fp8' or unset, not {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', not {self.kv_cache_dtype!r}")
         if self.adapter_host_cache_gb is not None and self.adapter_host_cache_gb <= 0:
             raise ValueError("adapter_host_cache_gb must be > 0")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.max_loras > 0
 
 
 # how long a worker on SIGTERM lets running jobs finish before handing the rest back
@@ -221,5 +260,7 @@ class WorkerConfig:
             raise ValueError("max_resident_models must be >= 1")
         if self.cpu_model_cache_bytes < 0 or self.switch_grace_s < 0:
             raise ValueError("cpu_model_cache_bytes and switch_grace_s must be >= 0")
+        if self.preload_adapters and not self.engine.lora_enabled:
+            raise ValueError("preload_adapters needs LoRA: max_loras is 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be a TCP port, or 0 for none")

@@ -35,6 +35,19 @@ class ErrorCode(StrEnum):
     ADMIN_DISABLED = "admin_disabled"  # the gateway has no admin key configured
     WEBHOOK_NOT_ALLOWED = "webhook_not_allowed"  # a webhook URL off the allow-list (or webhooks are off)
     TENANT_NAME_RESERVED = "tenant_name_reserved"  # a name with a meaning of its own ("shared")
+    # files and batches (gateway/files.py, gateway/batches.py)
+    INVALID_MULTIPART = "invalid_multipart"  # not a multipart/form-data body, or no `file` part in it
+    INVALID_PURPOSE = "invalid_purpose"  # a file upload's purpose other than `batch`
+    FILE_TOO_LARGE = "file_too_large"  # over the gateway's batches.max_file_bytes
+    FILE_TOO_MANY_LINES = "file_too_many_lines"  # over batches.max_file_lines requests
+    INVALID_FILE_ENCODING = "invalid_file_encoding"  # not UTF-8
+    INVALID_JSONL = "invalid_jsonl"  # a line that is no JSON object with a unique custom_id; the message names it
+    EMPTY_FILE = "empty_file"
+    FILE_QUOTA_EXCEEDED = "file_quota_exceeded"  # the tenant keeps batches.max_files_per_tenant uploads already
+    FILE_NOT_FOUND = "file_not_found"
+    BATCH_NOT_FOUND = "batch_not_found"
+    BATCH_EXPIRED = "batch_expired"  # a batch line not run within the batch's completion window
+    BATCH_CANCELLED = "batch_cancelled"
     # adapter validation (shared/adapter_paths.py, adapter_config.py, safetensors_table.py, adapter_format.py)
     INVALID_ADAPTER = "invalid_adapter"  # LoRA matrices missing, unpaired or incomplete
     INVALID_ADAPTER_PATH = "invalid_adapter_path"  # empty, a NUL byte, too long, a control character

@@ -88,9 +88,11 @@ _START = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'missing', 0} end
 if status == 'queued' or status == 'running' then
+  -- counted first: attempts that are no integer fail the script before it writes anything
+  local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
   redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
   redis.call('HSETNX', KEYS[1], 'started_ms', ARGV[2])
-  return {'running', redis.call('HINCRBY', KEYS[1], 'attempts', 1)}
+  return {'running', attempts}
 end
 return {status, redis.call('HGET', KEYS[1], 'attempts')}
 """
@@ -108,16 +110,23 @@ _FINISH = (
 -- ('' with no queue), field/value...
 -- With a queue, its entry is acknowledged (and deleted) in the same script: a result is never stored
 -- without its ack nor acked without its result, whatever the primary that survives has of them.
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'queued' and status ~= 'running' then
+  if KEYS[4] then
+    redis.call('XACK', KEYS[4], '{keys.WORKER_GROUP}', ARGV[4])
+    redis.call('XDEL', KEYS[4], ARGV[4])
+  end
+  return 0
+end
+-- the event first: an events key of another type fails the script before the record changes
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 5))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
 if KEYS[4] then
   redis.call('XACK', KEYS[4], '{keys.WORKER_GROUP}', ARGV[4])
   redis.call('XDEL', KEYS[4], ARGV[4])
 end
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'queued' and status ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 5))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[1])
 """
     + _QUEUE_WEBHOOK
     + "return 1"
@@ -234,8 +243,8 @@ class JobStore:
         queue: str | None = None,
     ) -> tuple[str, bool]:
         """Write the job hash, then its queue entry, atomically (one script, one round trip); the entry goes
-        on `queue`, a worker's routed stream (gateway/routing.py), or by default the model's shared stream. Returns
-        (job id, newly created); a repeated idempotency key returns the first job's id and queues
+        on `queue`, a worker's routed stream (gateway/routing.py), or by default the model's shared stream of the
+        job's class. Returns (job id, newly created); a repeated idempotency key returns the first job's id and queues
         nothing (nor is admitted again). With `admission`, the job is admitted first in the same script,
         and AdmissionDenied is raised, with nothing written, when it is not. With replicas to wait for,
         ReplicaUnavailable is raised, the job withdrawn, when too few confirm it in time."""
@@ -252,7 +261,7 @@ class JobStore:
                 queue is not None,
             ]
         )
-        script_keys = [keys.job(record.job_id), queue or keys.queue(record.model), idem_key]
+        script_keys = [keys.job(record.job_id), queue or keys.queue(record.model, message.priority), idem_key]
         script_keys.append(keys.worker_queues(record.model))
         script_keys += admission.keys if admission else ()
         script_args = [encode_job(message), packed]
@@ -313,7 +322,7 @@ class JobStore:
         try:
             raw = await self._batched.hgetall(keys.job(job_id))
         except ResponseError as exc:
-            _raise_if_unreadable(job_id, exc)
+            _raise_if_unreadable(f"job {job_id}'s record", exc)
             raise
         return JobRecord.from_hash(raw) if raw else None
 
@@ -327,7 +336,7 @@ class JobStore:
         try:
             status, attempts = await self._start(keys=[keys.job(job_id)], args=[worker_id, now_ms()])
         except ResponseError as exc:
-            _raise_if_unreadable(job_id, exc)
+            _raise_if_unreadable(f"job {job_id}'s record", exc)
             raise
         status = status.decode(errors="replace")
         try:
@@ -347,11 +356,12 @@ class JobStore:
         first_token_ms: int = 0,
         entry: tuple[str, bytes] | None = None,
     ) -> bool:
-        """Store the final result once and, with `entry` (stream key, entry id), acknowledge the job's
-        queue entry in the same script. Returns False when the job already had a terminal status
+        """Store the final result once and, with `entry` (the key of the stream it was read from, entry id),
+        acknowledge the job's queue entry in the same script. Returns False when the job already had a terminal status
         (canceled meanwhile, or finished by another delivery): the caller must not publish twice. With
         replicas to wait for, it returns once they have the result, or the wait timed out (logged: the
-        result is stored, and if the primary is lost before a replica has it, the job runs again)."""
+        result is stored, and if the primary is lost before a replica has it, the job runs again).
+        SchemaError: the record or its events stream cannot be written (a key of another type)."""
         assert status.is_terminal, status
         fields: list[str | int | bytes] = ["finished_ms", now_ms(), "completion_tokens", completion_tokens]
         if first_token_ms:
@@ -366,9 +376,13 @@ class JobStore:
             script_keys.append(entry[0])
             script_args[3] = entry[1]
         script_args += fields
-        if not self._replica_wait.replicas:
-            return bool(await self._finish(keys=script_keys, args=script_args))
-        stored, confirmed = await self._run_and_wait(self._finish, script_keys, script_args)
+        try:
+            if not self._replica_wait.replicas:
+                return bool(await self._finish(keys=script_keys, args=script_args))
+            stored, confirmed = await self._run_and_wait(self._finish, script_keys, script_args)
+        except ResponseError as exc:
+            _raise_if_unreadable(f"job {job_id}'s record or events", exc)
+            raise
         if confirmed < self._replica_wait.replicas:
             log.warning("result_not_replicated", job=job_id, confirmed=confirmed, wanted=self._replica_wait.replicas)
         return bool(stored)
@@ -396,7 +410,8 @@ class JobStore:
     async def publish_tokens(self, deltas: list[TokenDelta]) -> None:
         """Append each delta as a `token` event to its job's stream, all in one round trip. A job's
         first events (offset 0) also set the stream's TTL, so a job that never finishes leaves no
-        stream behind."""
+        stream behind. SchemaError when a job's events key is of another type (the others' events are
+        written all the same)."""
         async with self._redis.pipeline(transaction=False) as pipe:
             for delta in deltas:
                 stream = keys.job_events(delta.job_id)
@@ -409,12 +424,20 @@ class JobStore:
                 pipe.xadd(stream, event, maxlen=EVENTS_CAP, approximate=True)
                 if delta.offset == 0:
                     pipe.expire(stream, self._ttl_s)
-            await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                _raise_if_unreadable("a job's token events", reply)
+                raise reply
 
     async def release(self, job_id: str, worker_id: str) -> bool:
         """Hand a running job back to the queue without counting its delivery (a graceful drain).
-        False when it is no longer this worker's running job."""
-        return bool(await self._release(keys=[keys.job(job_id)], args=[worker_id]))
+        False when it is no longer this worker's running job; SchemaError when the record cannot be read."""
+        try:
+            return bool(await self._release(keys=[keys.job(job_id)], args=[worker_id]))
+        except ResponseError as exc:
+            _raise_if_unreadable(f"job {job_id}'s record", exc)
+            raise
 
     async def cancel(self, job_id: str) -> JobStatus | None:
         """Cancel a queued or running job. Returns the status after the call (None: no such job)."""
@@ -424,9 +447,10 @@ class JobStore:
         return None if result is None else decode_status(result.decode(errors="replace"))
 
 
-def _raise_if_unreadable(job_id: str, exc: ResponseError) -> None:
+def _raise_if_unreadable(what: str, exc: ResponseError) -> None:
     """Raise SchemaError when a command failed because the job's record is not one (another Redis
-    type, a field that is no integer); other server errors are the caller's to re-raise."""
+    type, a field that is no integer or would overflow one); other server errors are the caller's to
+    re-raise."""
     message = str(exc)
-    if "WRONGTYPE" in message or "not an integer" in message:
-        raise SchemaError(f"job {job_id}: the record cannot be read ({message[:120]})") from exc
+    if "WRONGTYPE" in message or "not an integer" in message or "would overflow" in message:
+        raise SchemaError(f"{what} cannot be read ({message[:120]})") from exc

@@ -7,11 +7,12 @@ A/B matrices must have, and the worker to build the network.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from shared.errors import ErrorCode, LorafleetError
+from shared.quantization import KV_CACHE_DTYPES, checkpoint_quantization, served_quantization
 
 # Decoder-only families that share the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
 # Qwen2 differs only by a bias on q/k/v; Mistral's sliding window is honoured as a context cap.
@@ -60,6 +61,11 @@ class ModelInfo:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block (others: a dense MLP)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    # how the weights are stored: in the checkpoint's files, and on the device as served ("none" or
+    # "fp8": shared/quantization.py); the KV cache's dtype as served ("auto": the activations')
+    checkpoint_quantization: str = "none"
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
 
     @property
     def is_moe(self) -> bool:
@@ -86,6 +92,18 @@ class ModelInfo:
             "up_proj": (self.hidden_size, self.intermediate_size),
             "down_proj": (self.intermediate_size, self.hidden_size),
         }[projection]
+
+    def served(self, *, quantization: str | None, kv_cache_dtype: str, source: Path) -> ModelInfo:
+        """This model as a worker serves it with --quantization `quantization` (None: as the checkpoint
+        is) and --kv-cache-dtype `kv_cache_dtype`; errors name `source`, the checkpoint."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
+        weights = served_quantization(self.checkpoint_quantization, quantization, source)
+        if weights != "none" and self.is_moe:
+            raise LorafleetError(
+                ErrorCode.INVALID_REQUEST, f"{source}: {weights} weights are not supported for MoE models yet"
+            )
+        return replace(self, quantization=weights, kv_cache_dtype=kv_cache_dtype)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -119,6 +137,7 @@ class ModelInfo:
         if config.get("sliding_window") and config.get("use_sliding_window", True):
             max_context = min(max_context, config["sliding_window"])
         moe = _moe_fields(architecture, config)
+        weights = checkpoint_quantization(config, path)
         rope_theta = config.get("rope_theta")
         rope_scaling = config.get("rope_scaling")
         # transformers >= 5 folds rope settings into `rope_parameters`
@@ -146,6 +165,8 @@ class ModelInfo:
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=config.get("torch_dtype") or config.get("dtype") or "float32",
+            checkpoint_quantization=weights,
+            quantization=weights,
             **moe,
         )
 

@@ -33,13 +33,16 @@ ADAPTER_LIMITS = "adapter_limits:"  # + a worker id: that worker's AdapterLimits
 class AdapterLimits:
     """What a worker serving a model can serve of an adapter: a slot rank up to `max_rank` (its
     --max-lora-rank; an adapter's slot rank is its rank, or a fused expert gate_up LoRA's 2r), LoRA
-    on `target_modules` (named as adapter manifests name them: q_proj …, experts.gate_proj …)."""
+    on `target_modules` (named as adapter manifests name them: q_proj …, experts.gate_proj …).
+    A worker without LoRA (--max-loras 0) serves none: max_rank 0."""
 
     max_rank: int
     target_modules: tuple[str, ...]
 
     def refusal(self, *, rank: int, target_modules: Sequence[str]) -> str | None:
         """Why an adapter of slot rank `rank` on `target_modules` cannot be served, or None."""
+        if self.max_rank == 0:
+            return "cannot be served: a worker serving the model runs without LoRA (--max-loras 0)"
         if rank > self.max_rank:
             return f"needs LoRA slots of rank {rank}; the model's workers have rank {self.max_rank} (--max-lora-rank)"
         unserved = [target for target in target_modules if target not in self.target_modules]

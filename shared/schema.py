@@ -8,7 +8,8 @@ Versioning rules for queue messages (gateways and workers of two releases meet d
 upgrade):
 - A new field whose absence means exactly what the old code did keeps the version: decoders read
   it with `.get(name, <the old behaviour>)`, and older decoders ignore it. (`stream`: messages from
-  before it existed were all streamed, so its absence decodes as True.)
+  before it existed were all streamed, so its absence decodes as True; `priority`: absent, the job
+  is interactive, as every job was before the classes.)
 - Removing a field, making one required, or changing what a value means bumps SCHEMA_VERSION; a
   worker then refuses the other version's messages (dead-lettered), never misreads them.
 
@@ -50,6 +51,17 @@ class JobStatus(StrEnum):
 
 
 TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.EXPIRED})
+
+
+class Priority(StrEnum):
+    """A job's class: interactive work is admitted first; batch work fills what is left of each step
+    and gives up its KV blocks when interactive work needs them (worker/engine/scheduler.py)."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+PRIORITIES = (Priority.INTERACTIVE, Priority.BATCH)  # in the order they are served
 
 
 class FinishReason(StrEnum):
@@ -115,6 +127,7 @@ class JobMessage:
     request_id: str = ""
     # publish each token to the job's event stream (an SSE reader waits for them); otherwise only the end
     stream: bool = False
+    priority: Priority = Priority.INTERACTIVE
 
 
 def encode_job(message: JobMessage) -> bytes:
@@ -143,6 +156,7 @@ def encode_job(message: JobMessage) -> bytes:
             "deadline": message.deadline,
             "request_id": message.request_id,
             "stream": message.stream,
+            "priority": message.priority.value,
         }
     )
 
@@ -187,7 +201,16 @@ def decode_job(payload: bytes) -> JobMessage:
         deadline=fields.number("deadline", 0.0, math.inf, default=None),
         request_id=fields.text("request_id", _MAX_NAME_CHARS),
         stream=fields.flag("stream", default=True),  # see the versioning rules above
+        priority=decode_priority(fields.text("priority", 16, default=Priority.INTERACTIVE.value)),
     )
+
+
+def decode_priority(value: str) -> Priority:
+    """A priority class as written on the wire (a message lacking one predates the classes: interactive)."""
+    try:
+        return Priority(value)
+    except ValueError as exc:
+        raise SchemaError(f"priority {value!r:.40} is not one of {', '.join(PRIORITIES)}") from exc
 
 
 def decode_status(value: str) -> JobStatus:
@@ -231,6 +254,7 @@ class JobRecord:
     output: JobOutput | None = None
     error: JobError | None = None
     webhook: str | None = None  # URL called once with the finished job
+    priority: Priority = Priority.INTERACTIVE
 
     def hset_fields(self) -> list[str | int | bytes]:
         """A fresh job's hash as HSET's arguments, `[field, value, ...]` (output and error are written by the
@@ -245,6 +269,7 @@ class JobRecord:
             "created_ms", self.created_ms,
             "prompt_tokens", self.prompt_tokens,
             "attempts", 0,
+            "priority", self.priority.value,
         ]  # fmt: skip
         if self.webhook:
             fields += ["webhook", self.webhook]
@@ -296,6 +321,7 @@ class JobRecord:
             output=output,
             error=error,
             webhook=text(b"webhook") or None,
+            priority=decode_priority(text(b"priority") or Priority.INTERACTIVE.value),
         )
 
 

@@ -21,7 +21,7 @@ from shared import keys
 from shared.adapter_registry import register_adapter
 from shared.model_info import ModelInfo
 from shared.redis_client import plain_redis, sync_redis
-from shared.schema import JobRecord, JobStatus
+from shared.schema import PRIORITIES, JobRecord, JobStatus
 from shared.tenants import create_tenant
 from tests.e2e.processes import lorafleet_process, wait_until
 
@@ -198,10 +198,10 @@ class Fleet:
             assert client.xlen(keys.DEAD_LETTER) == 0
 
     def streams(self) -> list[str]:
-        """The model's shared stream and every worker stream listed for it (routing)."""
+        """The model's shared streams (both classes) and every worker stream listed for it (routing)."""
         with self.redis() as client:
             members = sorted(member.decode() for member in client.smembers(keys.worker_queues(MODEL)))
-        return [keys.queue(MODEL), *members]
+        return [*(keys.queue(MODEL, priority) for priority in PRIORITIES), *members]
 
 
 def jobs_for(count: int, max_tokens: int) -> list[dict]:

@@ -1,10 +1,10 @@
 """What the worker tells the fleet: at start, every model it serves (resident or not) with what its
 adapter pool can serve of adapters; every heartbeat, its own record (`lf:worker:{id}`: models and
-their tiers, load, resident adapters, jobs waiting on its routed streams, jobs started by arrival
-and adapter tier), the served stamp of each model, its routed streams listed, and a renewed claim on
-every running entry so that no live job is taken over; at stop, it hands the jobs routed to it and
-not started to the shared streams and withdraws all of that. The gateway routes by this record
-(gateway/routing.py)."""
+their tiers and quantization, load, resident adapters, jobs waiting on its routed streams, jobs started
+by arrival and adapter tier), the served stamp of each model, its routed streams listed, and a renewed
+claim on every running entry so that no live job is taken over; the moment it stops reading, it hands
+the jobs routed to it and not started to the shared streams and withdraws all of that (a draining
+worker only renews its claims). The gateway routes by this record (gateway/routing.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from shared.config import WorkerConfig
 from shared.jobstore import now_ms
 from shared.model_registry import forget_worker, mark_served, publish_model
 from worker.adapter_pool.limits import adapter_limits
-from worker.job_stream import ensure_group
+from worker.job_stream import ensure_group, shared_streams
 from worker.metrics import WorkerMetrics
 from worker.routed_streams import RoutedStreams
 from worker.running_jobs import RunningJobs
@@ -55,20 +55,20 @@ class Heartbeat:
                 worker_id=self._config.worker_id,
                 limits=self._limits[spec.name],
             )
-            await ensure_group(self._redis, keys.queue(spec.name))
+            for stream in shared_streams(spec.name):
+                await ensure_group(self._redis, stream)
             await self._streams.register(spec.name)
 
     async def beat(self, switcher: ModelSwitcher) -> None:
         """Advertise this worker, and renew the claim on every running entry so no live job is stolen."""
+        await self.renew_claims()
         worker_id = self._config.worker_id
         async with self._redis.pipeline(transaction=False) as pipe:
-            for stream, entry_ids in self._running.entries_by_stream().items():
-                pipe.xclaim(stream, keys.WORKER_GROUP, worker_id, min_idle_time=0, message_ids=entry_ids, justid=True)
             for spec in self._config.models:  # again every beat: a restarted Redis may have lost them
                 pipe.sadd(keys.worker_queues(spec.name), self._streams.own(spec.name))
                 pipe.xlen(self._streams.own(spec.name))
-            replies = await pipe.execute(raise_on_error=False)  # a stream Redis lost: its jobs' results still store
-        own_lengths = replies[-2 * len(self._config.models) + 1 :: 2]
+            replies = await pipe.execute()
+        own_lengths = replies[1::2]
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(
                 keys.worker(worker_id),
@@ -79,6 +79,7 @@ class Heartbeat:
                     "in_flight": len(self._running),
                     "capacity": self._running.capacity,
                     "adapters": json.dumps(self._resident_adapters()),
+                    "quantization": json.dumps(self._quantization()),
                     "routed_waiting": json.dumps(self._routed_waiting(own_lengths)),
                     "started": json.dumps(self._metrics.started_counts),
                     "updated_ms": now_ms(),
@@ -89,6 +90,15 @@ class Heartbeat:
                 mark_served(pipe, spec.name, now_ms(), worker_id=worker_id, limits=self._limits[spec.name])
             pipe.sadd(keys.WORKERS, worker_id)
             await pipe.execute()
+
+    async def renew_claims(self) -> None:
+        """Reset the idle time of every running entry, on whichever stream holds it (a draining worker does
+        this, advertising nothing)."""
+        worker_id = self._config.worker_id
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for stream, entry_ids in self._running.entries_by_stream().items():
+                pipe.xclaim(stream, keys.WORKER_GROUP, worker_id, min_idle_time=0, message_ids=entry_ids, justid=True)
+            await pipe.execute(raise_on_error=False)  # a stream Redis lost: its jobs' results still store
 
     async def withdraw(self) -> None:
         """At stop: the jobs routed here and not read go to the shared streams; this worker's record and its
@@ -102,23 +112,29 @@ class Heartbeat:
                 forget_worker(pipe, spec.name, self._config.worker_id)
             await pipe.execute()
 
-    def _routed_waiting(self, own_lengths: list[object]) -> dict[str, int]:
+    def _quantization(self) -> dict[str, dict[str, str]]:
+        """Per served model: its weights' format ("none" or "fp8") and its KV cache's dtype."""
+        return {
+            name: {"weights": info.quantization, "kv_cache": info.kv_cache_dtype}
+            for name, info in self._residency.infos.items()
+        }
+
+    def _routed_waiting(self, own_lengths: list[int]) -> dict[str, int]:
         """Per model: jobs on this worker's own stream it has not started (the gateway's measure of its queue)."""
         running_own: dict[str, int] = {}
         for job in self._running.jobs.values():
             if job.stream == self._streams.own(job.model):
                 running_own[job.model] = running_own.get(job.model, 0) + 1
-        waiting = {}
-        for spec, length in zip(self._config.models, own_lengths, strict=True):
-            if isinstance(length, int):
-                waiting[spec.name] = max(0, length - running_own.get(spec.name, 0))
-        return waiting
+        return {
+            spec.name: max(0, length - running_own.get(spec.name, 0))
+            for spec, length in zip(self._config.models, own_lengths, strict=True)
+        }
 
     def _resident_adapters(self) -> dict[str, dict[str, list[str]]]:
         """Per resident model: adapter uids in device slots and in pinned host memory, as of its
         engine's last step (the pool publishes them as one tuple, safe to read from this thread)."""
         adapters = {}
         for name, engine in dict(self._residency.engines).items():  # a copy: the engine thread may swap models
-            gpu, cpu = engine.adapter_pool.resident
+            gpu, cpu = engine.adapter_pool.resident if engine.adapter_pool is not None else ((), ())  # LoRA off
             adapters[name] = {"gpu": list(gpu), "cpu": list(cpu)}
         return adapters

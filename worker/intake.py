@@ -1,12 +1,18 @@
-"""Jobs in: reads the resident models' streams (each model's shared stream and this worker's own,
-worker/routed_streams.py) for as many jobs as there is room for, takes over entries whose worker
-died, steals entries that waited too long on a busy worker's stream while this one has free batch
-slots, and starts each job in the job store and the engine thread.
+"""Jobs in: reads the resident models' streams (each model's shared streams and this worker's own
+stream of interactive jobs routed to it, worker/routed_streams.py) for as many jobs as there is room
+for, takes over entries whose worker died, steals entries that waited too long on a busy worker's
+stream while this one has free batch slots, and starts each job in the job store and the engine thread.
+
+Each model has a stream per priority class: the interactive streams are read first, the batch
+streams with what room is left, up to the batch jobs' share of it (worker/running_jobs.py), so a
+worker full of batch work still reads interactive jobs and hands them to the engine.
 
 Only resident models' streams are read: a job read for a model that is not resident could not run
 soon, and would sit in this worker's pending list where no other worker takes it. An entry read
-during a stop or a switch is put back for any worker; one that cannot be decoded, or was delivered
-too often, is dead-lettered.
+during a stop or a switch is put back for any worker. An entry that cannot be served is dead-lettered
+with the reason, at its first delivery, and never stops the worker: no `job` field, a message that
+does not decode (shared/schema.py names the field), a job record that cannot be read (another Redis
+type, a status that is no JobStatus, attempts that are no count); so is one delivered too often.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ from shared import keys
 from shared.config import WorkerConfig
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore
-from shared.schema import JobError, JobMessage, JobStatus, SchemaError, decode_job
+from shared.schema import PRIORITIES, JobError, JobMessage, JobStatus, Priority, SchemaError, decode_job
 from worker.engine.engine import EngineRequest
 from worker.engine_thread import EngineThread
-from worker.job_stream import ack, autoclaim_page, dead_letter, ensure_group, requeue
+from worker.job_stream import ack, autoclaim_page, dead_letter, ensure_group, requeue, shared_streams
 from worker.metrics import AdapterTier, WorkerMetrics
 from worker.routed_streams import RoutedStreams
 from worker.running_jobs import RunningJob, RunningJobs
@@ -75,8 +81,7 @@ class Intake:
     async def consume_once(self) -> None:
         """Wait for room, or read (and first claim abandoned entries, every claim_idle_ms / 2) once;
         with free batch slots left after that, steal what waited too long on other workers' streams."""
-        room = self._running.room_left
-        if room <= 0:
+        if self._running.room_left <= 0:
             self._running.room.clear()
             await self._running.room.wait()
             return
@@ -88,43 +93,74 @@ class Intake:
             self._last_claim = time.monotonic()
             for model in readable:
                 await self._streams.adopt_orphans(model)
-                for stream in await self._streams.of_model(model):
-                    await self._claim_abandoned(model, stream, room)
-            room = self._running.room_left
-            if room <= 0:
+                for priority in PRIORITIES:
+                    for stream in await self._streams.of_model(model, priority):
+                        await self._claim_abandoned(model, priority, stream, self._room(priority))
+            if self._running.room_left <= 0:
                 return
-        model_of = {keys.queue(model): model for model in readable} | {self._streams.own(m): m for m in readable}
+        read = await self._read(readable, Priority.INTERACTIVE, block_ms=None)
+        if self._running.batch_room_left > 0:
+            read += await self._read(readable, Priority.BATCH, block_ms=None)
+        if not read:  # all empty: wait for the first entry of any of them
+            with_batch = PRIORITIES if self._running.batch_room_left > 0 else (Priority.INTERACTIVE,)
+            await self._read(readable, *with_batch, block_ms=self._read_block_ms, count=1)
+        await self._steal_if_idle(readable)
+
+    def _room(self, priority: Priority) -> int:
+        return self._running.room_left if priority is Priority.INTERACTIVE else self._running.batch_room_left
+
+    def _streams_of(self, model: str, priority: Priority) -> dict[str, Arrival]:
+        """The streams this worker reads for `model`'s class `priority`: the shared one and, for interactive
+        jobs (the class routing places), its own."""
+        shared = {keys.queue(model, priority): Arrival.SHARED}
+        return shared | {self._streams.own(model): Arrival.ROUTED} if priority is Priority.INTERACTIVE else shared
+
+    async def _read(
+        self, readable: list[str], *priorities: Priority, block_ms: int | None, count: int | None = None
+    ) -> int:
+        """Read and accept new entries of `readable` models' streams of `priorities` (at most the room
+        of the first class each); returns how many were read."""
+        streams = {
+            stream: (model, priority, arrival)
+            for priority in priorities
+            for model in readable
+            for stream, arrival in self._streams_of(model, priority).items()
+        }
         try:
             response = await self._redis.xreadgroup(
                 keys.WORKER_GROUP,
                 self._config.worker_id,
-                dict.fromkeys(model_of, ">"),
-                count=room,
-                block=self._read_block_ms,
+                dict.fromkeys(streams, ">"),
+                count=count or self._room(priorities[0]),
+                block=block_ms,
             )
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             log.error("consumer_group_missing", error=str(exc))  # Redis came back without its data
             for spec in self._config.models:
-                await ensure_group(self._redis, keys.queue(spec.name))
+                for stream in shared_streams(spec.name):
+                    await ensure_group(self._redis, stream)
                 await self._streams.register(spec.name)
-            return
+            return 0
+        read = 0
         for stream_key, entries in response or []:
             stream = stream_key.decode()
-            model = model_of[stream]
-            arrival = Arrival.SHARED if stream == keys.queue(model) else Arrival.ROUTED
+            model, priority, arrival = streams[stream]
             for entry_id, fields in entries:
+                read += 1
                 if self._stopping.is_set() or not self._switcher.admitting(model):
-                    await requeue(self._redis, model, stream, entry_id, fields)  # read during a stop or switch
+                    # read during a stop or a switch
+                    await requeue(self._redis, model, priority, stream, entry_id, fields)
                 else:
-                    await self._accept(model, stream, entry_id, fields, arrival)
-        await self._steal_if_idle(readable)
+                    await self._accept(model, priority, stream, entry_id, fields, arrival)
+        return read
 
     async def _steal_if_idle(self, readable: list[str]) -> None:
         """With free batch slots (jobs would run now, not queue), take entries that have waited past
-        `steal_after_ms` on other workers' streams; tried every quarter of the bound at most."""
-        free = self._config.engine.max_num_seqs - len(self._running)
+        `steal_after_ms` on other workers' streams; tried every quarter of the bound at most. Only
+        interactive jobs are routed, so only they are stolen."""
+        free = min(self._running.room_left, self._config.engine.max_num_seqs - len(self._running))
         if free <= 0 or self._stopping.is_set() or time.monotonic() - self._last_steal < self._read_block_ms / 1000:
             return
         self._last_steal = time.monotonic()
@@ -134,12 +170,12 @@ class Intake:
             for stream, entries in await self._streams.steal(model, free, self._config.steal_after_ms):
                 for entry_id, fields in entries:
                     log.info("job_stolen", model=model, stream=stream, entry=entry_id.decode())
-                    await self._accept(model, stream, entry_id, fields, Arrival.STOLEN)
-            free = self._config.engine.max_num_seqs - len(self._running)
+                    await self._accept(model, Priority.INTERACTIVE, stream, entry_id, fields, Arrival.STOLEN)
+            free = min(self._running.room_left, self._config.engine.max_num_seqs - len(self._running))
             if free <= 0:
                 return
 
-    async def _claim_abandoned(self, model: str, stream: str, count: int) -> None:
+    async def _claim_abandoned(self, model: str, priority: Priority, stream: str, count: int) -> None:
         """Take over entries of `stream` whose worker stopped renewing them (it died), scanning the whole
         pending list."""
         cursor: bytes | str = "0-0"
@@ -155,24 +191,29 @@ class Intake:
                     raise
                 return
             for entry_id, fields in entries:
-                log.warning("job_reclaimed", model=model, stream=stream, entry=entry_id.decode())
-                await self._accept(model, stream, entry_id, fields, Arrival.RECLAIMED)
+                log.warning("job_reclaimed", model=model, priority=priority, stream=stream, entry=entry_id.decode())
+                await self._accept(model, priority, stream, entry_id, fields, Arrival.RECLAIMED)
             claimed += len(entries)
             if cursor in (b"0-0", "0-0"):
                 return
 
     async def _accept(
-        self, model: str, stream: str, entry_id: bytes, fields: dict[bytes, bytes], arrival: Arrival
+        self, model: str, priority: Priority, stream: str, entry_id: bytes, fields: dict[bytes, bytes], arrival: Arrival
     ) -> None:
         try:
-            message = decode_job(fields[b"job"])
-        except (SchemaError, KeyError) as exc:
+            message = _decode_entry(fields)
+        except SchemaError as exc:
             log.error("undecodable_job", model=model, entry=entry_id.decode(), error=str(exc))
             await dead_letter(self._redis, model, stream, entry_id, fields, reason=str(exc))
             return
         if message.job_id in self._running:
             return  # our own entry, already running
-        status, attempts = await self._jobs.start(message.job_id, self._config.worker_id)
+        try:
+            status, attempts = await self._jobs.start(message.job_id, self._config.worker_id)
+        except SchemaError as exc:
+            log.error("unreadable_job_record", job=message.job_id, model=model, error=str(exc))
+            await dead_letter(self._redis, model, stream, entry_id, fields, reason=str(exc))
+            return
         if status is not JobStatus.RUNNING:
             await ack(self._redis, stream, entry_id)  # canceled while queued, finished earlier, or expired
             return
@@ -181,9 +222,9 @@ class Intake:
             return
         if not self._switcher.admitting(model):  # a switch began while the job was being started
             await self._jobs.release(message.job_id, self._config.worker_id)
-            await requeue(self._redis, model, stream, entry_id, fields)
+            await requeue(self._redis, model, priority, stream, entry_id, fields)
             return
-        self._running.add(message.job_id, RunningJob(model, stream, entry_id, message.request_id, fields))
+        self._running.add(message.job_id, RunningJob(model, priority, stream, entry_id, message.request_id, fields))
         self._metrics.job_started(model, arrival, self._adapter_tier(model, message))
         log.info(
             "job_started",
@@ -204,6 +245,7 @@ class Intake:
                 adapter=message.adapter,
                 deadline=message.deadline,
                 stream=message.stream,
+                priority=priority,
             ),
         )
 
@@ -212,7 +254,8 @@ class Intake:
         if message.adapter is None:
             return "none"
         engine = self._switcher.residency.engines.get(model)
-        gpu, host = engine.adapter_pool.resident if engine is not None else ((), ())
+        pool = None if engine is None else engine.adapter_pool  # None: a worker without LoRA
+        gpu, host = pool.resident if pool is not None else ((), ())
         uid = message.adapter.uid
         return AdapterTier.GPU if uid in gpu else AdapterTier.CPU if uid in host else AdapterTier.DISK
 
@@ -223,3 +266,11 @@ class Intake:
         error = JobError(ErrorCode.WORKER_CRASHED, f"the job was delivered {attempts - 1} times without finishing")
         await self._jobs.finish(message.job_id, JobStatus.FAILED, error=error)
         await dead_letter(self._redis, model, stream, entry_id, fields, reason="too many deliveries")
+
+
+def _decode_entry(fields: dict[bytes, bytes]) -> JobMessage:
+    """The job message a stream entry carries; SchemaError when it carries none or it does not decode."""
+    payload = fields.get(b"job")
+    if payload is None:
+        raise SchemaError(f"the stream entry has no job field (fields: {sorted(fields)!r:.80})")
+    return decode_job(payload)

@@ -1,9 +1,10 @@
-"""The worker's side of a job stream (consumer group `workers`): a model's shared stream
-(`lf:q:{model}`) or a worker's routed stream (`lf:wq:{model}:{worker}`). Take over abandoned
-entries, acknowledge, put back and dead-letter. Each operation is one round trip, safe to repeat.
+"""The worker's side of a job stream (consumer group `workers`): a model's shared stream of a priority
+class (`lf:q:{model}` interactive, `lf:qb:{model}` batch) or a worker's routed stream of interactive
+jobs (`lf:wq:{model}:{worker}`). Take over abandoned entries, acknowledge, put back and dead-letter.
+Each operation is one round trip, safe to repeat.
 
-A job put back goes to its model's shared stream, whichever stream it was read from: the worker
-letting it go (a drain, a switch) should not be the one that has to take it next.
+A job put back goes to its model's shared stream of its class, whichever stream it was read from: the
+worker letting it go (a drain, a switch) should not be the one that has to take it next.
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import keys
+from shared.schema import PRIORITIES, Priority
 
 log = structlog.get_logger(__name__)
 
 DEAD_LETTER_MAXLEN = 10_000
+
+
+def shared_streams(model: str) -> list[str]:
+    """`model`'s shared streams, one per priority class, interactive first."""
+    return [keys.queue(model, priority) for priority in PRIORITIES]
 
 
 async def ensure_group(redis: Redis, stream: str) -> None:
@@ -51,11 +58,13 @@ async def ack(redis: Redis, stream: str, entry_id: bytes) -> None:
         await pipe.execute()
 
 
-async def requeue(redis: Redis, model: str, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-    """Put an entry of `stream` back as a new entry of `model`'s shared stream, readable by any worker
-    now (not after `claim_idle_ms`)."""
+async def requeue(
+    redis: Redis, model: str, priority: Priority, stream: str, entry_id: bytes, fields: dict[bytes, bytes]
+) -> None:
+    """Put an entry of `stream` back as a new entry of `model`'s shared stream of `priority`, readable by
+    any worker now (not after `claim_idle_ms`)."""
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.xadd(keys.queue(model), fields)
+        pipe.xadd(keys.queue(model, priority), fields)
         pipe.xack(stream, keys.WORKER_GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         await pipe.execute()

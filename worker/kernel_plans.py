@@ -162,10 +162,11 @@ def tune_buckets(
 def ensure_tuned(info: ModelInfo, engine: EngineConfig, cache_dir: Path, budget_s: float) -> TuneRun | None:
     """Tune, within budget_s seconds, the plans this GPU lacks for the model's LoRA projections at
     the engine's max rank and token buckets, into cache_dir, which this process's plan lookups then
-    search first. None where nothing is tuned: a CPU engine, a budget of 0, or no plan missing."""
+    search first. None where nothing is tuned: a CPU engine, one without LoRA (--max-loras 0), a
+    budget of 0, or no plan missing."""
     set_plan_cache_dir(cache_dir)
     device = torch.device(engine.device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not engine.lora_enabled:
         return None
     device_name = torch.cuda.get_device_name(device)
     _set_aside_if_unreadable(config_file(device_name, cache_dir))

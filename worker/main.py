@@ -26,4 +26,10 @@ def run_worker(config: WorkerConfig) -> int:
             loop.add_signal_handler(sig, worker.stop)
         return await worker.run()
 
-    return asyncio.run(serve())
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(serve())
+    finally:
+        # not asyncio.run, whose exit cancels every task left and waits for them all: a loop that ignored its
+        # cancellation (the stop left it behind, shared/tasks.py) would hang the exit
+        loop.close()

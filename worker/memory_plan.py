@@ -113,7 +113,10 @@ def model_footprint(info: ModelInfo, config: EngineConfig) -> ModelFootprint:
         weights=sum(parameter.nbytes for parameter in model.parameters()) + every_buffer - dense_lora - expert_lora,
         dense_lora=dense_lora,
         expert_lora=expert_lora,
-        lora_staging=buffer_bytes(info, pages, max_lora_rank=config.max_lora_rank, dtype=dtype),
+        # without LoRA (--max-loras 0) there is no slot writer
+        lora_staging=buffer_bytes(info, pages, max_lora_rank=config.max_lora_rank, dtype=dtype)
+        if config.lora_enabled
+        else 0,
         activations=activation_bytes(info, config, dtype),
         kv_bytes_per_block=KVLayout.of(info, config.block_size, dtype).bytes_per_block,
         kv_blocks_wanted=config.num_kv_blocks or config.max_num_seqs * -(-info.max_context // config.block_size),
@@ -140,13 +143,14 @@ def activation_bytes(info: ModelInfo, config: EngineConfig, dtype: torch.dtype) 
     Per token, what one layer holds at once: the hidden state, the residual stream, the normed input
     and o_proj's output; q|k|v and its LoRA delta, the attention output; then the MLP's gate|up and
     its delta and SiLU·up, or, per routed (token, expert) pair, those of the expert and its output
-    row and that row's LoRA delta. Logits are computed for one token per sequence: the head's
-    product, the float32 logits and the sampler's temporaries."""
+    row and that row's LoRA delta (no deltas without LoRA). Logits are computed for one token per
+    sequence: the head's product, the float32 logits and the sampler's temporaries."""
     q_width, kv_width = info.num_heads * info.head_dim, info.num_kv_heads * info.head_dim
-    attention = 4 * info.hidden_size + 2 * (q_width + 2 * kv_width) + q_width
-    mlp = 5 * info.intermediate_size if len(info.moe_layers) < info.num_layers else 0
+    deltas = int(config.lora_enabled)  # each LoRA delta is as wide as its projection's output
+    attention = 4 * info.hidden_size + (1 + deltas) * (q_width + 2 * kv_width) + q_width
+    mlp = (3 + 2 * deltas) * info.intermediate_size if len(info.moe_layers) < info.num_layers else 0
     if info.is_moe:
-        per_pair = 5 * info.moe_intermediate_size + 2 * info.hidden_size
+        per_pair = (3 + 2 * deltas) * info.moe_intermediate_size + (1 + deltas) * info.hidden_size
         mlp = max(mlp, info.num_experts_per_tok * per_pair + info.hidden_size)
     per_token = (attention + mlp) * dtype.itemsize
     per_sequence = info.vocab_size * (dtype.itemsize + 4 + _SAMPLER_BYTES_PER_LOGIT)

@@ -47,6 +47,8 @@ class EngineLoad:
     kv_blocks_used: int
     kv_blocks_total: int
     preemptions: int
+    running_batch: int = 0  # of `running`, batch-class sequences (the rest are interactive)
+    waiting_batch: int = 0  # of `waiting`, likewise
 
 
 class AdapterTier(StrEnum):
@@ -69,6 +71,12 @@ class WorkerMetrics:
         )
         self.waiting_seqs = Gauge(
             "lorafleet_worker_waiting_seqs", "sequences waiting to be admitted", labels, registry=self.registry
+        )
+        self.class_seqs = Gauge(
+            "lorafleet_worker_class_seqs",
+            "sequences of one priority class, running or waiting",
+            ["model", "priority", "state"],
+            registry=self.registry,
         )
         self.batch_size = Histogram(
             "lorafleet_worker_batch_size", "sequences in one engine step", labels, buckets=_BATCH_BUCKETS,
@@ -174,6 +182,11 @@ class EngineMetrics:
         self.adapters = AdapterMetrics(metrics, model)
         self._running = metrics.running_seqs.labels(model)
         self._waiting = metrics.waiting_seqs.labels(model)
+        self._class_seqs = {
+            (priority, state): metrics.class_seqs.labels(model, priority, state)
+            for priority in ("interactive", "batch")
+            for state in ("running", "waiting")
+        }
         self._batch_size = metrics.batch_size.labels(model)
         self._batch_tokens = metrics.batch_tokens.labels(model)
         self._step_seconds = metrics.step_seconds.labels(model)
@@ -196,6 +209,10 @@ class EngineMetrics:
         """The queues and KV cache as an engine has them now (the adapter pool records its own tiers)."""
         self._running.set(load.running)
         self._waiting.set(load.waiting)
+        self._class_seqs["interactive", "running"].set(load.running - load.running_batch)
+        self._class_seqs["interactive", "waiting"].set(load.waiting - load.waiting_batch)
+        self._class_seqs["batch", "running"].set(load.running_batch)
+        self._class_seqs["batch", "waiting"].set(load.waiting_batch)
         self._kv_used.set(load.kv_blocks_used)
         self._kv_total.set(load.kv_blocks_total)
         if load.preemptions != self._preemptions_seen:

@@ -4,7 +4,9 @@ streaming jobs, and stops running jobs that were canceled (or whose record expir
 Results and deltas come from the engine thread through one queue, so a job's token events precede
 its end event. A result and its entry's acknowledgement are one script (at-least-once delivery: an
 entry is never acknowledged without its result), followed by a wait for the replicas when the fleet
-has them; storing is safe to repeat, as the job store keeps the first result.
+has them; storing is safe to repeat, as the job store keeps the first result. A job whose record (or
+events stream) became unwritable while it ran (a key of another type) has its entry dead-lettered
+with the reason; the loops go on.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from redis.asyncio import Redis
 
 from shared import keys
 from shared.jobstore import JobStore
-from shared.schema import TokenDelta
+from shared.schema import SchemaError, TokenDelta
 from worker.engine.engine import EngineResult
 from worker.engine_thread import EngineThread
-from worker.job_stream import ack
+from worker.job_stream import ack, dead_letter
 from worker.redis_retry import retrying
 from worker.running_jobs import RunningJobs
 
@@ -46,7 +48,7 @@ class ResultPublisher:
                 try:
                     deltas = [delta for delta in result if delta.job_id in self._running]
                     if deltas:
-                        await retrying("publish tokens", lambda deltas=deltas: self._jobs.publish_tokens(deltas))
+                        await self._publish_tokens(deltas)
                 finally:
                     self.queue.task_done()
             else:
@@ -60,21 +62,33 @@ class ResultPublisher:
         finally:
             self.queue.task_done()  # a draining worker's queue.join() waits for the result to be stored
 
+    async def _publish_tokens(self, deltas: list[TokenDelta]) -> None:
+        try:
+            await retrying("publish tokens", lambda: self._jobs.publish_tokens(deltas))
+        except SchemaError as exc:  # that job's end, stored later, fails the same way and dead-letters it
+            log.error("token_events_unwritable", error=str(exc))
+
     async def _store(self, result: EngineResult) -> None:
         """Store one result and acknowledge its entry, in one script. Safe to repeat: the job store keeps
         the first result."""
         job = self._running.get(result.job_id)
         if job is None:
             return  # canceled meanwhile: already acknowledged
-        stored = await self._jobs.finish(
-            result.job_id,
-            result.status,
-            output=result.output,
-            error=result.error,
-            completion_tokens=result.completion_tokens,
-            first_token_ms=result.first_token_ms,
-            entry=(job.stream, job.entry_id),
-        )
+        try:
+            stored = await self._jobs.finish(
+                result.job_id,
+                result.status,
+                output=result.output,
+                error=result.error,
+                completion_tokens=result.completion_tokens,
+                first_token_ms=result.first_token_ms,
+                entry=(job.stream, job.entry_id),
+            )
+        except SchemaError as exc:
+            log.error("unreadable_job_record", job=result.job_id, model=job.model, error=str(exc))
+            await dead_letter(self._redis, job.model, job.stream, job.entry_id, job.fields, reason=str(exc))
+            self._running.release(result.job_id)
+            return
         self._running.release(result.job_id)
         log.info(
             "job_finished",
@@ -106,7 +120,8 @@ class CancelWatch:
         async with self._redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.hget(keys.job(job_id), "status")
-            statuses = await pipe.execute()
+            # a record of another type answers an error: that job runs on, and its end is dead-lettered
+            statuses = await pipe.execute(raise_on_error=False)
         for job_id, status in zip(job_ids, statuses, strict=True):
             job = self._running.get(job_id)
             if job is None or status not in (b"canceled", None):

@@ -1,7 +1,9 @@
 """The routed streams of a model, from a worker's side (gateway/routing.py places jobs on them).
 
-Each worker of a model reads the model's shared stream and its own stream `lf:wq:{model}:{worker}`,
-where the gateway puts jobs whose adapter this worker holds, or whose consistent-hash home it is.
+Each worker of a model reads the model's shared streams and its own stream `lf:wq:{model}:{worker}`,
+where the gateway puts interactive jobs whose adapter this worker holds, or whose consistent-hash home
+it is (batch jobs wait on the model's shared batch stream `lf:qb:{model}`, never routed: they fill the
+room interactive work leaves, wherever it is).
 Every worker stream of a model is listed in `lf:wqs:{model}`, so any worker can reach the others':
 
 - steal: a worker with free batch slots takes entries that have waited undelivered on another
@@ -10,7 +12,7 @@ Every worker stream of a model is listed in `lf:wqs:{model}`, so any worker can 
 - re-claim: the entries a dead worker had read are taken over by XAUTOCLAIM after `claim_idle_ms`,
   on its stream as on the shared one (the intake's claim pass covers every stream of the model);
 - hand over: a worker that stops, and any worker that finds a stream whose owner's heartbeat is
-  gone, moves the stream's undelivered entries to the shared stream, and deletes the stream once it
+  gone, moves the stream's undelivered entries to the shared interactive stream, and deletes the stream once it
   holds nothing. Entries another worker is running stay, and are acknowledged where they are.
 
 Stream ids start with the Redis server's ms clock (the gateway adds entries with `*`), and the
@@ -23,6 +25,7 @@ from redis.asyncio import Redis
 
 from shared import keys
 from shared.model_queues import model_queues
+from shared.schema import Priority
 
 # Lua shared by the scripts: the group's last delivered id, the group created (from the stream's
 # start) when the stream has none: a stream the gateway created by its first entry has no group yet
@@ -100,9 +103,10 @@ class RoutedStreams:
     def own(self, model: str) -> str:
         return keys.worker_queue(model, self._worker_id)
 
-    async def of_model(self, model: str) -> list[str]:
-        """Every stream a job of `model` may wait on: the shared one, then each worker's."""
-        return await model_queues(self._redis, model)
+    async def of_model(self, model: str, priority: Priority = Priority.INTERACTIVE) -> list[str]:
+        """Every stream a job of `model`'s class `priority` may wait on: the shared one, then (interactive
+        jobs, the ones routed) each worker's."""
+        return await model_queues(self._redis, model, priority)
 
     async def register(self, model: str) -> None:
         """List this worker's stream of `model` (again: a restarted Redis may have lost the set), with its group."""

@@ -7,11 +7,14 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from shared.schema import Priority
+
 
 @dataclass(slots=True)
 class RunningJob:
     model: str
-    stream: str  # the stream its entry was read from: the model's shared stream or a worker's
+    priority: Priority
+    stream: str  # the stream its entry was read from: its class's shared stream or (interactive) a worker's
     entry_id: bytes
     request_id: str
     fields: dict[bytes, bytes]  # the entry as read, to queue it again if this worker lets it go
@@ -19,8 +22,12 @@ class RunningJob:
 
 
 class RunningJobs:
-    def __init__(self, capacity: int) -> None:
+    """At most `capacity` jobs, of which at most `batch_capacity` batch jobs: the rest of the room is
+    always there for interactive jobs, so they reach the engine (and preempt batch work) at once."""
+
+    def __init__(self, capacity: int, batch_capacity: int) -> None:
         self.capacity = capacity
+        self.batch_capacity = batch_capacity
         self.jobs: dict[str, RunningJob] = {}
         self.room = asyncio.Event()  # set whenever a job leaves: the intake may read again
 
@@ -36,6 +43,11 @@ class RunningJobs:
     @property
     def room_left(self) -> int:
         return self.capacity - len(self.jobs)
+
+    @property
+    def batch_room_left(self) -> int:
+        batch = sum(1 for job in self.jobs.values() if job.priority is Priority.BATCH)
+        return min(self.room_left, self.batch_capacity - batch)
 
     def add(self, job_id: str, job: RunningJob) -> None:
         self.jobs[job_id] = job
@@ -59,6 +71,7 @@ class RunningJobs:
         return len(started), sum(now - t for t in started)
 
     def entries_by_stream(self) -> dict[str, list[bytes]]:
+        """Running entry ids by the stream that holds them."""
         by_stream: dict[str, list[bytes]] = {}
         for job in self.jobs.values():
             by_stream.setdefault(job.stream, []).append(job.entry_id)

@@ -7,9 +7,10 @@ The job store's Lua scripts make sure only one result is ever stored.
 
 Every loop survives losing Redis (worker/redis_retry.py): the client retries a command through a
 short restart, and past that the loop logs, backs off and tries again, holding on to any result it
-has not stored yet. On `stop()` the worker drains: it reads no more jobs, gives running ones
-`drain_grace_s` to finish, and puts the rest back on their queue as new entries that any worker can
-take at once.
+has not stored yet. On `stop()` (a signal, or a loop that failed) the worker drains: it reads no
+more jobs and withdraws its heartbeat at once, gives running ones `drain_grace_s` to finish, and puts
+the rest back on their queue as new entries that any worker can take at once. The whole stop is
+bounded (drain_grace_s + STOP_MARGIN_S); a loop that ignores its cancellation is left behind.
 
 This module wires the parts and owns the process's life (start, stop, drain, crash): jobs in
 (intake.py), out (results.py), what the fleet is told (heartbeat.py), the jobs running here
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 
 import structlog
 from redis.exceptions import RedisError
@@ -29,12 +31,14 @@ from redis.exceptions import RedisError
 from shared.config import WorkerConfig
 from shared.jobstore import JobStore
 from shared.redis_client import resilient_redis
+from shared.schema import SchemaError
+from shared.tasks import TASK_STOP_S, cancel_and_wait
 from worker.adapter_preload import preload_adapters
 from worker.engine.engine import LLMEngine
 from worker.engine_thread import EngineThread
 from worker.heartbeat import Heartbeat
 from worker.intake import Intake
-from worker.job_stream import requeue
+from worker.job_stream import dead_letter, requeue
 from worker.kernel_plans import tune_at_start
 from worker.metrics import WorkerMetrics
 from worker.redis_retry import retrying
@@ -46,6 +50,21 @@ from worker.switching.switcher import ModelSwitcher
 log = structlog.get_logger(__name__)
 
 _SOCKET_TIMEOUT_S = 10.0  # outlasts the XREADGROUP block; a dead connection is noticed this fast
+STOP_MARGIN_S = 10.0  # the stop sequence's time beyond drain_grace_s: the engine's last step, handing back
+
+
+@dataclass(frozen=True, slots=True)
+class _Loops:
+    """The worker's loops, by the order a stop ends them in."""
+
+    consume: asyncio.Task
+    heartbeat: asyncio.Task
+    publish: asyncio.Task
+    others: list[asyncio.Task]
+
+    @property
+    def all(self) -> list[asyncio.Task]:
+        return [self.consume, self.heartbeat, self.publish, *self.others]
 
 
 class Worker:
@@ -54,8 +73,9 @@ class Worker:
         self.id = config.worker_id
         self._redis = resilient_redis(config.redis_url, socket_timeout_s=_SOCKET_TIMEOUT_S)
         self._jobs = JobStore(self._redis, config.job_ttl_s, replica_wait=config.replica_wait)
-        # a queue beyond the batch, so admission never idles
-        self._running = RunningJobs(capacity=config.engine.max_num_seqs * 2)
+        # a queue beyond the batch, so admission never idles; batch jobs take at most one batch's worth of it,
+        # so interactive jobs always find room here and reach the engine's scheduler, which preempts batch work
+        self._running = RunningJobs(capacity=config.engine.max_num_seqs * 2, batch_capacity=config.engine.max_num_seqs)
         self._results = ResultPublisher(self._redis, self._jobs, self._running)
         self._stopping = asyncio.Event()
         self._crash: BaseException | None = None
@@ -107,23 +127,21 @@ class Worker:
         )
         await retrying("announce", self._heartbeat.announce)
         log.info("worker_ready", worker=self.id, models=[s.name for s in self.config.models], resident=list(engines))
-        consume = asyncio.create_task(self._consume(intake), name="consume")
-        background = [
-            asyncio.create_task(self._results.publish(), name="publish"),
-            asyncio.create_task(self._beat(), name="heartbeat"),
-            asyncio.create_task(CancelWatch(self._redis, self._running, self._engine_thread).watch(), name="cancels"),
-            asyncio.create_task(self._manage_models(), name="models"),
-        ]
-        for task in (consume, *background):
+        loops = _Loops(
+            consume=asyncio.create_task(self._consume(intake), name="consume"),
+            heartbeat=asyncio.create_task(self._beat(), name="heartbeat"),
+            publish=asyncio.create_task(self._results.publish(), name="publish"),
+            others=[
+                asyncio.create_task(
+                    CancelWatch(self._redis, self._running, self._engine_thread).watch(), name="cancels"
+                ),
+                asyncio.create_task(self._manage_models(), name="models"),
+            ],
+        )
+        for task in loops.all:
             task.add_done_callback(self._task_done)
         await self._stopping.wait()
-        await asyncio.gather(consume, return_exceptions=True)  # returns within one read block
-        await self._drain()
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        with contextlib.suppress(RedisError):  # the heartbeat key expires by itself if Redis is away
-            await self._heartbeat.withdraw()
+        await self._stop_within_grace(loops)
         await self._redis.aclose()
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.shutdown)  # waits out its poll interval (0.5 s)
@@ -134,6 +152,30 @@ class Worker:
     def stop(self) -> None:
         self._stopping.set()
         self._running.room.set()  # wake the consumer if it waits for room
+
+    async def _stop_within_grace(self, loops: _Loops) -> None:
+        """Run the stop sequence, for at most drain_grace_s + STOP_MARGIN_S: past that (Redis away, a
+        task that ignores its cancellation) it is left behind and the worker exits as crashed."""
+        stopping = asyncio.create_task(self._stop_serving(loops), name="stop")
+        await asyncio.wait([stopping], timeout=self.config.drain_grace_s + STOP_MARGIN_S)
+        if not stopping.done():
+            log.error("stop_overran", grace_s=self.config.drain_grace_s, margin_s=STOP_MARGIN_S)
+            self._crash = self._crash or TimeoutError("the stop overran its grace period")
+            await cancel_and_wait([stopping], TASK_STOP_S)
+        elif stopping.exception() is not None:
+            log.error("stop_failed", exc_info=stopping.exception())
+            self._crash = self._crash or stopping.exception()
+
+    async def _stop_serving(self, loops: _Loops) -> None:
+        """Stop reading and at once stop advertising (the gateway must not take jobs nobody reads), drain,
+        then end the other loops."""
+        await cancel_and_wait([loops.heartbeat], TASK_STOP_S)
+        claims = asyncio.create_task(self._renew_claims(), name="claims")  # running jobs stay ours meanwhile
+        with contextlib.suppress(RedisError):  # the heartbeat key expires by itself if Redis is away
+            await self._heartbeat.withdraw()
+        await asyncio.gather(loops.consume, return_exceptions=True)  # returns within one read block
+        await self._drain(loops.publish)
+        await cancel_and_wait([claims, loops.publish, *loops.others], TASK_STOP_S)
 
     # -- start-up and failure -------------------------------------------------------------------
 
@@ -166,6 +208,12 @@ class Worker:
             await retrying("heartbeat", lambda: self._heartbeat.beat(self._switcher))
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
+    async def _renew_claims(self) -> None:
+        """A stopping worker's heartbeat: its running entries' claims only, nothing advertised."""
+        while True:
+            await retrying("renew claims", self._heartbeat.renew_claims)
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
     async def _manage_models(self) -> None:
         while True:
             await retrying("model switching", self._switcher.run)
@@ -180,13 +228,16 @@ class Worker:
             await retrying("hand back", lambda job_id=job_id, job=job: self._hand_back(job_id, job))
         return len(jobs)
 
-    async def _drain(self) -> None:
+    async def _drain(self, publish: asyncio.Task) -> None:
         """Give running jobs `drain_grace_s` to finish (their results stored), then hand the rest back."""
         deadline = time.monotonic() + self.config.drain_grace_s
         while len(self._running) and self._crash is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.to_thread(self._engine_thread.stop)
-        await self._results.queue.join()  # results of the engine's last step are stored before we let go
+        # results of the engine's last step are stored before we let go, unless the loop storing them failed
+        stored = asyncio.create_task(self._results.queue.join())
+        await asyncio.wait([stored, publish], return_when=asyncio.FIRST_COMPLETED)
+        stored.cancel()
         if not len(self._running):
             return
         log.warning("drain_incomplete", handed_back=len(self._running), crashed=self._crash is not None)
@@ -196,8 +247,12 @@ class Worker:
     async def _hand_back(self, job_id: str, job: RunningJob) -> None:
         # a graceful stop does not count as a delivery; after an engine crash it does, so a job that
         # crashes every engine it meets ends in the dead-letter stream instead of looping
-        if self._crash is None:
-            await self._jobs.release(job_id, self.id)
-        await requeue(self._redis, job.model, job.stream, job.entry_id, job.fields)
+        try:
+            if self._crash is None:
+                await self._jobs.release(job_id, self.id)
+        except SchemaError as exc:  # its record became unreadable while it ran
+            await dead_letter(self._redis, job.model, job.stream, job.entry_id, job.fields, reason=str(exc))
+        else:
+            await requeue(self._redis, job.model, job.priority, job.stream, job.entry_id, job.fields)
         self._running.pop(job_id)
         log.info("job_handed_back", job=job_id, request_id=job.request_id)

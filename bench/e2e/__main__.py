@@ -13,7 +13,9 @@
    saturation up to 95% of the faster one's; at each load base-only, then Zipf over all adapters
    (the same arrival times).
 6. Engine alone: the stack is stopped and the lowest load's base-only requests are replayed into an
-   in-process LLMEngine; the p50 differences are what the gateway, Redis and the worker's I/O add.
+   in-process LLMEngine; the p50 differences are what the gateway, Redis and the worker's I/O add,
+   and the mean step times (stack's worker vs engine alone, same load) what the engine loses inside
+   the worker process.
 
 Every phase checks the time left in --budget-s first and is skipped if it cannot finish, so the
 table always prints. Written to --out: e2e.jsonl (one line per run, then the targets), e2e_requests.csv
@@ -54,7 +56,7 @@ from bench.e2e.summary import (
     worker_table,
 )
 from bench.e2e.traffic import Mode, PlannedRequest, RequestSource, TrafficShape, poisson_plan, zipf_weights
-from bench.e2e.worker_metrics import difference
+from bench.e2e.worker_metrics import difference, read_registry
 from shared.adapter_format import WEIGHTS_FILE
 from shared.config import ModelSpec, WorkerConfig
 from worker.metrics import WorkerMetrics
@@ -208,10 +210,11 @@ class Bench:
             return None
         started = time.monotonic()
         # built as a worker builds it (one resident model), the stack's worker having stopped
+        metrics = WorkerMetrics(self.preset.engine.device)
         residency = ModelResidency(
             WorkerConfig(redis_url="redis://unused", models=(self.model,), adapter_root=self.adapter_root,
                          engine=self.preset.engine),
-            WorkerMetrics(self.preset.engine.device),
+            metrics,
         )  # fmt: skip
         engine = residency.activate(residency.prepare(self.model.name))
         source = RequestSource(self.shape(Mode.BASE), seed=2)
@@ -219,8 +222,10 @@ class Bench:
         warmup = [source.draw(i, 0.0) for i in range(self.preset.engine.max_num_seqs // 4)]
         on_engine_thread(lambda: run_to_completion(engine, warmup))
         self.timed("engine_load", started)
+        before = read_registry(metrics.registry)
         samples = on_engine_thread(lambda: replay(engine, stack_run.plan))
-        row = summarize("engine-alone", Mode.BASE, stack_run.row.offered_rps, samples)
+        worker = difference(before, read_registry(metrics.registry))  # its steps, as the stack's worker counts them
+        row = summarize("engine-alone", Mode.BASE, stack_run.row.offered_rps, samples, worker=worker)
         self.rows.append(row)
         self.samples.append((row, samples))
         print(_row_line(row), flush=True)

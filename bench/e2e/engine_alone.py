@@ -2,10 +2,12 @@
 
 Built from the model directory exactly as the worker builds it (ModelResidency with the same
 EngineConfig) and driven the way the worker's engine thread drives it, on a thread of its own:
-requests are added at their planned arrival times and the engine steps while it has work. A request's first token is
+requests are added at their planned arrival times and the engine steps while it has work, each step
+timed and recorded in the engine's metrics as the engine thread records it (worker/engine_thread.py),
+so its step count and mean step time read as the stack's worker's do. A request's first token is
 the end of the step that produced it, its end the end of its last step. The difference from the
 stack's latencies on the same plan is what the gateway, Redis, the worker's I/O loop and the
-client's HTTP/SSE add.
+client's HTTP/SSE add; the difference in step time, what the engine loses inside the worker.
 """
 
 from __future__ import annotations
@@ -70,8 +72,11 @@ def replay(engine: LLMEngine, plan: list[PlannedRequest]) -> list[Sample]:
             if arrivals:
                 time.sleep(max(0.0, arrivals[0].at_s - (time.perf_counter() - start)))
             continue
+        stepped = time.perf_counter()
         results = engine.step()
-        done = time.perf_counter() - start
+        done = time.perf_counter()
+        engine.metrics.record_step(engine.last_step, engine.load(), done - stepped)
+        done -= start
         for delta in engine.take_deltas():
             sample = samples[delta.job_id]
             if sample.first_token_s is None:

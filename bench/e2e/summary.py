@@ -180,12 +180,23 @@ def verdicts(
         added = stack.latency_p50_ms - alone.latency_p50_ms
         measured = (
             f"p50 latency {stack.latency_p50_ms:.1f} (stack) - {alone.latency_p50_ms:.1f} (engine alone) = "
-            f"{added:.1f} ms; p50 TTFT {stack.ttft_p50_ms:.1f} - {alone.ttft_p50_ms:.1f} ms"
+            f"{added:.1f} ms; p50 TTFT {stack.ttft_p50_ms:.1f} - {alone.ttft_p50_ms:.1f} ms{_step_times(stack, alone)}"
         )
         out.append(
             Verdict(f"gateway + queue ≤ {OVERHEAD_TARGET_MS:.0f} ms at p50", measured, added <= OVERHEAD_TARGET_MS)
         )
     return out
+
+
+def _step_times(stack: RunSummary, alone: RunSummary) -> str:
+    """The engine's mean step in the stack's worker and alone, at the same load: what of the added
+    latency the engine itself loses inside the worker (its I/O thread beside it), and what is outside."""
+    if stack.worker is None or alone.worker is None:
+        return ""
+    return (
+        f"; mean step {stack.worker.step_ms:.2f} ms over {stack.worker.steps} steps (stack) vs "
+        f"{alone.worker.step_ms:.2f} ms over {alone.worker.steps} (engine alone)"
+    )
 
 
 def table(rows: list[RunSummary], output_tokens: int) -> str:

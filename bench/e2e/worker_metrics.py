@@ -1,4 +1,5 @@
-"""The worker's Prometheus endpoint (worker/metrics.py), read around and during each run.
+"""The worker's Prometheus endpoint (worker/metrics.py), read around and during each run (and the
+same registry read in process, for the engine-alone replay).
 
 Counters and histograms are read before and after a run and differenced, which says where the
 worker's time went in that run alone: how many engine steps, how long each took, how full the
@@ -12,6 +13,7 @@ import math
 import urllib.request
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 Snapshot = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, sorted labels) → value
@@ -21,7 +23,15 @@ _local_http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 def scrape(url: str) -> Snapshot:
     with _local_http.open(url, timeout=5.0) as response:
-        text = response.read().decode()
+        return _parse(response.read().decode())
+
+
+def read_registry(registry: CollectorRegistry) -> Snapshot:
+    """What a scrape of a worker serving `registry` would read, from this process."""
+    return _parse(generate_latest(registry).decode())
+
+
+def _parse(text: str) -> Snapshot:
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)

@@ -4,12 +4,14 @@
 
 FROM python:3.11-slim AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 COPY deploy/docker/gateway_requirements.py deploy/docker/
-# pyproject's dependencies without the worker-only ones (torch, triton, ...), then the package itself
-# without dependencies; worker/ and kernels/ stay out of the image.
+# pyproject's dependencies without the worker-only ones (torch, triton, ...) in a layer a change of the
+# code or the README does not rebuild, then the package itself without dependencies; worker/ and
+# kernels/ stay out of the image.
 RUN python deploy/docker/gateway_requirements.py pyproject.toml > requirements-gateway.txt \
     && pip install --no-cache-dir --prefix=/install -r requirements-gateway.txt
+COPY README.md ./
 COPY cli cli
 COPY gateway gateway
 COPY shared shared

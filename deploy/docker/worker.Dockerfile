@@ -17,13 +17,19 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv && pip install --index-url "$TORCH_INDEX_URL" "$TORCH"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
+# the dependencies in their own layer, which a change of the code or the README does not rebuild (Triton
+# alone is hundreds of MB), then the package itself without dependencies
+RUN python3 -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+        > requirements.txt \
+    && pip install -r requirements.txt
+COPY README.md ./
 COPY cli cli
 COPY gateway gateway
 COPY kernels kernels
 COPY shared shared
 COPY worker worker
-RUN pip install . && rm -rf /src
+RUN pip install --no-deps . && rm -rf /src
 COPY --chmod=0755 deploy/docker/worker_health.py /usr/local/bin/lorafleet-worker-health
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin lorafleet
 USER 10001

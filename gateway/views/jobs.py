@@ -71,6 +71,7 @@ def job_body(record: JobRecord) -> dict[str, Any]:
         "status": record.status.value,
         "model": record.model,
         "adapter": record.adapter,
+        "priority": record.priority.value,
         "output": None
         if output is None
         else {"text": output.text, "token_ids": list(output.token_ids), "finish_reason": output.finish_reason.value},

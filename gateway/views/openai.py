@@ -6,23 +6,24 @@ shape, which OpenAI clients read."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from aiohttp import web
 
 from gateway.auth import request_tenant
 from gateway.errors import error_body
-from gateway.job_request import JobRequest
 from gateway.job_service import EndEvent, Idle, TokenEvent
 from gateway.json_body import parse_json_object
 from gateway.json_response import json_response
+from gateway.openai_completion import completion_body, job_failure, openai_job_request, usage
 from gateway.openai_request import OpenAIRequest, parse_chat_request, parse_completion_request
 from gateway.sse import open_event_stream, send_event, send_keepalive
 from gateway.state import CONFIG, JOBS, QUEUED_JOB, REDIS, REQUEST_ID
 from shared.adapter_registry import list_adapters
 from shared.errors import ErrorCode
-from shared.model_registry import list_models
-from shared.schema import JobRecord, JobStatus
+from shared.model_registry import adapter_limits, list_models
+from shared.schema import JobStatus
 from shared.tenants import Tenant
 
 _OWNER = "lorafleet"
@@ -43,13 +44,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """`GET /v1/models`: the base models, then the adapters this tenant may use (with their base as parent)."""
+    """`GET /v1/models`: the base models (with how they are quantized), then the adapters this tenant
+    may use (with their base as parent). A base model's `max_lora_rank` is the highest adapter rank every
+    live worker serving it takes: 0 when one runs without LoRA (--max-loras 0), null when no worker serves
+    it now."""
     tenant = await request_tenant(request)
     redis = request.app[REDIS]
-    data: list[dict[str, Any]] = [
-        {"id": info.name, "object": "model", "created": 0, "owned_by": _OWNER, "max_model_len": info.max_context}
-        for info in await list_models(redis)
-    ]
+    since_ms = time.time() * 1000 - request.app[CONFIG].model_unserved_after_s * 1000
+    data: list[dict[str, Any]] = []
+    for info in await list_models(redis):
+        limits = await adapter_limits(redis, info.name, since_ms=since_ms)
+        data.append(
+            {
+                "id": info.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": _OWNER,
+                "max_model_len": info.max_context,
+                "max_lora_rank": None if limits is None else limits.max_rank,
+                # how its workers serve it: weights "none" (the checkpoint's dtype) or "fp8"; KV "auto" or "fp8"
+                "quantization": info.quantization,
+                "kv_cache_dtype": info.kv_cache_dtype,
+            }
+        )
     data += [
         {
             "id": adapter.name,
@@ -66,20 +83,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def _serve(request: web.Request, tenant: Tenant, parsed: OpenAIRequest, *, chat: bool) -> web.StreamResponse:
     jobs = request.app[JOBS]
-    base, adapter = await jobs.resolve_model(tenant, parsed.model)
-    if chat:
-        prompt: str | tuple[int, ...] = await jobs.chat_prompt(base, parsed.messages or ())
-    else:
-        prompt = parsed.prompt
-    job_request = JobRequest(
-        model=base,
-        adapter=adapter,
-        prompt=prompt,
-        sampling=parsed.sampling,
-        add_special_tokens=not chat,
-        fit_context=parsed.fit_context,
-        stream=parsed.stream,
-    )
+    job_request = await openai_job_request(jobs, tenant, parsed, chat=chat)
     record, _ = await jobs.submit(tenant, job_request, request_id=request[REQUEST_ID], idempotency_key=None)
     request[QUEUED_JOB] = record
     created = record.created_ms // 1000
@@ -87,47 +91,11 @@ async def _serve(request: web.Request, tenant: Tenant, parsed: OpenAIRequest, *,
         return await _stream(request, tenant, parsed, record.job_id, created, chat=chat)
     limits = request.app[CONFIG].limits
     done = await jobs.wait_until_done(tenant, record.job_id, limits.max_completion_s, limits.max_wait_s)
-    failure = _failure(done)
+    failure = job_failure(done)
     if failure is not None:
         code, message = failure
         return json_response(error_body(code, message), status=500 if done.status is JobStatus.FAILED else 409)
-    output = done.output
-    finish_reason = output.finish_reason.value
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": output.text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-    else:
-        choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": finish_reason}
-    body = {
-        "id": done.job_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": parsed.model,
-        "choices": [choice],
-        "usage": _usage(done),
-    }
-    return json_response(body)
-
-
-def _failure(record: JobRecord) -> tuple[str, str] | None:
-    """(code, message) of a job that did not succeed, else None."""
-    if record.status is JobStatus.SUCCEEDED:
-        return None
-    if record.error is not None:
-        return record.error.code, record.error.message
-    return ErrorCode.INTERNAL_ERROR.value, f"the job ended {record.status.value}"
-
-
-def _usage(record: JobRecord) -> dict[str, int]:
-    return {
-        "prompt_tokens": record.prompt_tokens,
-        "completion_tokens": record.completion_tokens,
-        "total_tokens": record.prompt_tokens + record.completion_tokens,
-    }
+    return json_response(completion_body(done, parsed.model, chat=chat))
 
 
 async def _stream(
@@ -175,7 +143,7 @@ async def _stream(
         await request.app[JOBS].cancel_abandoned(job_id)  # the client left (or we failed): stop the job
         raise
     record = final.record if final is not None else None
-    failure = (ErrorCode.JOB_NOT_FOUND.value, "the job expired") if record is None else _failure(record)
+    failure = (ErrorCode.JOB_NOT_FOUND.value, "the job expired") if record is None else job_failure(record)
     if failure is not None:
         await send_event(response, json.dumps(error_body(*failure)))
     else:
@@ -184,7 +152,7 @@ async def _stream(
             await chunk(rest)
         await chunk(None, record.output.finish_reason.value)
         if parsed.include_usage:
-            await send_event(response, json.dumps({**envelope, "choices": [], "usage": _usage(record)}))
+            await send_event(response, json.dumps({**envelope, "choices": [], "usage": usage(record)}))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.attention.reference import check_out
+from kernels.quant.reference import FP8_DTYPE
 
 _LOG2E = 1.4426950408889634
 
@@ -88,9 +89,10 @@ def _paged_attention_kernel(
         in_block = pos % CACHE_BLOCK
         kv_mask = pos_valid[:, None] & dim_valid[None, :]
         k_offsets = block[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
-        k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        # [BLOCK_N, BLOCK_D], an fp8 cache widened to q's dtype (exactly)
+        k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
         v_offsets = block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
-        v = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(k))
         visible = (pos[None, :] <= query_pos[:, None]) & pos_valid[None, :]
         scores = tl.where(visible, scores * qk_scale, float("-inf"))  # [BLOCK_M, BLOCK_N], log2 units
@@ -135,8 +137,8 @@ def paged_attention_triton(
         raise ValueError(f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} do not fit q {tuple(q.shape)}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if q.dtype != key_cache.dtype or q.dtype != value_cache.dtype:
-        raise ValueError(f"q {q.dtype} and the caches {key_cache.dtype} / {value_cache.dtype} must share a dtype")
+    if key_cache.dtype not in (q.dtype, FP8_DTYPE) or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"the caches {key_cache.dtype} / {value_cache.dtype} must both be q's {q.dtype} or fp8")
     if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError("query_start_loc must be [B + 1] and block_tables [B, ...] for context_lens [B]")
     for name, t in (

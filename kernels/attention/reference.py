@@ -52,8 +52,9 @@ def paged_attention_reference(
     starts = query_start_loc.tolist()  # host copies: the loop below is host-driven anyway
     for seq, context_len in enumerate(context_lens.tolist()):
         start, end = starts[seq], starts[seq + 1]
-        keys = gather_context(key_cache, block_tables[seq], context_len)
-        values = gather_context(value_cache, block_tables[seq], context_len)
+        # an fp8 cache widened to q's dtype: every fp8 value is exact in bf16, fp16 and fp32
+        keys = gather_context(key_cache, block_tables[seq], context_len).to(q.dtype)
+        values = gather_context(value_cache, block_tables[seq], context_len).to(q.dtype)
         query_positions = torch.arange(context_len - (end - start), context_len, device=q.device)
         visible = torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]  # [q_len, ctx]
         attended = F.scaled_dot_product_attention(

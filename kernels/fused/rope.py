@@ -8,6 +8,7 @@ projection output (HF "rotate half" layout: dimension i pairs with i + D/2).
         k heads:   key_cache[p, h]   = rotate(k_h)
         v heads:   value_cache[p, h] = v_h
     rotate(x) = x * c + rotate_half(x) * s, each product and the sum rounded to the dtype as torch does
+    An fp8 cache (--kv-cache-dtype fp8) takes each cached value rounded to nearest e4m3, saturating.
 
 Grid: (tokens, H + 2 H_kv); each program moves one head of one token. k is never written back to
 qkv: attention reads keys from the cache only.
@@ -20,6 +21,16 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.quant.per_token import saturate_to_e4m3
+from kernels.quant.reference import FP8_DTYPE
+
+
+@triton.jit
+def _for_cache(x, CACHE_FP8: tl.constexpr):
+    """x as the cache stores it: itself, or (fp8 cache) saturated and rounded to e4m3 in fp32."""
+    if CACHE_FP8:
+        return saturate_to_e4m3(x)
+    return x
 
 
 @triton.jit
@@ -41,6 +52,7 @@ def _rope_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # HEAD_DIM // 2
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two
+    CACHE_FP8: tl.constexpr,  # the caches are fp8: values are saturated and rounded before the store
     PDL: tl.constexpr,
 ):
     pdl.wait_for_previous(PDL)
@@ -59,8 +71,8 @@ def _rope_and_cache_kernel(
     if head >= num_heads + num_kv_heads:  # v: copied into the cache as it is
         slot = tl.load(slot_mapping_ptr + token)
         dst = value_cache_ptr + (slot * num_kv_heads + head - num_heads - num_kv_heads) * HEAD_DIM + d
-        tl.store(dst, first, mask=d_ok)
-        tl.store(dst + HALF, second, mask=d_ok)
+        tl.store(dst, _for_cache(first, CACHE_FP8).to(value_cache_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(dst + HALF, _for_cache(second, CACHE_FP8).to(value_cache_ptr.dtype.element_ty), mask=d_ok)
     else:
         cos = tl.load(cos_ptr + token * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + token * stride_sin + d, mask=d_ok, other=0.0).to(tl.float32)
@@ -74,8 +86,8 @@ def _rope_and_cache_kernel(
         else:
             slot = tl.load(slot_mapping_ptr + token)
             dst = key_cache_ptr + (slot * num_kv_heads + head - num_heads) * HEAD_DIM + d
-            tl.store(dst, out1, mask=d_ok)
-            tl.store(dst + HALF, out2, mask=d_ok)
+            tl.store(dst, _for_cache(out1, CACHE_FP8).to(key_cache_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(dst + HALF, _for_cache(out2, CACHE_FP8).to(key_cache_ptr.dtype.element_ty), mask=d_ok)
 
 
 def rope_and_cache_kv_triton(
@@ -94,8 +106,10 @@ def rope_and_cache_kv_triton(
     num_kv_heads, head_dim = key_cache.shape[2:]
     if head_dim % 2 or width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
         raise ValueError(f"rope_and_cache_kv: qkv {tuple(qkv.shape)} is not [T, (H + 2 H_kv) * {head_dim}]")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or key_cache.dtype != qkv.dtype:
-        raise ValueError("rope_and_cache_kv: the caches must be contiguous and of qkv's dtype")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or key_cache.dtype not in (qkv.dtype, FP8_DTYPE):
+        raise ValueError("rope_and_cache_kv: the caches must be contiguous and of qkv's dtype or fp8")
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError("rope_and_cache_kv: the key and value caches must share a dtype")
     if cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride(1) != 1:
         raise ValueError(f"rope_and_cache_kv: cos/sin {tuple(cos.shape)} are not [{num_tokens}, {head_dim}]")
     if delta is not None and (delta.shape != qkv.shape or delta.stride(1) != 1 or delta.dtype != qkv.dtype):
@@ -119,6 +133,7 @@ def rope_and_cache_kv_triton(
             HEAD_DIM=head_dim,
             HALF=head_dim // 2,
             HALF_PAD=triton.next_power_of_2(head_dim // 2),
+            CACHE_FP8=key_cache.dtype == FP8_DTYPE,
             **pdl.launch_options(qkv.device, num_tokens),
             num_warps=1,
         )

@@ -23,13 +23,13 @@ import functools
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from kernels.lora.configs import Plan, plan_for
 from kernels.lora.metadata import LoRABatch
 from kernels.lora.paths import add_lora_cuda, linear_deferred_with_plan, linear_with_plan
 from kernels.lora.reference import add_lora_reference
 from kernels.lora.tiles import rank_pad
+from kernels.quant import base_linear
 
 __all__ = [
     "LoRABatch",
@@ -81,22 +81,24 @@ def lora_linear(
     batch: LoRABatch | None,
     *,
     residual: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, K] @ weight[N, K].T (+ bias) plus each token's LoRA delta; slices stack along N
-    (lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR]).
+    (lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR]). weight_scale float32 [N]: the weight is fp8
+    with these per-channel scales (kernels/quant), and the delta is added on top of its GEMM.
 
     residual [T, N]: a tensor the caller adds the result to next (the residual stream). Where the
     path computes the delta beside the base GEMM (decode sizes on CUDA), it adds the delta into
     `residual` rather than into the result; the sum of the two is the same either way.
     """
     if batch is None:
-        return F.linear(x, weight, bias)
+        return base_linear(x, weight, bias, weight_scale)
     if not x.is_cuda:
-        y = F.linear(x, weight, bias)
+        y = base_linear(x, weight, bias, weight_scale)
         add_lora_reference(y, x, lora_a, lora_b, batch)
         return y
     plan = plan_for_batch(x, lora_a, lora_b, batch)
-    return linear_with_plan(plan, x, weight, bias, lora_a, lora_b, batch, residual=residual)
+    return linear_with_plan(plan, x, weight, bias, lora_a, lora_b, batch, residual=residual, weight_scale=weight_scale)
 
 
 def lora_linear_deferred(
@@ -106,12 +108,14 @@ def lora_linear_deferred(
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
     batch: LoRABatch | None,
+    *,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`lora_linear` for a caller whose next kernel adds the LoRA delta itself: (y, delta), both
     [T, N], with y + delta the projection. Where the path computes the delta beside the base GEMM
     (decode sizes on CUDA), y is the base projection and delta the LoRA delta; elsewhere delta is
     None and y is the whole projection."""
     if batch is None or not x.is_cuda:
-        return lora_linear(x, weight, bias, lora_a, lora_b, batch), None
+        return lora_linear(x, weight, bias, lora_a, lora_b, batch, weight_scale=weight_scale), None
     plan = plan_for_batch(x, lora_a, lora_b, batch)
-    return linear_deferred_with_plan(plan, x, weight, bias, lora_a, lora_b, batch)
+    return linear_deferred_with_plan(plan, x, weight, bias, lora_a, lora_b, batch, weight_scale=weight_scale)

@@ -2,7 +2,8 @@
 
 Semantics (see reference.py; lora_a[i] [P, PR, K] and lora_b[i] [P, N_i, PR] are pages read through
 the batch's page table, see tiles.py):
-    lora_linear: y = x · Wᵀ (+ bias) + per-token LoRA delta;   add_lora: y += per-token LoRA delta
+    lora_linear: y = x · Wᵀ (+ bias) + per-token LoRA delta (W fp8 with per-channel scales when a
+                 weight_scale is given: kernels/quant);   add_lora: y += per-token LoRA delta
 
     fused     fused.py writes y = bias + delta (z stays on-chip), then y.addmm_(x, Wᵀ): the base
               GEMM adds x · Wᵀ in cuBLAS's epilogue (beta = 1) instead of a separate pass over y
@@ -19,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from kernels.lora.configs import Plan
 from kernels.lora.expand import lora_expand
@@ -28,6 +28,7 @@ from kernels.lora.fused import lora_fused
 from kernels.lora.metadata import LoRABatch
 from kernels.lora.shrink import lora_shrink
 from kernels.lora.tiles import SliceGroup, check_slices, slice_groups
+from kernels.quant import base_linear, fp8_linear
 from kernels.streams import beside, join
 
 
@@ -76,6 +77,7 @@ def linear_with_plan(
     batch: LoRABatch,
     *,
     residual: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`lora_linear` on CUDA along the given plan (the benchmark and tuner force each path here):
     x [T, K], weight [sum N_i, K], bias [sum N_i] or None, lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR]
@@ -86,9 +88,9 @@ def linear_with_plan(
     if plan.path == "overlap" and residual is not None:
         if residual.shape != (x.shape[0], width) or residual.dtype != x.dtype:
             raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must be y's shape and dtype")
-        return _beside(plan, x, weight, bias, groups, batch, residual)[0]
+        return _beside(plan, x, weight, bias, groups, batch, residual, weight_scale)[0]
     if plan.path == "overlap":
-        return _overlap(plan, x, weight, bias, groups, batch)
+        return _overlap(plan, x, weight, bias, groups, batch, weight_scale)
     # "fused" and "split": y = bias + delta for every row, then the base GEMM accumulates onto it
     y = torch.empty((x.shape[0], width), dtype=x.dtype, device=x.device)
     for group in groups:
@@ -97,7 +99,9 @@ def linear_with_plan(
         else:
             z = lora_shrink(x, group, batch, plan.shrink)
             _expand(plan, y, z, group, batch, bias=bias, accumulate=False)
-    return y.addmm_(x, weight.t())
+    if weight_scale is None:
+        return y.addmm_(x, weight.t())
+    return y.add_(fp8_linear(x, weight, weight_scale))  # no fp8 GEMM takes an addend: one more pass
 
 
 def linear_deferred_with_plan(
@@ -108,14 +112,16 @@ def linear_deferred_with_plan(
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
     batch: LoRABatch,
+    *,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`lora_linear_deferred` on CUDA along the given plan: (y, delta), both [T, sum N_i]. On the
     overlap path y = x · Wᵀ (+ bias) and delta is the LoRA delta, computed beside the base GEMM, for
     the consumer to add; on the others the delta is in y and delta is None."""
     if plan.path != "overlap":
-        return linear_with_plan(plan, x, weight, bias, lora_a, lora_b, batch), None
+        return linear_with_plan(plan, x, weight, bias, lora_a, lora_b, batch, weight_scale=weight_scale), None
     _check_weight(x, weight, lora_a, lora_b, batch)
-    return _beside(plan, x, weight, bias, slice_groups(lora_a, lora_b), batch, None)
+    return _beside(plan, x, weight, bias, slice_groups(lora_a, lora_b), batch, None, weight_scale)
 
 
 def _check_weight(
@@ -140,6 +146,7 @@ def _beside(
     groups: list[SliceGroup],
     batch: LoRABatch,
     target: torch.Tensor | None,
+    weight_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shrink and expand on the side stream while the base GEMM runs: the expand adds into `target`
     or, when it is None, writes a new delta tensor. Returns (y, the tensor holding the delta)."""
@@ -148,7 +155,7 @@ def _beside(
     with beside(x.device):  # after x, the target and the batch metadata
         for group in groups:
             _expand(plan, delta, lora_shrink(x, group, batch, plan.shrink), group, batch, accumulate=target is not None)
-    y = F.linear(x, weight, bias)
+    y = base_linear(x, weight, bias, weight_scale)
     join(x.device)
     return y, delta
 
@@ -160,10 +167,11 @@ def _overlap(
     bias: torch.Tensor | None,
     groups: list[SliceGroup],
     batch: LoRABatch,
+    weight_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     with beside(x.device):  # after x and the batch metadata
         zs = [lora_shrink(x, group, batch, plan.shrink) for group in groups]
-    y = F.linear(x, weight, bias)
+    y = base_linear(x, weight, bias, weight_scale)
     join(x.device, *zs)
     for group, z in zip(groups, zs, strict=True):
         _expand(plan, y, z, group, batch)

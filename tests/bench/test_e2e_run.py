@@ -44,6 +44,9 @@ def test_the_tiny_preset_runs_every_phase_and_its_numbers_add_up(tmp_path: Path)
             assert run["distinct_adapters"] == 0 and run["worker"]["adapter_loads"] == 0
     alone = runs[-1]
     assert alone["requests"] == loads[0]["requests"] and alone["failed"] == 0  # the lowest base load, replayed
+    # the replay's steps, counted as the stack's worker counts its own
+    assert alone["worker"]["generated_tokens"] == alone["requests"] * PRESET.output_tokens
+    assert alone["worker"]["steps"] > 0 and alone["worker"]["step_ms"] > 0
     assert [line["met"] is not None for line in lines if line["kind"] == "target"] == [True] * 4
 
     with (out / "e2e_requests.csv").open() as f:

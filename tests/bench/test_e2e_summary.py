@@ -13,7 +13,7 @@ from bench.e2e.client import Sample
 from bench.e2e.floor import adapter_floor, expected_distinct
 from bench.e2e.summary import JobTimes, summarize, verdicts
 from bench.e2e.traffic import zipf_weights
-from bench.e2e.worker_metrics import Snapshot, difference
+from bench.e2e.worker_metrics import Snapshot, WorkerStats, difference
 
 
 def sample(index: int, at: float, ttft: float, latency: float, tokens: int = 8, status: str = "succeeded") -> Sample:
@@ -81,6 +81,19 @@ def test_the_ttft_target_looks_at_zipf_where_base_last_kept_the_objective():
     assert ttft.met is False and "zipf p99 4000 ms" in ttft.measured  # base kept 1 s up to 20 req/s
     assert failures.met is True and "in 3 runs" in failures.measured  # zipf at 20 req/s is past its saturation
     assert overhead.met is None
+
+
+def test_the_overhead_target_sets_the_stacks_step_time_beside_the_engine_alones():
+    template = summarize("load", "base", 10.0, [sample(0, 0.0, 0.1, 1.0)])
+
+    def steps(count: int, step_ms: float) -> WorkerStats:
+        return WorkerStats(count, step_ms, 8.0, 8.0, 800, math.nan, 0, math.nan, 0)
+
+    stack = replace(template, latency_p50_ms=112.0, worker=steps(100, 14.0))
+    alone = replace(template, phase="engine-alone", latency_p50_ms=100.0, worker=steps(98, 13.0))
+    overhead = verdicts([stack, alone], {}, (stack, alone), 0.85, None)[-1]
+    assert overhead.met is False and "= 12.0 ms" in overhead.measured
+    assert "mean step 14.00 ms over 100 steps (stack) vs 13.00 ms over 98 (engine alone)" in overhead.measured
 
 
 def test_the_saturation_target_is_the_calibrations_ratio_with_its_byte_floor_beside_it():

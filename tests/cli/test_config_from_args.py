@@ -15,6 +15,7 @@ from shared.tenants import hash_admin_key
 from tests.cli.conftest import DemoFiles
 
 REDIS = "redis://127.0.0.1:7777/0"
+PRELOAD_WITHOUT_LORA = ("--max-loras", "0", "--preload-adapters", "x")
 
 
 def parse(*args: str):
@@ -47,6 +48,7 @@ def running_up(tmp_path: Path, demo_files: DemoFiles) -> Path:
         (("--model", "no-equals-sign"), "--model"),
         (("--model", "demo=/no/such/dir"), "--model"),
         (("--preload-adapters", "good,bad:name"), "--preload-adapters"),
+        (("--max-loras", "-1"), "--max-loras"),
     ],
 )
 def test_a_malformed_worker_flag_exits_2_naming_it(capsys: pytest.CaptureFixture, flags: tuple, flag: str) -> None:
@@ -103,6 +105,12 @@ def test_worker_model_switching_and_gpu_share_flags(demo_files: DemoFiles, cpu_o
     assert (defaults.max_resident_models, defaults.cpu_model_cache_bytes, defaults.preload_adapters) == (None, 0, ())
 
 
+def test_max_loras_0_starts_a_worker_without_lora(demo_files: DemoFiles, cpu_only: None) -> None:
+    base = ("worker", "--redis-url", REDIS, "--model", f"demo={demo_files.model.path}", "--device", "cpu")
+    config = cfa.worker_config(parse(*base, "--adapter-root", str(demo_files.adapter_root), "--max-loras", "0"))
+    assert config.engine.max_loras == 0 and not config.engine.lora_enabled
+
+
 def test_worker_joins_a_running_up_through_its_state_dir(running_up: Path, demo_files: DemoFiles, cpu_only) -> None:
     config = cfa.worker_config(parse("worker", "--state-dir", str(running_up)))
     assert config.redis_url == REDIS
@@ -122,8 +130,9 @@ def test_worker_joins_a_running_up_through_its_state_dir(running_up: Path, demo_
             "--adapter-root",
         ),
         (lambda model, root: ("--model", model, "--adapter-root", root, "--device", "cuda"), "--device"),
+        (lambda model, root: ("--model", model, "--adapter-root", root, *PRELOAD_WITHOUT_LORA), "--preload-adapters"),
     ],
-    ids=["no-model", "model-twice", "no-adapter-root", "adapter-root-not-a-dir", "cuda-without-gpu"],
+    ids=["no-model", "model-twice", "no-adapter-root", "adapter-root-not-a-dir", "cuda-without-gpu", "preload-no-lora"],
 )
 def test_a_missing_or_contradictory_worker_setting_names_its_flag(
     demo_files: DemoFiles, cpu_only: None, flags, flag: str
@@ -157,6 +166,13 @@ def test_redis_url_flag_beats_state_dir_which_beats_the_environment(
 def test_gateway_config_from_flags(running_up: Path) -> None:
     config = cfa.gateway_config(parse("gateway", "--state-dir", str(running_up), "--host", "0.0.0.0", "--port", "9001"))
     assert (config.redis_url, config.host, config.port) == (REDIS, "0.0.0.0", 9001)
+
+
+def test_gateway_batch_limits_from_flags(running_up: Path) -> None:
+    flags = ("--max-file-bytes", "1024", "--max-file-lines", "10", "--batch-lines-in-flight", "7")
+    config = cfa.gateway_config(parse("gateway", "--state-dir", str(running_up), *flags))
+    batches = config.batches
+    assert (batches.max_file_bytes, batches.max_file_lines, batches.lines_in_flight) == (1024, 10, 7)
 
 
 def test_up_defaults_to_the_demo_in_dot_lorafleet_with_an_embedded_redis(tmp_path: Path, cpu_only: None) -> None:

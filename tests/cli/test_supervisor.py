@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.supervisor import Supervisor
+from cli.supervisor import RESTART_MIN_S, STEADY_S, Child, Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,3 +134,53 @@ def test_children_do_not_outlive_a_supervisor_that_was_killed(tmp_path: Path) ->
         assert not is_alive(child)
     finally:
         supervisor_process.kill()
+
+
+def restarted(supervisor: Supervisor, child: Child, pid: int, timeout_s: float = 10.0) -> None:
+    """Drive the supervisor's watch until `child` runs as another process than `pid`."""
+    deadline = time.monotonic() + timeout_s
+    while child.process.pid == pid:
+        assert time.monotonic() < deadline, f"{child.name} was not restarted"
+        supervisor.restart_exited()
+        time.sleep(0.01)
+
+
+def test_a_killed_child_is_restarted_with_the_same_command(supervisor: Supervisor, tmp_path: Path) -> None:
+    starts = tmp_path / "starts"
+    code = f"import time; open({str(starts)!r}, 'a').write('x'); time.sleep(60)"
+    child = supervisor.start("worker", python(code), dict(os.environ))
+    wait_for_file(starts)
+    first = child.process.pid
+    os.kill(first, signal.SIGKILL)
+
+    restarted(supervisor, child, first)
+
+    assert child.exit_code is None and supervisor.first_exited() is None
+    deadline = time.monotonic() + 10
+    while starts.read_text() != "xx":
+        assert time.monotonic() < deadline, "the restarted child never ran its command"
+        time.sleep(0.02)
+
+
+def test_a_child_that_keeps_dying_is_restarted_after_a_doubling_wait(supervisor: Supervisor) -> None:
+    child = supervisor.start("crashing", python("raise SystemExit(3)"), dict(os.environ))
+    child.backoff_s = 0.2  # the first wait; the supervisor's own is 1 s
+    waits = []
+    for _ in range(3):
+        child.process.wait(10)
+        supervisor.restart_exited()  # notices the death
+        noticed, pid = time.monotonic(), child.process.pid
+        restarted(supervisor, child, pid)
+        waits.append(time.monotonic() - noticed)
+    assert waits[0] >= 0.2 and waits[1] >= 0.4 and waits[2] >= 0.8
+    assert child.backoff_s == 1.6
+
+
+def test_the_wait_starts_over_for_a_child_that_ran_steadily_before_it_died(supervisor: Supervisor) -> None:
+    child = supervisor.start("steady", python("import time; time.sleep(60)"), dict(os.environ))
+    child.backoff_s = 16.0  # as after several quick deaths
+    child.started -= STEADY_S  # it has run for a minute
+    os.kill(child.process.pid, signal.SIGKILL)
+    child.process.wait(10)
+    supervisor.restart_exited()
+    assert child.restart_at is not None and child.restart_at - time.monotonic() <= RESTART_MIN_S

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from typing import Any
 
 import pytest
@@ -85,11 +86,41 @@ def test_gateway_scales_behind_the_load_balancer(services: dict[str, dict[str, A
     gateway = services["gateway"]
     assert "ports" not in gateway, "a fixed host port would stop `--scale gateway=N`"
     assert gateway["deploy"]["replicas"] >= 2
+    assert gateway["deploy"]["mode"] == "replicated", "podman-compose starts one replica unless mode is given"
     assert gateway["environment"]["REDIS_URL"].startswith("redis://redis:")
     parse_lorafleet_args(gateway["command"])
-    nginx_conf = (DEPLOY / "nginx" / "lorafleet.conf").read_text()
+    nginx_conf = (DEPLOY / "nginx" / "lorafleet.conf.template").read_text()
     assert "http://gateway:8000" in nginx_conf
     assert "proxy_read_timeout" in nginx_conf, "long-polls outlast nginx's default 60 s read timeout"
+
+
+def test_nginx_resolves_through_the_container_engines_dns(services: dict[str, dict[str, Any]]):
+    """127.0.0.11 is Docker's embedded DNS only; podman's is the network's aardvark-dns. The nginx image's
+    entrypoint sources the mounted envsh, then renders the template with what it exported."""
+    lb = services["lb"]
+    envsh = "16-lorafleet-resolver.envsh"
+    assert f"./nginx/{envsh}:/docker-entrypoint.d/{envsh}:ro" in lb["volumes"]
+    assert (DEPLOY / "nginx" / envsh).stat().st_mode & 0o111, "the entrypoint ignores scripts it cannot execute"
+    assert "./nginx/lorafleet.conf.template:/etc/nginx/templates/default.conf.template:ro" in lb["volumes"]
+    nginx_conf = (DEPLOY / "nginx" / "lorafleet.conf.template").read_text()
+    assert re.search(r"^resolver \$\{LORAFLEET_RESOLVER\} ", nginx_conf, re.MULTILINE)
+
+
+@pytest.mark.parametrize(
+    ("resolv_conf", "resolver"),
+    [
+        ("nameserver 127.0.0.11\noptions ndots:0\n", "127.0.0.11"),  # Docker
+        ("search dns.podman\nnameserver 10.89.0.1\nnameserver 10.255.255.53\n", "10.89.0.1"),  # podman
+        ("nameserver fd00::1\nnameserver 8.8.8.8\n", "[fd00::1]"),
+    ],
+)
+def test_the_resolver_is_the_first_nameserver(tmp_path, resolv_conf: str, resolver: str):
+    """Only the engine's own DNS knows the services: nginx would also ask the others, in turn."""
+    (tmp_path / "resolv.conf").write_text(resolv_conf)
+    script = (DEPLOY / "nginx" / "16-lorafleet-resolver.envsh").read_text()
+    script = script.replace("/etc/resolv.conf", str(tmp_path / "resolv.conf"))
+    result = subprocess.run(["sh", "-c", f'{script}\nprintf %s "$LORAFLEET_RESOLVER"'], capture_output=True, text=True)
+    assert result.stdout == resolver, result.stderr
 
 
 @pytest.mark.parametrize("name", ["worker", "worker-mps"])
@@ -152,7 +183,8 @@ def exported_metric_names() -> set[str]:
     """Every series name the gateway exports (counters' _total, histograms' _bucket/_sum/_count, ...)."""
     metrics = GatewayMetrics()
     metrics.observe_request("GET", "/healthz", 200, 0.01)
-    metrics.queue_depth.labels("demo").set(1)
+    metrics.queue_depth.labels("demo", "interactive").set(1)
+    metrics.queue_wait.labels("demo", "interactive").set(1)
     return {sample.name for family in metrics.registry.collect() for sample in family.samples}
 
 
@@ -161,3 +193,24 @@ def test_the_dashboard_queries_only_metrics_the_gateway_exports():
     used = set(re.findall(r"\b(lorafleet_[a-z_]+)", dashboard))
     assert used, "the dashboard queries no lorafleet metric"
     assert used <= exported_metric_names(), used - exported_metric_names()
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """YAML with compose's merge tags: `!reset` drops what the file below set for that key."""
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: _RESET)
+_RESET = object()
+
+
+def test_the_cpu_override_runs_the_worker_on_the_cpu_without_a_gpu_reservation():
+    override = yaml.load(
+        interpolate((DEPLOY / "docker-compose.cpu.yml").read_text(), {"LORAFLEET_MODEL": "smollm2=/models/smollm2"}),
+        Loader=_ComposeLoader,
+    )
+    assert override["services"].keys() == {"worker"}, "CPU machines change only the worker"
+    worker = override["services"]["worker"]
+    assert worker["deploy"]["resources"] is _RESET, "the GPU reservation must go, or the engine asks for a GPU"
+    args = parse_lorafleet_args(["worker", "--worker-id", "container-1", *worker["command"]])
+    assert args.device == "cpu"
+    assert (args.metrics_port, args.metrics_host) == (9200, "0.0.0.0"), "Prometheus scrapes the worker there"

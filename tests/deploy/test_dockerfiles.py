@@ -83,11 +83,25 @@ def test_the_worker_image_installs_cuda_torch_before_lorafleet():
     assert steps[0][0] == "FROM" and steps[0][1].startswith("nvidia/cuda:")
     runs = [value for instruction, value in steps if instruction == "RUN"]
     torch_at = next(i for i, run in enumerate(runs) if "$TORCH_INDEX_URL" in run)
-    lorafleet_at = next(i for i, run in enumerate(runs) if "pip install ." in run)
-    assert torch_at < lorafleet_at, "pip install . first would pull the CPU torch wheel from PyPI"
+    dependencies_at = next(i for i, run in enumerate(runs) if "pip install -r requirements.txt" in run)
+    lorafleet_at = next(i for i, run in enumerate(runs) if "pip install --no-deps ." in run)
+    assert torch_at < dependencies_at, "the dependencies first would pull PyPI's torch wheel, not $TORCH"
+    assert dependencies_at < lorafleet_at
     assert any("gcc" in run for run in runs), "Triton compiles its launchers with the host C compiler"
     copies = [value for instruction, value in steps if instruction == "COPY"]
     assert "--chmod=0755 deploy/docker/worker_health.py /usr/local/bin/lorafleet-worker-health" in copies
+
+
+@pytest.mark.parametrize("image", ["gateway", "worker"])
+def test_the_dependencies_layer_is_not_rebuilt_by_a_code_or_readme_change(image: str):
+    """Only pyproject.toml (and the script reading it) is copied before the dependencies install: CI
+    rebuilds the images on every landing, and the worker's dependencies are gigabytes."""
+    steps = instructions(image)
+    dependencies_at = next(
+        i for i, (instruction, value) in enumerate(steps) if "pip install" in value and "-r " in value
+    )
+    copied_before = {value for instruction, value in steps[:dependencies_at] if instruction == "COPY"}
+    assert copied_before <= {"pyproject.toml ./", "deploy/docker/gateway_requirements.py deploy/docker/"}
 
 
 def test_gateway_requirements_leave_out_exactly_the_worker_only_packages():

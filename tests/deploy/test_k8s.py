@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from shared import keys
+from shared.schema import PRIORITIES, Priority
 from tests.deploy.conftest import DEPLOY, parse_lorafleet_args
 
 K8S = DEPLOY / "k8s"
@@ -179,16 +180,23 @@ def test_workers_serve_metrics_on_the_port_their_pods_announce_for_scraping(name
 
 
 @pytest.mark.parametrize("name", sorted(WORKERS))
-def test_keda_scales_each_worker_on_its_models_stream(name: str):
+def test_keda_scales_each_worker_on_its_models_stream_of_each_priority_class(name: str):
     (model,) = parse_lorafleet_args(worker_args(WORKERS[name])).model
     (scaled,) = [s for s in of_kind("ScaledObject").values() if s["spec"]["scaleTargetRef"]["name"] == name]
-    (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["type"] == "redis-streams"
-    assert trigger["metadata"]["stream"] == keys.queue(model.name)
-    assert trigger["metadata"]["consumerGroup"] == keys.WORKER_GROUP
-    assert int(trigger["metadata"]["streamLength"]) >= 1
+    triggers = {trigger["metadata"]["stream"]: trigger for trigger in scaled["spec"]["triggers"]}
+    assert set(triggers) == {keys.queue(model.name, priority) for priority in PRIORITIES}
+    for trigger in triggers.values():
+        assert trigger["type"] == "redis-streams"
+        assert trigger["metadata"]["consumerGroup"] == keys.WORKER_GROUP
+        assert int(trigger["metadata"]["streamLength"]) >= 1
+        auth = of_kind("TriggerAuthentication")[trigger["authenticationRef"]["name"]]
+        for ref in auth["spec"]["secretTargetRef"]:
+            assert ref["key"] in secret_keys(ref["name"])
+        assert {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]} >= {"address"}
     assert scaled["spec"]["minReplicaCount"] >= 1, "keep one worker warm: loading a model takes minutes"
-    auth = of_kind("TriggerAuthentication")[trigger["authenticationRef"]["name"]]
-    for ref in auth["spec"]["secretTargetRef"]:
-        assert ref["key"] in secret_keys(ref["name"])
-    assert {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]} >= {"address"}
+    # batch work scales out more slowly: a worker takes more batch jobs than interactive ones before another is due
+    batch, interactive = (
+        int(triggers[keys.queue(model.name, p)]["metadata"]["streamLength"])
+        for p in (Priority.BATCH, Priority.INTERACTIVE)
+    )
+    assert batch > interactive

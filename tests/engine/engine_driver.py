@@ -36,7 +36,7 @@ class PagedSequence:
 
 def make_kv_cache(model: CausalLM, *, num_blocks: int, block_size: int) -> KVCache:
     info = model.info
-    layout = KVLayout(info.num_layers, block_size, info.num_kv_heads, info.head_dim, model.dtype)
+    layout = KVLayout.of(info, block_size, model.dtype)
     return KVCache.allocate(layout, num_blocks, torch.device("cpu"))
 
 

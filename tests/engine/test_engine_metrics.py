@@ -15,7 +15,7 @@ from tests.engine.tiny_hf import TinyCheckpoint
 from worker.engine.engine import EngineResult
 from worker.engine_thread import EngineThread
 from worker.gpu_metrics import GpuCollector, cuda_index, nvml_id
-from worker.metrics import AdapterTier, WorkerMetrics
+from worker.metrics import AdapterTier, EngineLoad, WorkerMetrics
 
 
 def run_on_thread(metrics: WorkerMetrics, checkpoint: TinyCheckpoint, adapters: list[str | None]) -> list[EngineResult]:
@@ -60,6 +60,19 @@ def test_steps_record_batches_tokens_and_an_empty_cache_after(llama: TinyCheckpo
     assert value(metrics, "lorafleet_worker_kv_blocks_used", model="tiny") == 0
     assert value(metrics, "lorafleet_worker_kv_blocks_total", model="tiny") == 64
     assert value(metrics, "lorafleet_worker_adapters_resident", model="tiny", tier="gpu") == 2
+
+
+def test_the_queues_are_recorded_per_priority_class():
+    metrics = WorkerMetrics(device="cpu")
+    load = EngineLoad(running=5, waiting=3, kv_blocks_used=0, kv_blocks_total=8, preemptions=0,
+                      running_batch=2, waiting_batch=1)  # fmt: skip
+
+    metrics.engine("m").record_load(load)
+
+    seqs = {(p, s): value(metrics, "lorafleet_worker_class_seqs", model="m", priority=p, state=s)
+            for p in ("interactive", "batch") for s in ("running", "waiting")}  # fmt: skip
+    assert seqs == {("interactive", "running"): 3, ("interactive", "waiting"): 2,
+                    ("batch", "running"): 2, ("batch", "waiting"): 1}  # fmt: skip
 
 
 def test_adapter_series_exist_for_every_tier_before_anything_is_recorded():

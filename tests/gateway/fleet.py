@@ -19,7 +19,7 @@ from shared.adapter_registry import AdapterRecord, register_adapter
 from shared.config import RequestLimits
 from shared.jobstore import JobStore
 from shared.model_info import ModelInfo
-from shared.schema import FinishReason, JobMessage, JobOutput, JobStatus, TokenDelta, decode_job
+from shared.schema import FinishReason, JobMessage, JobOutput, JobStatus, Priority, TokenDelta, decode_job
 
 WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
 BOS_ID = WORDS.index("<s>")
@@ -121,9 +121,11 @@ async def submit(client: TestClient, fleet: Fleet, tenant: str = "acme", **body:
     return await response.json()
 
 
-async def next_queued_job(redis: Redis, model: str = "tiny", timeout_s: float = 5.0) -> JobMessage:
-    """Wait for the next job on the model's queue (as a worker would read it) and remove it."""
-    stream = keys.queue(model)
+async def next_queued_job(
+    redis: Redis, model: str = "tiny", timeout_s: float = 5.0, priority: Priority = Priority.INTERACTIVE
+) -> JobMessage:
+    """Wait for the next job on the model's queue of `priority` (as a worker would read it) and remove it."""
+    stream = keys.queue(model, priority)
     deadline = asyncio.get_running_loop().time() + timeout_s
     while asyncio.get_running_loop().time() < deadline:
         entries = await redis.xrange(stream, count=1)

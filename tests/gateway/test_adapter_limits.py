@@ -105,3 +105,20 @@ def test_the_strictest_limits_are_what_every_worker_allows():
     ]
     assert AdapterLimits.strictest(limits) == AdapterLimits(max_rank=16, target_modules=("q_proj", "v_proj"))
     assert AdapterLimits.strictest([]) is None
+
+
+async def test_a_model_served_by_a_worker_without_lora_refuses_adapter_jobs_and_says_so_in_v1_models(
+    gateway: TestClient, fleet: Fleet
+):
+    await serve(fleet, "w1", ANY_PROJECTION)
+    await serve(fleet, "w2", AdapterLimits(max_rank=0, target_modules=()))  # started with --max-loras 0
+
+    body = {"model": "tiny", "adapter": "acme-support", "prompt": "hello"}
+    error = await error_of(await gateway.post("/v1/jobs", json=body, headers=fleet.auth("acme")))
+
+    assert error["code"] == "adapter_exceeds_model_limits" and error["param"] == "adapter"
+    assert "a worker serving the model runs without LoRA (--max-loras 0)" in error["message"]
+    assert (await submit(gateway, fleet, "acme"))["status"] == "queued"  # base-model jobs go on
+    models = (await (await gateway.get("/v1/models", headers=fleet.auth("acme"))).json())["data"]
+    ranks = {m["id"]: m["max_lora_rank"] for m in models if "max_lora_rank" in m}
+    assert ranks == {"tiny": 0, "other": None}  # no worker serves "other" now

@@ -49,5 +49,8 @@ async def test_metrics_count_routes_statuses_and_queue_depth(client, fleet):
         samples[("lorafleet_gateway_request_seconds_count", frozenset({("method", "POST"), ("route", "/v1/jobs")}))]
         == 2
     )
-    assert samples[("lorafleet_queue_depth", frozenset({("model", "tiny")}))] == 2
-    assert samples[("lorafleet_queue_depth", frozenset({("model", "other")}))] == 0
+    assert samples[("lorafleet_queue_depth", frozenset({("model", "tiny"), ("priority", "interactive")}))] == 2
+    assert samples[("lorafleet_queue_depth", frozenset({("model", "tiny"), ("priority", "batch")}))] == 0
+    assert samples[("lorafleet_queue_depth", frozenset({("model", "other"), ("priority", "interactive")}))] == 0
+    assert samples[("lorafleet_queue_oldest_seconds", frozenset({("model", "tiny"), ("priority", "interactive")}))] >= 0
+    assert samples[("lorafleet_queue_oldest_seconds", frozenset({("model", "other"), ("priority", "batch")}))] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -152,7 +153,16 @@ async def test_models_lists_bases_and_only_the_callers_adapters(client, fleet):
     ids = {m["id"]: m for m in body["data"]}
     assert set(ids) == {"tiny", "other", "acme-support", "acme-other", "shared-chat"}
     assert ids["acme-support"]["parent"] == "tiny" and ids["acme-other"]["parent"] == "other"
+    assert (ids["tiny"]["quantization"], ids["tiny"]["kv_cache_dtype"]) == ("none", "auto")
     assert (await client.get("/v1/models")).status == 401
+
+
+async def test_models_says_how_a_base_model_is_quantized(client, fleet):
+    served = dataclasses.replace(fleet.models["other"], quantization="fp8", kv_cache_dtype="fp8")
+    await publish_model(fleet.redis, served, fleet.tokenizer.to_str().encode())
+    body = await (await client.get("/v1/models", headers=fleet.auth("acme"))).json()
+    other = next(model for model in body["data"] if model["id"] == "other")
+    assert (other["quantization"], other["kv_cache_dtype"]) == ("fp8", "fp8")
 
 
 async def test_bad_openai_input_is_a_400_naming_the_field(client, fleet):

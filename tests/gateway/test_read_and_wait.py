@@ -38,6 +38,7 @@ async def test_queued_job_has_no_output_timings_or_error(client: TestClient, fle
         "status": "queued",
         "model": "tiny",
         "adapter": "acme-support",
+        "priority": "interactive",
         "output": None,
         "usage": {"prompt_tokens": 3, "completion_tokens": 0},
         "timings": {"queued_ms": None, "ttft_ms": None, "total_ms": None},

@@ -10,12 +10,14 @@ from structlog.testing import capture_logs
 
 from gateway.job_service import new_job_id
 from shared import keys
-from shared.schema import JobMessage, JobRecord, JobStatus, SamplingParams, decode_job
+from shared.schema import JobMessage, JobRecord, JobStatus, Priority, SamplingParams, decode_job
 from tests.gateway.fleet import BOS_ID, Fleet, submit
 
 
-async def queued_messages(fleet: Fleet, model: str = "tiny") -> list[JobMessage]:
-    return [decode_job(fields[b"job"]) for _, fields in await fleet.redis.xrange(keys.queue(model))]
+async def queued_messages(
+    fleet: Fleet, model: str = "tiny", priority: Priority = Priority.INTERACTIVE
+) -> list[JobMessage]:
+    return [decode_job(fields[b"job"]) for _, fields in await fleet.redis.xrange(keys.queue(model, priority))]
 
 
 async def test_submit_returns_202_with_job_urls(client: TestClient, fleet: Fleet) -> None:
@@ -249,3 +251,30 @@ async def test_the_stream_flag_is_queued_only_for_jobs_that_ask_for_token_events
         "/v1/jobs", json={"model": "tiny", "prompt": "hello", "stream": "yes"}, headers=fleet.auth("acme")
     )
     assert response.status == 400 and (await response.json())["error"]["param"] == "stream"
+
+
+async def test_a_batch_priority_job_is_queued_on_the_models_batch_stream(client: TestClient, fleet: Fleet) -> None:
+    body = await submit(client, fleet, priority="batch")
+
+    [message] = await queued_messages(fleet, priority=Priority.BATCH)
+    assert (message.job_id, message.priority) == (body["id"], Priority.BATCH)
+    assert await queued_messages(fleet) == []
+    job = await client.get(f"/v1/jobs/{body['id']}", headers=fleet.auth("acme"))
+    assert (await job.json())["priority"] == "batch"
+
+
+async def test_jobs_are_interactive_unless_asked_otherwise(client: TestClient, fleet: Fleet) -> None:
+    body = await submit(client, fleet)
+
+    [message] = await queued_messages(fleet)
+    job = await client.get(f"/v1/jobs/{body['id']}", headers=fleet.auth("acme"))
+    assert message.priority is Priority.INTERACTIVE and (await job.json())["priority"] == "interactive"
+
+
+async def test_an_unknown_priority_is_refused_naming_the_field(client: TestClient, fleet: Fleet) -> None:
+    response = await client.post(
+        "/v1/jobs", json={"model": "tiny", "prompt": "hi", "priority": "urgent"}, headers=fleet.auth("acme")
+    )
+
+    assert response.status == 400
+    assert (await response.json())["error"]["param"] == "priority"

@@ -23,6 +23,7 @@ def test_killing_a_worker_mid_generation_loses_no_job(fleet: Fleet):
     jobs = jobs_for(100, max_tokens=16)
     job_ids = fleet.submit(jobs)
     wait_until(lambda: fleet.running_on("doomed", job_ids) >= 4, timeout_s=30, what="the doomed worker to run jobs")
+    doomed.send_signal(signal.SIGSTOP)  # frozen: what it runs cannot change between the snapshot and the kill
     running_when_killed = {
         r.job_id for r in fleet.records(job_ids) if r.worker == "doomed" and not r.status.is_terminal
     }
@@ -57,6 +58,7 @@ def test_a_sigtermed_worker_drains_within_its_grace_period_and_loses_no_job(flee
     fleet.assert_nothing_lost(job_ids, records)
     assert_equal_jobs_equal_outputs(jobs, records)
     assert all(r.attempts == 1 for r in records), "a graceful hand-back must not count as a delivery"
-    assert "job_handed_back" in fleet.log_of("draining").read_text()  # the grace was too short for some: they moved
+    # whether any job outlived the grace (and was handed back) depends on the machine's speed: the
+    # hand-back itself is asserted in tests/e2e/test_model_switching.py, where it is certain
     with fleet.redis() as client:
         assert not client.sismember(keys.WORKERS, "draining")

@@ -156,6 +156,8 @@ def test_the_message_round_trips():
         ("adapter.path", 5),
         ("adapter.sha256", "abc"),
         ("adapter.sha256", None),
+        ("priority", "high"),
+        ("priority", 1),
     ],
 )
 def test_a_field_of_the_wrong_type_or_range_is_refused_naming_it(path: str, value: Any):
@@ -163,7 +165,7 @@ def test_a_field_of_the_wrong_type_or_range_is_refused_naming_it(path: str, valu
     assert path in message, message
 
 
-@pytest.mark.parametrize("path", [p for p in PATHS if p not in ("stream", "deadline", "sampling.seed")])
+@pytest.mark.parametrize("path", [p for p in PATHS if p not in ("stream", "priority", "deadline", "sampling.seed")])
 def test_a_missing_field_is_refused_naming_it(path: str):
     assert path in refused(without(path))
 
@@ -183,7 +185,7 @@ def test_bytes_that_are_no_message_of_this_version_are_refused(payload: bytes):
 
 
 def test_fields_unknown_to_this_release_are_ignored():
-    assert decode_job(encoded({**FIELDS, "priority": "high", "extra": [1, {"x": None}]})) == MESSAGE
+    assert decode_job(encoded({**FIELDS, "urgency": "high", "extra": [1, {"x": None}]})) == MESSAGE
 
 
 def test_fuzzed_messages_decode_to_what_was_written_or_raise_schema_error_naming_the_field():

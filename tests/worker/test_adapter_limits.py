@@ -27,3 +27,9 @@ def test_an_moe_model_serves_attention_and_every_experts_projections_in_both_for
 def test_an_moe_model_with_a_dense_layer_also_serves_that_layers_mlp():
     first_dense = dataclasses.replace(QWEN3_30B_A3B, num_layers=3, moe_layers=(1, 2))
     assert adapter_limits(first_dense, EngineConfig()).target_modules == (*PROJECTIONS, *EXPERTS)
+
+
+def test_a_worker_without_lora_serves_no_adapter():
+    limits = adapter_limits(LLAMA3_8B, EngineConfig(max_loras=0))
+    assert limits.max_rank == 0 and limits.target_modules == ()
+    assert "runs without LoRA (--max-loras 0)" in limits.refusal(rank=1, target_modules=("q_proj",))

@@ -151,6 +151,13 @@ def test_a_cpu_engine_tunes_nothing_but_searches_the_cache(tmp_path: Path, table
     assert not tables[1].exists()
 
 
+def test_an_engine_without_lora_tunes_nothing(tmp_path: Path, tables: tuple[Path, Path]) -> None:
+    # on this CPU-only machine, reaching the tuner would fail asking CUDA for the device's name
+    no_lora = EngineConfig(device="cuda", max_loras=0)
+    assert ensure_tuned(model_info(tmp_path, "llama"), no_lora, tables[1], 60.0) is None
+    assert not tables[1].exists()
+
+
 def test_a_worker_without_a_plan_cache_tunes_nothing_at_start(tmp_path: Path, tables: tuple[Path, Path]) -> None:
     info = model_info(tmp_path, "llama")
     tune_at_start([info], EngineConfig(device="cpu"), None)

@@ -87,6 +87,20 @@ def test_the_footprint_counts_every_tensor_the_model_allocates(info: ModelInfo):
     assert (footprint.expert_lora > 0) == info.is_moe
 
 
+@pytest.mark.parametrize("info", [LLAMA3_8B, QWEN3_30B_A3B], ids=["dense", "moe"])
+def test_a_worker_without_lora_counts_no_lora_memory_and_gives_it_to_the_kv_cache(info: ModelInfo):
+    with_lora = dataclasses.replace(CUDA, max_loras=1, max_lora_rank=16)  # small enough for the MoE model to fit
+    without = dataclasses.replace(with_lora, max_loras=0)
+
+    lora, base = plan_one(info, with_lora), plan_one(info, without)
+
+    footprint = base.footprints[info.name]
+    assert footprint.dense_lora == footprint.expert_lora == footprint.lora_staging == 0
+    assert footprint.weights == lora.footprints[info.name].weights
+    assert footprint.activations < lora.footprints[info.name].activations  # no LoRA deltas
+    assert base.kv_blocks(info.name) > lora.kv_blocks(info.name)
+
+
 def test_activations_grow_with_the_tokens_one_step_may_process():
     small, large = (
         model_footprint(LLAMA3_8B, dataclasses.replace(CUDA, max_num_batched_tokens=t)) for t in (512, 8192)

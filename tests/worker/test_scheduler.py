@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.schema import SamplingParams
+from shared.schema import Priority, SamplingParams
 from worker.adapter_pool.eviction import LRUPolicy
 from worker.adapter_pool.gpu_slots import GpuSlots
 from worker.engine.block_manager import BlockManager
@@ -14,7 +14,13 @@ from worker.engine.sequence import Sequence, SequenceStatus
 _arrivals = iter(range(1_000_000))
 
 
-def make_seq(prompt_len: int, adapter: str | None = None, name: str | None = None, tenant: str = "t") -> Sequence:
+def make_seq(
+    prompt_len: int,
+    adapter: str | None = None,
+    name: str | None = None,
+    tenant: str = "t",
+    priority: Priority = Priority.INTERACTIVE,
+) -> Sequence:
     arrival = next(_arrivals)
     return Sequence(
         seq_id=name or f"s{arrival}",
@@ -23,6 +29,7 @@ def make_seq(prompt_len: int, adapter: str | None = None, name: str | None = Non
         sampling=SamplingParams(max_tokens=100),
         seed=0,
         adapter_uid=adapter,
+        priority=priority,
         arrival=float(arrival),
     )
 
@@ -242,3 +249,76 @@ def test_without_admission_only_running_sequences_advance_and_the_waiting_keep_t
     assert [(s.seq.seq_id, s.num_new_tokens) for s in held.scheduled] == [("first", 1)]
     assert held.num_admitted == 0 and list(scheduler.waiting) == later
     assert scheduler.schedule().num_admitted == 3
+
+
+def batch_seq(prompt_len: int, name: str, tenant: str = "t") -> Sequence:
+    return make_seq(prompt_len, name=name, tenant=tenant, priority=Priority.BATCH)
+
+
+def test_interactive_requests_are_admitted_before_batch_requests_that_arrived_earlier():
+    scheduler = make_scheduler(max_seqs=2)
+    scheduler.add(batch_seq(3, "batch"))
+    scheduler.add(make_seq(3, name="chat"))
+    scheduler.add(make_seq(3, name="chat2"))
+    assert run_step(scheduler) == {"chat": 3, "chat2": 3}
+    assert [s.seq_id for s in scheduler.waiting] == ["batch"]
+
+
+def test_batch_requests_fill_what_is_left_of_the_step():
+    scheduler = make_scheduler(budget=10)
+    scheduler.add(batch_seq(8, "batch"))
+    scheduler.add(make_seq(6, name="chat"))
+    assert run_step(scheduler) == {"chat": 6, "batch": 4}  # the batch prompt's first chunk in the rest
+    assert run_step(scheduler) == {"chat": 1, "batch": 4}
+
+
+def test_interactive_request_preempts_a_running_batch_request_for_kv_blocks():
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    batch = batch_seq(12, "batch")
+    scheduler.add(batch)
+    assert run_step(scheduler) == {"batch": 12}  # 3 of the 4 blocks
+    scheduler.add(make_seq(8, name="chat"))
+    plan = scheduler.schedule()
+    assert [item.seq.seq_id for item in plan.scheduled] == ["chat"]
+    assert plan.preempted == [batch] and batch.num_computed_tokens == 0  # its blocks freed, recomputed later
+    assert scheduler.waiting == [batch] and scheduler.num_preemptions == 1
+
+
+def test_interactive_request_preempts_a_running_batch_request_for_a_running_slot():
+    scheduler = make_scheduler(max_seqs=2)
+    older, newer = batch_seq(3, "older"), batch_seq(3, "newer")
+    scheduler.add(older)
+    scheduler.add(newer)
+    run_step(scheduler)
+    scheduler.add(make_seq(3, name="chat"))
+    assert run_step(scheduler) == {"chat": 3, "older": 1}  # the newest batch request made room
+    assert scheduler.waiting == [newer]
+
+
+def test_batch_requests_never_preempt_interactive_ones():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_seqs=2)
+    scheduler.add(make_seq(12, name="chat"))
+    run_step(scheduler)
+    scheduler.add(batch_seq(8, "batch"))
+    assert run_step(scheduler) == {"chat": 1}
+    assert [s.seq_id for s in scheduler.waiting] == ["batch"] and scheduler.num_preemptions == 0
+
+
+def test_a_full_cache_preempts_an_older_batch_request_before_a_newer_interactive_one():
+    scheduler = make_scheduler(num_blocks=3, block_size=4)
+    batch = batch_seq(4, "batch")
+    scheduler.add(batch)
+    run_step(scheduler)
+    chat = make_seq(4, name="chat")
+    scheduler.add(chat)
+    assert run_step(scheduler) == {"chat": 4, "batch": 1}  # all 3 blocks taken
+    plan = scheduler.schedule()  # chat's fifth token needs a block
+    assert [item.seq.seq_id for item in plan.scheduled] == ["chat"] and plan.preempted == [batch]
+
+
+def test_tenant_fairness_holds_within_the_batch_class():
+    scheduler = make_scheduler(max_seqs=2, per_tenant=1)
+    for i in range(2):
+        scheduler.add(batch_seq(2, f"a{i}", tenant="a"))
+    scheduler.add(batch_seq(2, "b0", tenant="b"))
+    assert set(run_step(scheduler)) == {"a0", "b0"}

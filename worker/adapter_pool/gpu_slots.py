@@ -47,8 +47,9 @@ class Reservation:
 
 class GpuSlots:
     def __init__(self, num_pages: int, policy: EvictionPolicy) -> None:
-        if num_pages < 1:
-            raise ValueError("num_pages must be >= 1")
+        """`num_pages` 0: a model without LoRA, where no adapter is ever resident."""
+        if num_pages < 0:
+            raise ValueError("num_pages must be >= 0")
         self.num_pages = num_pages
         self._policy = policy
         self._occupants: dict[str, _Occupant] = {}

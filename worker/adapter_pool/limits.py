@@ -15,7 +15,10 @@ from worker.model.moe import MoEBlock
 
 
 def adapter_limits(info: ModelInfo, config: EngineConfig) -> AdapterLimits:
-    """The limits of `info`'s adapter slots under `config`, read off the model built on the meta device."""
+    """The limits of `info`'s adapter slots under `config`, read off the model built on the meta device;
+    without LoRA (--max-loras 0), none: rank 0 on no projection."""
+    if not config.lora_enabled:
+        return AdapterLimits(max_rank=0, target_modules=())
     model = CausalLM(info, max_loras=1, max_lora_rank=config.max_lora_rank, device="meta")
     dense: set[str] = set()
     experts: set[str] = set()

@@ -8,9 +8,10 @@ in static device buffers the graphs were captured on; rows n..b-1 are padding: t
 with context length 1, writing and reading only the scratch KV block (one block past those the block
 manager hands out), so padding never touches a real sequence's cache.
 
-Two graphs per size: base-only (lora None) and with LoRA. The LoRA graph builds its `LoRABatch` from
-the static token-slot buffer inside the capture, over the model's slot_ranks / slot_scales / slot_pages tensors,
-which adapter loads update in place: replays see whichever adapters the slots hold now.
+Two graphs per size: base-only (lora None) and with LoRA (none on a model without LoRA). The LoRA
+graph builds its `LoRABatch` from the static token-slot buffer inside the capture, over the model's
+slot_ranks / slot_scales / slot_pages tensors, which adapter loads update in place: replays see
+whichever adapters the slots hold now.
 
 Nothing a captured kernel's grid or host-side branch depends on varies between replays: the grids
 depend on b alone, attention takes max_query_len = 1 and reads each context length on the device,
@@ -90,6 +91,12 @@ def warm_up_cache(kv_cache: KVCache) -> KVCache:
     key = kv_cache.key[0]
     layout = KVLayout(len(kv_cache.key), kv_cache.block_size, key.shape[2], key.shape[3], key.dtype)
     return KVCache.allocate(layout, 1, key.device)
+
+
+def lora_variants(model: CausalLM) -> tuple[bool, ...]:
+    """The graphs to capture per size, by whether they apply LoRA: a model without LoRA gets none
+    that does (no capture time or pool memory spent on graphs that never replay)."""
+    return (False, True) if model.lora_enabled else (False,)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -186,7 +193,7 @@ class DecodeGraphs:
         with capture_session(self.kv_cache.key[0].device) as stream:
             self._stage_padding(scratch_block=0)  # the warm-up cache's one block
             for size in reversed(self.sizes):
-                for with_lora in (False, True):
+                for with_lora in lora_variants(self.model):
                     self._forward(size, with_lora, warm_cache)
                     stream.synchronize()
                     self._graphs[size, with_lora] = capture(

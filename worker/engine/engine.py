@@ -18,7 +18,18 @@ from tokenizers import Tokenizer
 
 from shared.config import EngineConfig
 from shared.errors import ErrorCode, LorafleetError
-from shared.schema import AdapterRef, FinishReason, JobError, JobOutput, JobStatus, SamplingParams, TokenDelta
+from shared.schema import (
+    AdapterRef,
+    FinishReason,
+    JobError,
+    JobOutput,
+    JobStatus,
+    Priority,
+    SamplingParams,
+    TokenDelta,
+)
+from worker.adapter_pool.eviction import make_policy
+from worker.adapter_pool.gpu_slots import GpuSlots
 from worker.adapter_pool.pool import AdapterPool, LoadFailure
 from worker.engine.admission_pacer import AdmissionPacer
 from worker.engine.block_manager import BlockManager
@@ -41,6 +52,7 @@ class EngineRequest:
     adapter: AdapterRef | None = None
     deadline: float | None = None  # unix seconds
     stream: bool = True  # hand out a TokenDelta per token (take_deltas); off, the result alone reports it
+    priority: Priority = Priority.INTERACTIVE
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +109,13 @@ class LLMEngine:
         self.config = config
         self.blocks = BlockManager(runner.num_blocks, config.block_size)
         self.metrics = metrics
-        self.adapter_pool = AdapterPool(runner.model, config, adapter_root, self.metrics.adapters)
-        self.adapter_slots = self.adapter_pool.gpu  # which adapter sits in which device slot
+        # None without LoRA (--max-loras 0): no host tier, no loader threads. `add` refuses requests naming
+        # an adapter there, so a sequence with an adapter implies a pool
+        self.adapter_pool = (
+            AdapterPool(runner.model, config, adapter_root, self.metrics.adapters) if config.lora_enabled else None
+        )
+        # which adapter sits in which device slot (none without LoRA)
+        self.adapter_slots = self.adapter_pool.gpu if self.adapter_pool else GpuSlots(0, make_policy("lru"))
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -125,6 +142,8 @@ class LLMEngine:
             kv_blocks_used=self.blocks.num_blocks - self.blocks.num_free_blocks,
             kv_blocks_total=self.blocks.num_blocks,
             preemptions=self.scheduler.num_preemptions,
+            running_batch=self.scheduler.running_of(Priority.BATCH),
+            waiting_batch=self.scheduler.waiting_of(Priority.BATCH),
         )
 
     def add(self, request: EngineRequest) -> EngineResult | None:
@@ -141,6 +160,11 @@ class LLMEngine:
             )
         elif min(prompt) < 0 or max(prompt) >= self.info.vocab_size:
             problem = LorafleetError(ErrorCode.INVALID_TOKEN_ID, f"token ids must be in [0, {self.info.vocab_size})")
+        elif request.adapter is not None and self.adapter_pool is None:
+            problem = LorafleetError(
+                ErrorCode.ADAPTER_EXCEEDS_MODEL_LIMITS,
+                f"adapter {request.adapter.name!r} cannot be served: this worker runs without LoRA (--max-loras 0)",
+            )
         max_tokens = min(request.sampling.max_tokens, max(room, 0))
         if problem is None and -(-(len(prompt) + max_tokens) // self.blocks.block_size) > self.blocks.num_blocks:
             problem = LorafleetError(
@@ -157,6 +181,7 @@ class LLMEngine:
             seed=seed,
             tenant=request.tenant,
             adapter_uid=None if request.adapter is None else request.adapter.uid,
+            priority=request.priority,
             arrival=time.monotonic(),
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
@@ -201,14 +226,15 @@ class LLMEngine:
         kept waiting if this one waited for adapter loads."""
         self.last_step = StepStats()
         results = self._expire_overdue()
-        results += self._fail_adapter_loads(self.adapter_pool.poll())
+        if self.adapter_pool is not None:
+            results += self._fail_adapter_loads(self.adapter_pool.poll())
         admit = self._pacer is None or self._pacer.may_admit(running=bool(self.scheduler.running))
         plan = self.scheduler.schedule(admit=admit)
         if plan.num_admitted and self._pacer is not None:
             self._pacer.admitted()
         scheduled = [s for s in plan.scheduled if s.seq.seq_id in self._tracked]
         if not scheduled:
-            if idle and self.adapter_pool.loads_in_flight:
+            if idle and self.adapter_pool is not None and self.adapter_pool.loads_in_flight:
                 self.adapter_pool.wait(_IDLE_WAIT_S)  # only adapter loads can unblock the queue
             return results
         readers = {s.seq.adapter_uid for s in scheduled if s.seq.adapter_uid is not None}

@@ -34,7 +34,7 @@ import structlog
 import torch
 
 from kernels.lora import LoRABatch
-from worker.engine.cuda_graphs import capture, capture_session, warm_up_cache
+from worker.engine.cuda_graphs import capture, capture_session, lora_variants, warm_up_cache
 from worker.model.attention import paged_attention
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_cache import KVCache
@@ -175,7 +175,7 @@ class StepPieces:
 class PiecewiseGraphs:
     """The pieces of every bucket captured as CUDA graphs, two variants per bucket (base-only, and
     with LoRA metadata built inside piece 0 from the static token slots, over the model's slot
-    tensors, which adapter loads update in place)."""
+    tensors, which adapter loads update in place; a model without LoRA has the first only)."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, *, max_tokens: int, pool: tuple[int, int]) -> None:
         """Capture pieces for steps of up to `max_tokens` tokens, their memory from `pool`. The
@@ -208,7 +208,7 @@ class PiecewiseGraphs:
         with capture_session(self.kv_cache.key[0].device) as stream:
             pieces.slot_mapping.fill_(0)  # the warm-up cache's first slot
             for size in reversed(self.sizes):
-                for with_lora in (False, True):
+                for with_lora in lora_variants(pieces.model):
                     warm_state = PieceState(with_lora)
                     for index in range(pieces.num_layers + 1):
                         pieces.piece(index, size, warm_state, warm_cache)

@@ -1,16 +1,21 @@
 """Continuous batching (torch-free): which sequences run in the next step, and how many tokens each.
 
-Every step, in this order:
+Every step serves the interactive class first, then the batch class (shared/schema.py Priority):
+batch work fills what is left of the step's token budget, running slots and KV blocks. For each
+class, in this order:
 1. Running sequences, oldest first, each get their uncomputed tokens (one for a decode, a chunk of
    the prompt for a prefill still in progress) within the step's token budget. When the KV cache is
-   full, the newest running sequences are preempted: their blocks are freed and they wait to be
-   recomputed, so memory pressure never becomes an out-of-memory error.
+   full, running sequences are preempted, the newest batch sequence first, then the newest of the
+   sequence's own class (batch work never preempts interactive work): their blocks are freed and they
+   wait to be recomputed, so memory pressure never becomes an out-of-memory error.
 2. Waiting sequences are admitted first-come first-served while the budget, the running-batch size
-   and KV blocks allow. A sequence whose adapter is not resident on the device yet (the adapter pool
-   is still loading it) is passed over, so it does not block base-model or resident-adapter work.
-   A tenant already running `max_seqs_per_tenant` sequences is passed over too, but only while
-   others wait: the cap keeps one tenant's burst from starving the rest without leaving the batch
-   idle when that tenant is alone.
+   and KV blocks allow; an interactive sequence that finds no running slot or no KV room preempts
+   the newest running batch sequence instead of waiting for it to finish. A sequence whose adapter
+   is not resident on the device yet (the adapter pool is still loading it) is passed over, so it
+   does not block base-model or resident-adapter work. A tenant already running
+   `max_seqs_per_tenant` sequences of a class is passed over too, but only while others of that
+   class wait: the cap keeps one tenant's burst from starving the rest of its class without leaving
+   the batch idle when that tenant is alone.
 Long prompts are prefilled in chunks that share each step with running decodes.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from shared.schema import PRIORITIES, Priority
 from worker.adapter_pool.gpu_slots import GpuSlots
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import Sequence, SequenceStatus
@@ -61,42 +67,64 @@ class Scheduler:
         self.max_seqs_per_tenant = max_seqs_per_tenant or max_num_seqs
         self.blocks = block_manager
         self.adapters = adapter_slots
-        self.waiting: deque[Sequence] = deque()
+        self._waiting: dict[Priority, deque[Sequence]] = {priority: deque() for priority in PRIORITIES}
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start; a steady rise means the KV cache is too small
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._waiting[seq.priority].append(seq)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Every waiting sequence in the order they would be admitted: interactive, then batch."""
+        return [seq for priority in PRIORITIES for seq in self._waiting[priority]]
+
+    def waiting_of(self, priority: Priority) -> int:
+        return len(self._waiting[priority])
+
+    def running_of(self, priority: Priority) -> int:
+        return sum(1 for seq in self.running if seq.priority is priority)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running) or any(self._waiting.values())
 
     def schedule(self, *, admit: bool = True) -> SchedulerOutput:
         """The next step's work; `admit=False` runs only the running sequences (the engine paces
         admissions when they cost an eager step: admission_pacer.py)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        for priority in PRIORITIES:  # interactive first: batch work fills what is left of the step
+            budget = self._run(priority, budget, out)
+            if admit:
+                budget = self._admit_waiting(priority, budget, out)
+        return out
 
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+    def _run(self, priority: Priority, budget: int, out: SchedulerOutput) -> int:
+        """Schedule the running sequences of `priority`, oldest first; returns the budget left."""
+        for seq in [seq for seq in self.running if seq.priority is priority]:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for an older sequence's room in this loop
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new == 0:  # its last token is still on its way from the device (engine.py): nothing to run
-                index += 1
                 continue
             if not self._make_room(seq, seq.num_computed_tokens + num_new, out):
-                break  # seq itself was preempted: nothing newer is left to run
+                break  # seq itself was preempted: nothing newer of its class is left to run
             self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
-            index += 1
+        return budget
 
-        running_per_tenant = Counter(seq.tenant for seq in self.running)
+    def _admit_waiting(self, priority: Priority, budget: int, out: SchedulerOutput) -> int:
+        """Admit waiting sequences of `priority` first-come first-served; returns the budget left."""
+        waiting = self._waiting[priority]
+        running_per_tenant = Counter(seq.tenant for seq in self.running if seq.priority is priority)
         passed_over: list[Sequence] = []
         over_cap: list[Sequence] = []
-        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
+        while waiting and budget > 0 and self._has_slot(priority, out):
+            seq = waiting.popleft()
             if running_per_tenant[seq.tenant] >= self.max_seqs_per_tenant:
                 over_cap.append(seq)
                 continue
@@ -104,13 +132,13 @@ class Scheduler:
             if admitted is None:
                 passed_over.append(seq)
             elif admitted == 0:
-                self.waiting.appendleft(seq)
+                waiting.appendleft(seq)
                 break
             else:
                 running_per_tenant[seq.tenant] += 1
                 budget -= admitted
         # nobody else could use the room: capped tenants may fill it (the cap never idles the batch)
-        while admit and over_cap and not self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while over_cap and not waiting and budget > 0 and self._has_slot(priority, out):
             seq = over_cap.pop(0)
             admitted = self._admit(seq, budget, out)
             if admitted is None:
@@ -120,19 +148,34 @@ class Scheduler:
                 break
             else:
                 budget -= admitted
-        self.waiting.extendleft(reversed(passed_over + over_cap))
-        return out
+        waiting.extendleft(reversed(passed_over + over_cap))
+        return budget
+
+    def _has_slot(self, priority: Priority, out: SchedulerOutput) -> bool:
+        """Whether the running batch has room for one more `priority` sequence, an interactive one
+        making it by preempting a batch sequence."""
+        if len(self.running) < self.max_num_seqs:
+            return True
+        victim = self._batch_victim() if priority is Priority.INTERACTIVE else None
+        if victim is None:
+            return False
+        self._preempt_for_room(victim, out)
+        return True
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Try to start `seq` within `budget` tokens. Returns the tokens scheduled; 0 when the KV
-        cache is full (stop admitting); None when its adapter is not resident yet (pass it over)."""
+        cache is full (stop admitting); None when its adapter is not resident yet (pass it over).
+        An interactive sequence takes the KV blocks of running batch sequences when it must."""
         if seq.adapter_uid is not None and self.adapters.acquire(seq.adapter_uid) is None:
             return None
         num_new = min(seq.num_uncomputed_tokens, budget)
-        if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, seq.num_computed_tokens + num_new)):
-            if seq.adapter_uid is not None:
-                self.adapters.release(seq.adapter_uid)
-            return 0
+        while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, seq.num_computed_tokens + num_new)):
+            victim = self._batch_victim() if seq.priority is Priority.INTERACTIVE else None
+            if victim is None:
+                if seq.adapter_uid is not None:
+                    self.adapters.release(seq.adapter_uid)
+                return 0
+            self._preempt_for_room(victim, out)
         self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -140,26 +183,35 @@ class Scheduler:
         out.num_admitted += 1
         return num_new
 
+    def _batch_victim(self) -> Sequence | None:
+        """The newest running batch sequence (the one that has done the least work), None if none runs."""
+        return next((seq for seq in reversed(self.running) if seq.priority is Priority.BATCH), None)
+
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Preempt the newest running sequences until `seq` can hold `num_tokens` tokens.
-        Returns False if `seq` had to be preempted itself."""
+        """Preempt running sequences, the newest batch one first, then the newest of `seq`'s class,
+        until `seq` can hold `num_tokens` tokens. Returns False if `seq` had to be preempted itself."""
         while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_tokens)):
-            victim = self.running[-1]
-            self.preempt(victim)
-            out.preempted.append(victim)
+            victim = self._batch_victim() or self.running[-1]
+            self._preempt_for_room(victim, out)
             if victim is seq:
                 return False
         return True
 
+    def _preempt_for_room(self, victim: Sequence, out: SchedulerOutput) -> None:
+        """Preempt `victim` within a step: taken out of the step's work if it was scheduled in it."""
+        self.preempt(victim)
+        out.preempted.append(victim)
+        out.scheduled = [item for item in out.scheduled if item.seq is not victim]
+
     def preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks and adapter pin; it waits at the front to be recomputed."""
+        """Free a running sequence's blocks and adapter pin; it waits at the front of its class to be recomputed."""
         self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free(seq)
         if seq.adapter_uid is not None:
             self.adapters.release(seq.adapter_uid)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._waiting[seq.priority].appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence, returning its blocks and adapter pin."""
@@ -168,6 +220,6 @@ class Scheduler:
             self.blocks.free(seq)
             if seq.adapter_uid is not None:
                 self.adapters.release(seq.adapter_uid)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        elif seq in self._waiting[seq.priority]:
+            self._waiting[seq.priority].remove(seq)
         seq.status = SequenceStatus.FINISHED

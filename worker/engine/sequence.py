@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from shared.schema import FinishReason, SamplingParams
+from shared.schema import FinishReason, Priority, SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -22,6 +22,7 @@ class Sequence:
     seed: int  # the request's seed, or one drawn at arrival: sampling is reproducible per request
     tenant: str = ""
     adapter_uid: str | None = None
+    priority: Priority = Priority.INTERACTIVE
     arrival: float = 0.0  # monotonic seconds; earlier arrivals are scheduled first and preempted last
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache

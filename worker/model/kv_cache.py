@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.quant import FP8_DTYPE
 from shared.model_info import ModelInfo
 
 
@@ -28,7 +29,10 @@ class KVLayout:
 
     @classmethod
     def of(cls, info: ModelInfo, block_size: int, dtype: torch.dtype) -> KVLayout:
-        return cls(info.num_layers, block_size, info.num_kv_heads, info.head_dim, dtype)
+        """`info`'s cache for activations of `dtype`: in that dtype, or fp8 (e4m3, half the bytes of
+        bf16) when the model is served with --kv-cache-dtype fp8."""
+        cache_dtype = FP8_DTYPE if info.kv_cache_dtype == "fp8" else dtype
+        return cls(info.num_layers, block_size, info.num_kv_heads, info.head_dim, cache_dtype)
 
     @property
     def bytes_per_block(self) -> int:

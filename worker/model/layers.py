@@ -75,11 +75,18 @@ class SelfAttention(nn.Module):
             pages=pages,
             dtype=dtype,
             device=device,
+            quantization=info.quantization,
         )
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v
         o_bias = info.attention_bias and info.architecture != "Qwen2ForCausalLM"
         self.o_proj = LoRALinear(
-            q_width, {"o_proj": info.hidden_size}, bias=o_bias, pages=pages, dtype=dtype, device=device
+            q_width,
+            {"o_proj": info.hidden_size},
+            bias=o_bias,
+            pages=pages,
+            dtype=dtype,
+            device=device,
+            quantization=info.quantization,
         )
         # Qwen3 RMS-normalises every q and k head before RoPE
         self.q_norm = RMSNorm(info.head_dim, info.rms_norm_eps, dtype=dtype, device=device) if info.qk_norm else None
@@ -132,9 +139,16 @@ class GatedMLP(nn.Module):
             pages=pages,
             dtype=dtype,
             device=device,
+            quantization=info.quantization,
         )
         self.down_proj = LoRALinear(
-            width, {"down_proj": info.hidden_size}, bias=False, pages=pages, dtype=dtype, device=device
+            width,
+            {"down_proj": info.hidden_size},
+            bias=False,
+            pages=pages,
+            dtype=dtype,
+            device=device,
+            quantization=info.quantization,
         )
 
     def forward(self, hidden: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor) -> torch.Tensor:

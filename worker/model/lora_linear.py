@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from kernels.lora import LoRABatch, lora_linear, lora_linear_deferred
+from kernels.quant import FP8_DTYPE
 from shared.model_info import ModelInfo
+from worker.model.fp8_weights import copy_fp8, copy_scale, quantize_into
 from worker.model.weights import copy_weight
 
 # Rank rows per page of a paged pool: tl.dot's minimum tile, and the LoRA kernels' vector width.
@@ -27,7 +29,8 @@ PAGE_RANK = 16
 class LoRAPages:
     """The device memory every adapted projection keeps for adapters: `num_pages` pages of `page_rank`
     rank rows each (S-LoRA's unified paging). An adapter of rank r takes cdiv(r, page_rank) pages,
-    anywhere in the pool; the model's page table (`CausalLM.slot_pages`) says which."""
+    anywhere in the pool; the model's page table (`CausalLM.slot_pages`) says which. No pages: LoRA
+    is off, and every LoRA buffer is empty (zero bytes, never read)."""
 
     num_pages: int
     page_rank: int
@@ -37,9 +40,9 @@ class LoRAPages:
     def for_pool(cls, info: ModelInfo, *, max_loras: int, max_lora_rank: int) -> LoRAPages:
         """The pages of a pool as large as `max_loras` adapters of rank `max_lora_rank`. MoE models,
         whose expert buffers are not paged, and pools of rank <= PAGE_RANK get one page of the whole
-        max rank per adapter: slots are then pages."""
-        if max_loras < 1 or max_lora_rank < 1:
-            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        max rank per adapter: slots are then pages. max_loras 0: no pages (LoRA off)."""
+        if max_loras < 0 or max_lora_rank < 1:
+            raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
         page_rank = max_lora_rank if info.is_moe or max_lora_rank <= PAGE_RANK else PAGE_RANK
         pages_per_slot = -(-max_lora_rank // page_rank)
         return cls(num_pages=max_loras * pages_per_slot, page_rank=page_rank, pages_per_slot=pages_per_slot)
@@ -50,7 +53,8 @@ class LoRALinear(nn.Module):
 
         y[t, off_i : off_i + N_i] += scale[s] * (x[t] @ A_i[s].T) @ B_i[s].T    with s = token_slots[t] >= 0
 
-    weight [sum N_i, K] (K = in_features); bias [sum N_i] or None;
+    weight [sum N_i, K] (K = in_features) in the model's dtype, or (quantization "fp8") in fp8 with
+    float32 per-output-channel scales weight_scale [sum N_i] (kernels/quant); bias [sum N_i] or None;
     lora_a[i] [num_pages, page_rank, K]; lora_b[i] [num_pages, N_i, page_rank]. Rank row r of an
     adapter lives in its page r // page_rank, at row (of A) / column (of B) r % page_rank; the rows
     past its rank in its last page stay zero, so padding adds nothing.
@@ -65,8 +69,10 @@ class LoRALinear(nn.Module):
         pages: LoRAPages,
         dtype: torch.dtype,
         device: torch.device | str,
+        quantization: str = "none",
     ) -> None:
-        """`projections`: name → output width of each packed slice, in output order."""
+        """`projections`: name → output width of each packed slice, in output order; `dtype`: the
+        activations' (and adapters'); `quantization` "fp8": the weight is held in fp8."""
         super().__init__()
         self.in_features = in_features
         self.projections = tuple(projections)
@@ -74,7 +80,15 @@ class LoRALinear(nn.Module):
         self.page_rank = pages.page_rank
         total = sum(self.out_features)
         # empty: every element is overwritten by the checkpoint, and the loader checks that it was
-        self.weight = nn.Parameter(torch.empty(total, in_features, dtype=dtype, device=device), requires_grad=False)
+        weight_dtype = FP8_DTYPE if quantization == "fp8" else dtype
+        self.weight = nn.Parameter(
+            torch.empty(total, in_features, dtype=weight_dtype, device=device), requires_grad=False
+        )
+        self.weight_scale = (
+            nn.Parameter(torch.empty(total, dtype=torch.float32, device=device), requires_grad=False)
+            if quantization == "fp8"
+            else None
+        )
         self.bias = nn.Parameter(torch.empty(total, dtype=dtype, device=device), requires_grad=False) if bias else None
         for name, width in projections.items():
             a = torch.zeros(pages.num_pages, pages.page_rank, in_features, dtype=dtype, device=device)
@@ -94,27 +108,46 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in_features] → [T, sum out_features]; `lora` None when no token uses an adapter
-        (its page table addresses this layer's pages). `residual` [T, sum out_features]: the stream
+        (always on a model without LoRA: the base GEMM alone, no LoRA launch; its page table
+        addresses this layer's pages). `residual` [T, sum out_features]: the stream
         the caller adds the result to next, which may take the LoRA delta instead (at decode sizes
         on CUDA, where the delta is computed beside the base GEMM)."""
-        return lora_linear(x, self.weight, self.bias, self.lora_a, self.lora_b, lora, residual=residual)
+        return lora_linear(
+            x, self.weight, self.bias, self.lora_a, self.lora_b, lora, residual=residual, weight_scale=self.weight_scale
+        )
 
     def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta) for a caller whose next fused kernel adds the LoRA delta: y + delta is the
         projection of x [T, in_features]; delta [T, sum out_features] is None when it is in y."""
-        return lora_linear_deferred(x, self.weight, self.bias, self.lora_a, self.lora_b, lora)
+        return lora_linear_deferred(
+            x, self.weight, self.bias, self.lora_a, self.lora_b, lora, weight_scale=self.weight_scale
+        )
 
-    def checkpoint_loaders(self, parent: str) -> dict[str, Callable[[torch.Tensor], None]]:
+    def checkpoint_loaders(
+        self, parent: str, *, prequantized: bool = False
+    ) -> dict[str, Callable[[torch.Tensor], None]]:
         """Checkpoint tensor name → loader, for each slice's weight (and bias): `q_proj.weight` of a
-        packed qkv layer under `parent` lands in rows [0, N_q) of this layer's weight."""
+        packed qkv layer under `parent` lands in rows [0, N_q) of this layer's weight. An fp8 layer
+        quantizes a plain checkpoint's weight as it loads, or (`prequantized`) takes the checkpoint's
+        fp8 weight and its `weight_scale` as they are."""
         loaders: dict[str, Callable[[torch.Tensor], None]] = {}
         prefix = f"{parent}." if parent else ""
         offset = 0
         for name, width in zip(self.projections, self.out_features, strict=True):
-            for param_name in ("weight", "bias"):
-                param = getattr(self, param_name)
-                if param is not None:
-                    key = f"{prefix}{name}.{param_name}"
-                    loaders[key] = partial(copy_weight, param[offset : offset + width], name=key)
+            rows = slice(offset, offset + width)
+            key = f"{prefix}{name}"
+            if self.weight_scale is None:
+                loaders[f"{key}.weight"] = partial(copy_weight, self.weight[rows], name=f"{key}.weight")
+            elif prequantized:
+                loaders[f"{key}.weight"] = partial(copy_fp8, self.weight[rows], name=f"{key}.weight")
+                loaders[f"{key}.weight_scale"] = partial(
+                    copy_scale, self.weight_scale[rows], name=f"{key}.weight_scale"
+                )
+            else:
+                loaders[f"{key}.weight"] = partial(
+                    quantize_into, self.weight[rows], self.weight_scale[rows], name=f"{key}.weight"
+                )
+            if self.bias is not None:
+                loaders[f"{key}.bias"] = partial(copy_weight, self.bias[rows], name=f"{key}.bias")
             offset += width
         return loaders

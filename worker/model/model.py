@@ -87,7 +87,8 @@ class CausalLM(nn.Module):
         The pool is paged (S-LoRA's unified paging): pages of PAGE_RANK rank rows for every adapted
         projection of every layer, so adapters of lower rank take fewer pages and more of them fit,
         up to one per page. An adapter's slot (its index into the per-slot tensors below) is the
-        index of its first page (LoRAPages.for_pool says when slots are pages)."""
+        index of its first page (LoRAPages.for_pool says when slots are pages). max_loras 0: LoRA
+        off, every LoRA tensor empty; only base-model batches (`lora` None) may run."""
         super().__init__()
         self.info = info
         self.dtype = resolve_dtype(dtype, info)
@@ -120,6 +121,10 @@ class CausalLM(nn.Module):
             torch.zeros(self.num_slots, self.pages_per_slot, dtype=torch.int32, device=device),
             persistent=False,
         )
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.num_pages > 0
 
     def pages_for_rank(self, rank: int) -> int:
         """Pages an adapter of `rank` takes."""
@@ -158,19 +163,30 @@ class CausalLM(nn.Module):
         checkpoint read by worker/switching/loader.py). Copies are queued on the current CUDA stream
         without a host wait: the caller synchronises that stream before use and keeps `tensors`
         alive until then."""
+        if self.info.checkpoint_quantization != "none":
+            # transformers' fp8 format calls the per-channel scale weight_scale_inv (it multiplies all the same)
+            tensors = (
+                (name.removesuffix("_inv") if name.endswith(".weight_scale_inv") else name, t) for name, t in tensors
+            )
         with torch.no_grad():
             load_tensors(tensors, self._checkpoint_loaders(), ignore=self._derived, source=source)
 
     def _derived(self, name: str) -> bool:
-        """Checkpoint tensors the model derives itself: a tied head is the embedding; old checkpoints
-        also saved the rotary frequencies."""
+        """Checkpoint tensors the model derives itself, or does without: a tied head is the embedding;
+        old checkpoints also saved the rotary frequencies."""
+        if self.info.checkpoint_quantization != "none" and name.endswith(".input_scale"):
+            return True  # a static activation scale: activations are quantized per token instead
         return (self.info.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
 
     def _checkpoint_loaders(self) -> dict[str, TensorLoader]:
         """Checkpoint tensor name → where it goes; packed layers declare their own slices."""
         loaders: dict[str, TensorLoader] = {}
         for module_name, module in self.named_modules():
-            if isinstance(module, LoRALinear | MoEBlock):
+            if isinstance(module, LoRALinear):
+                prequantized = self.info.checkpoint_quantization != "none"
+                loaders.update(module.checkpoint_loaders(module_name.rpartition(".")[0], prequantized=prequantized))
+                continue
+            if isinstance(module, MoEBlock):
                 loaders.update(module.checkpoint_loaders(module_name.rpartition(".")[0]))
                 continue
             for param_name, param in module.named_parameters(prefix=module_name, recurse=False):

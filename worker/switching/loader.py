@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from shared.config import EngineConfig
+from shared.config import EngineConfig, ModelSpec
+from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import ModelInfo
 from worker.model.model import CausalLM, model_dtype
 from worker.model.weights import checkpoint_files, paced_copies
@@ -40,6 +41,28 @@ def read_to_host(model: str, model_dir: Path, *, pin: bool) -> HostWeights:
     tensors = dict(read_tensors(model, checkpoint_files(model_dir), buffers))
     nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     return HostWeights(model=model, tensors=tensors, nbytes=nbytes, pinned=pin, keepalive=buffers.page_locks())
+
+
+# FP8 tensor cores, and Triton's fp8 conversions: Ada (8.9), Hopper (9.0) and later
+_FP8_CAPABILITY = (8, 9)
+
+
+def served_info(spec: ModelSpec, config: EngineConfig) -> ModelInfo:
+    """`spec`'s model as this worker serves it (config.quantization, config.kv_cache_dtype), refused
+    at start, naming the checkpoint, when the device cannot: fp8 needs FP8 tensor cores."""
+    info = ModelInfo.from_pretrained(spec.name, spec.path).served(
+        quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype, source=spec.path
+    )
+    device = torch.device(config.device)
+    if device.type == "cuda" and "fp8" in (info.quantization, info.kv_cache_dtype):
+        capability = torch.cuda.get_device_capability(device)
+        if capability < _FP8_CAPABILITY:
+            raise LorafleetError(
+                ErrorCode.INVALID_REQUEST,
+                f"{spec.path}: fp8 weights or KV cache need FP8 tensor cores (compute capability 8.9 or later); "
+                f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}",
+            )
+    return info
 
 
 def new_model(info: ModelInfo, config: EngineConfig) -> CausalLM:

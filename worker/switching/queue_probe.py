@@ -4,7 +4,8 @@ yet: reading jobs it cannot run soon would strand them in its pending list.
 Works on Redis 6.2 (no XINFO GROUPS lag there): waiting = XLEN - pending (workers delete entries
 once finished, so the stream holds only queued and running jobs) plus pending entries idle past the
 claim time (their worker died; the next worker to serve the model takes them over). The oldest
-waiting job's age comes from its stream id, which starts with the ms time it was added.
+waiting job's age comes from its stream id, which starts with the ms time it was added. A model's
+queue is its streams of both priority classes together: batch work is work to switch for too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import keys
+from shared.schema import PRIORITIES
 from worker.switching.switch_policy import QueueState
 
 
@@ -22,7 +24,14 @@ def _entry_ms(entry_id: bytes | str) -> int:
 
 
 async def probe_queue(redis: Redis, model: str, *, now_ms: int, claim_idle_ms: int) -> QueueState:
-    stream = keys.queue(model)
+    states = [
+        await _probe_stream(redis, keys.queue(model, priority), now_ms=now_ms, claim_idle_ms=claim_idle_ms)
+        for priority in PRIORITIES
+    ]
+    return QueueState(sum(s.waiting for s in states), max(s.oldest_wait_s for s in states))
+
+
+async def _probe_stream(redis: Redis, stream: str, *, now_ms: int, claim_idle_ms: int) -> QueueState:
     async with redis.pipeline(transaction=False) as pipe:
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)

@@ -36,13 +36,19 @@ import torch
 from tokenizers import Tokenizer
 
 from shared.config import ModelSpec, WorkerConfig
-from shared.model_info import ModelInfo
 from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.memory_plan import DeviceMemory, plan_memory
 from worker.metrics import WorkerMetrics
 from worker.switching.checkpoint_cache import CheckpointCache, HostWeights
-from worker.switching.loader import checkpoint_bytes, copy_to_model, new_model, read_to_host, stream_to_model
+from worker.switching.loader import (
+    checkpoint_bytes,
+    copy_to_model,
+    new_model,
+    read_to_host,
+    served_info,
+    stream_to_model,
+)
 from worker.switching.shard_reader import StagingRing
 
 log = structlog.get_logger(__name__)
@@ -74,7 +80,7 @@ class ModelResidency:
         self.config = config
         self._metrics = metrics
         self.specs = {spec.name: spec for spec in config.models}
-        self.infos = {name: ModelInfo.from_pretrained(name, spec.path) for name, spec in self.specs.items()}
+        self.infos = {name: served_info(spec, config.engine) for name, spec in self.specs.items()}
         self.device = torch.device(config.engine.device)
         memory = DeviceMemory.measure(self.device) if self.device.type == "cuda" else None
         self.plan = plan_memory(

@@ -1,0 +1,66 @@
+"""FP8 (e4m3) weights and activations for the base model's projections (W8A8).
+
+Semantics (reference.py is the oracle): the weight [N, K] is held in fp8 with one float32 scale per
+output channel; each token's activations are quantized with their own dynamic scale; then
+
+    y[t, n] = (q_x[t] · q_w[n]) * s_x[t] * s_w[n] (+ bias[n])      accumulated in fp32
+
+CUDA tensors take the Triton per-token quantization (per_token.py) and torch._scaled_mm's rowwise
+scaled GEMM (FP8 tensor cores, Ada and Hopper); anything else takes the torch reference, which
+dequantizes (a CPU has fp8 storage but no fp8 matmul). Adapters are not quantized: the LoRA
+kernels read the unquantized activations and add their delta on top of this base GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.quant.per_token import quantize_per_token_triton
+from kernels.quant.reference import (
+    FP8_DTYPE,
+    dequantize,
+    fp8_linear_reference,
+    quantize_per_token_reference,
+    quantize_weight,
+)
+
+__all__ = [
+    "FP8_DTYPE",
+    "base_linear",
+    "dequantize",
+    "fp8_linear",
+    "quantize_per_token",
+    "quantize_weight",
+]
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [T, K], float32 scales [T, 1]) for activations x [T, K]."""
+    if x.is_cuda:
+        return quantize_per_token_triton(x)
+    return quantize_per_token_reference(x)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, K] → [T, N] in x's dtype, for the fp8 weight [N, K] with float32 per-channel scales [N]."""
+    if not x.is_cuda:
+        return fp8_linear_reference(x, weight, weight_scale, bias)
+    q, scales = quantize_per_token_triton(x)
+    # rowwise scaling: scale_a [T, 1] and scale_b [1, N], both float32 and contiguous; the second
+    # operand column-major (the weight's transpose, a view); the output bf16, the only dtype the
+    # rowwise kernels write
+    y = torch._scaled_mm(q, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+    if bias is not None:
+        y += bias
+    return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+
+
+def base_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """x [T, K] @ weight[N, K].T (+ bias): an fp8 GEMM when the weight has scales [N], else F.linear."""
+    if weight_scale is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return fp8_linear(x, weight, weight_scale, bias)

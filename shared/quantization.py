@@ -1,0 +1,73 @@
+"""How a base model's weights and KV cache are stored on the device, read from its checkpoint's
+`quantization_config` and the worker's settings, without torch.
+
+A checkpoint either holds plain bf16/fp16/fp32 weights ("none": quantized at load if the worker is
+asked for fp8) or FP8 weights with their scales, as published in two formats:
+    quant_method "fp8"                 (AutoFP8 / transformers): `weight_scale` or `weight_scale_inv`
+    quant_method "compressed-tensors"  (llm-compressor, format float-quantized): `weight_scale`
+each per tensor (one value) or per output channel ([N] or [N, 1]). Either loads as it is, never
+re-quantized. Their static `input_scale`s are not used: activations get a dynamic scale per token,
+never coarser than one fixed scale per tensor. Anything else is refused at start, naming the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NoReturn
+
+from shared.errors import ErrorCode, LorafleetError
+
+WEIGHT_FORMATS = ("none", "fp8")  # "none": the checkpoint's own floating-point dtype
+KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the weights' activation dtype
+SUPPORTED_METHODS = ("fp8", "compressed-tensors")
+# compressed-tensors' per-tensor and per-output-channel weight strategies (block / group are refused)
+_CT_STRATEGIES = ("tensor", "channel")
+
+
+def checkpoint_quantization(config: dict[str, Any], path: Path) -> str:
+    """The weight format of the checkpoint whose config.json (at `path`) is `config`: "none" or "fp8".
+    Raises LorafleetError naming the file and the problem for a format the worker cannot serve."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return "none"
+    method = quant.get("quant_method")
+    if method == "fp8":
+        if quant.get("weight_block_size"):
+            _refuse(path, f"block-wise FP8 (weight_block_size {quant['weight_block_size']}) is not supported; "
+                          "use a checkpoint with per-channel or per-tensor scales")  # fmt: skip
+        return "fp8"
+    if method == "compressed-tensors":
+        for name, group in (quant.get("config_groups") or {}).items():
+            _check_ct_group(name, group, path)
+        if not quant.get("config_groups"):
+            _refuse(path, "compressed-tensors quantization_config has no config_groups")
+        return "fp8"
+    _refuse(path, f"quant_method {method!r} is not supported (supported: {', '.join(SUPPORTED_METHODS)})")
+
+
+def _check_ct_group(name: str, group: dict[str, Any], path: Path) -> None:
+    weights = group.get("weights") or {}
+    kind = f"{weights.get('type')} {weights.get('num_bits')}-bit"
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        _refuse(path, f"compressed-tensors group {name!r} holds {kind} weights; only FP8 (float 8-bit) is supported")
+    if weights.get("strategy") not in _CT_STRATEGIES:
+        _refuse(path, f"compressed-tensors group {name!r} has weight strategy {weights.get('strategy')!r}; "
+                      f"supported: {', '.join(_CT_STRATEGIES)}")  # fmt: skip
+    if not weights.get("symmetric", True):
+        _refuse(path, f"compressed-tensors group {name!r} has asymmetric FP8 weights (zero points): not supported")
+
+
+def served_quantization(checkpoint: str, requested: str | None, path: Path) -> str:
+    """The format the weights are served in: the checkpoint's when it is quantized, else `requested`
+    (--quantization; None: the checkpoint's own dtype). An FP8 checkpoint cannot be served unquantized."""
+    if checkpoint != "none":
+        if requested not in (None, checkpoint):
+            _refuse(
+                path, f"the checkpoint is {checkpoint}-quantized; it cannot be served as --quantization {requested}"
+            )
+        return checkpoint
+    return requested or "none"
+
+
+def _refuse(path: Path, problem: str) -> NoReturn:
+    raise LorafleetError(ErrorCode.INVALID_REQUEST, f"{path}: {problem}")

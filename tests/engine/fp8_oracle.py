@@ -1,0 +1,98 @@
+"""FP8 checkpoints and the FP8 oracle for the engine tests.
+
+The oracle is transformers + PEFT computing exactly what the W8A8 base computes, in float32: each
+base projection's weight replaced by its dequantized fp8 weight, and its input (only the base
+layer's: PEFT's lora_A reads the unquantized activations, as the engine's adapters do) replaced by
+the per-token quantized-then-dequantized activations, by a forward pre-hook.
+
+Pre-quantized checkpoints are written here in the two published formats, from a saved tiny model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+
+from kernels.quant import dequantize, quantize_weight
+from kernels.quant.reference import FP8_DTYPE, FP8_MAX, quantize_per_token_reference
+from shared.model_info import PROJECTIONS
+
+
+def _is_base_projection(name: str) -> bool:
+    """The nn.Linear a projection's weight lives in: PEFT's `q_proj.base_layer`, or a bare `q_proj`."""
+    parts = name.split(".")
+    return parts[-1] in PROJECTIONS or (parts[-1] == "base_layer" and parts[-2] in PROJECTIONS)
+
+
+def _fake_quantize_input(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    (x, *rest) = args
+    rows = x.reshape(-1, x.shape[-1])
+    return (dequantize(*quantize_per_token_reference(rows)).to(x.dtype).view(x.shape), *rest)
+
+
+def fp8_oracle(oracle: PeftModel, scales: str = "channel") -> PeftModel:
+    """A copy of `oracle` computing as the FP8 base does: per-channel ("channel") or per-tensor
+    ("tensor") weight scales, per-token activation scales."""
+    quantized = copy.deepcopy(oracle)
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, torch.nn.Linear) and _is_base_projection(name):
+                module.weight.copy_(dequantize(*quantize(module.weight, scales)))
+                module.register_forward_pre_hook(_fake_quantize_input)
+    return quantized
+
+
+def quantize(weight: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [N, K], float32 scales [N]) of weight [N, K], one scale per row or one for the tensor."""
+    if scales == "channel":
+        return quantize_weight(weight)
+    scale = (weight.abs().max().float() / FP8_MAX).reshape(1)
+    return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.expand(weight.shape[0])
+
+
+def save_fp8_checkpoint(model_dir: Path, directory: Path, *, method: str, scales: str) -> Path:
+    """The plain checkpoint in `model_dir` written to `directory` pre-quantized, as `method` ("fp8":
+    transformers / AutoFP8, or "compressed-tensors") publishes it, with per-"channel" or per-"tensor"
+    weight scales (and the static input scales both formats carry, which the engine does not use)."""
+    directory.mkdir(parents=True)
+    tensors = load_file(model_dir / "model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if parts[-1] != "weight" or parts[-2] not in PROJECTIONS:
+            out[name] = tensor
+            continue
+        q, row_scales = quantize(tensor, scales)
+        prefix = name.removesuffix(".weight")
+        out[name] = q
+        out[f"{prefix}.weight_scale"] = row_scales[:1].reshape(()) if scales == "tensor" else row_scales.view(-1, 1)
+        out[f"{prefix}.input_scale"] = torch.tensor(0.05)
+    save_file(out, directory / "model.safetensors")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = _quantization_config(method, scales)
+    (directory / "config.json").write_text(json.dumps(config))
+    shutil.copy(model_dir / "tokenizer.json", directory / "tokenizer.json")
+    return directory
+
+
+def _quantization_config(method: str, scales: str) -> dict:
+    if method == "fp8":
+        return {"quant_method": "fp8", "activation_scheme": "static"}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": scales, "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+            }
+        },
+        "ignore": ["lm_head"],
+    }

@@ -1,0 +1,51 @@
+"""A checkpoint's quantization_config read at start: the FP8 formats accepted, everything else
+refused with the file named (shared/quantization.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.errors import LorafleetError
+from shared.quantization import checkpoint_quantization, served_quantization
+
+PATH = Path("/models/m/config.json")
+
+
+def fp8_group(**weights: object) -> dict:
+    spec = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, **weights}
+    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": spec}}}
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [None, {"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_group(), fp8_group(strategy="tensor")],
+)
+def test_plain_and_fp8_checkpoints_are_accepted(quant: dict | None) -> None:
+    config = {} if quant is None else {"quantization_config": quant}
+    assert checkpoint_quantization(config, PATH) == ("none" if quant is None else "fp8")
+
+
+@pytest.mark.parametrize(
+    ("quant", "problem"),
+    [
+        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
+        (fp8_group(type="int", num_bits=4), "holds int 4-bit weights"),
+        (fp8_group(strategy="group"), "weight strategy 'group'"),
+        (fp8_group(symmetric=False), "asymmetric"),
+        ({"quant_method": "compressed-tensors", "config_groups": {}}, "no config_groups"),
+    ],
+)
+def test_unsupported_formats_are_refused_naming_the_file(quant: dict, problem: str) -> None:
+    with pytest.raises(LorafleetError, match=f"^{PATH}: .*{problem}"):
+        checkpoint_quantization({"quantization_config": quant}, PATH)
+
+
+def test_served_quantization_is_the_checkpoints_or_the_requested() -> None:
+    assert served_quantization("none", None, PATH) == "none"
+    assert served_quantization("none", "fp8", PATH) == "fp8"
+    assert served_quantization("fp8", None, PATH) == "fp8"
+    with pytest.raises(LorafleetError, match="cannot be served as --quantization none"):
+        served_quantization("fp8", "none", PATH)
