@@ -1,5 +1,6 @@
-"""Routing through the running stack: jobs for an adapter run on one worker of two, and jobs routed to a
-worker that stopped reading are taken by the other within the steal bound, each stored once."""
+"""Routing through the running stack: interactive jobs for an adapter run on one worker of two (its batch
+jobs on the shared batch stream), and jobs routed to a worker that stopped reading are taken by the other
+within the steal bound, each stored once."""
 
 from __future__ import annotations
 
@@ -28,19 +29,24 @@ def started_counts(fleet: Fleet, worker: str) -> dict[str, int]:
         return json.loads(client.hget(keys.worker(worker), "started") or b"{}")
 
 
-def test_an_adapters_jobs_are_routed_to_one_worker(fleet: Fleet):
+def test_an_adapters_interactive_jobs_are_routed_to_one_worker_and_its_batch_jobs_are_not(fleet: Fleet):
     fleet.start_gateway()
     fleet.start_worker("w1", "--steal-after-ms", "5000")
     fleet.start_worker("w2", "--steal-after-ms", "5000")
 
     job_ids = fleet.submit(adapter_jobs(6))
+    batch_ids = fleet.submit([{**job, "priority": "batch"} for job in adapter_jobs(4)])
     records = fleet.wait_finished(job_ids, timeout_s=60)
+    batch_records = fleet.wait_finished(batch_ids, timeout_s=60)
 
-    fleet.assert_nothing_lost(job_ids, records)
+    fleet.assert_nothing_lost(job_ids + batch_ids, records + batch_records)
     assert len({r.worker for r in records}) == 1  # its home, then the worker holding it
     time.sleep(1)  # a heartbeat carries the counts
     serving = records[0].worker
     assert sum(n for key, n in started_counts(fleet, serving).items() if key.startswith("routed/")) == 6
+    # batch jobs wait on the model's shared batch stream, read by whichever worker has batch room
+    counts = [started_counts(fleet, worker) for worker in ("w1", "w2")]
+    assert sum(n for c in counts for key, n in c.items() if key.startswith("shared/")) == 4
 
 
 def test_jobs_routed_to_a_worker_that_stopped_reading_are_stolen_within_the_bound(fleet: Fleet):
