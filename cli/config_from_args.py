@@ -17,6 +17,7 @@ from cli.admin import AdapterRegistration
 from cli.devices import visible_gpus
 from cli.errors import CommandError
 from cli.state import DEFAULT_STATE_DIR, DEMO_FILE, KERNEL_PLANS_DIR, FleetState, read_json
+from shared.adapter_aliases import AliasVersion
 from shared.adapter_registry import ADAPTER_NAME
 from shared.config import (
     BatchConfig,
@@ -121,6 +122,14 @@ def adapter_names(text: str) -> tuple[str, ...]:
     if bad:
         raise argparse.ArgumentTypeError(f"not an adapter name: {bad[0]!r} (expected NAME[,NAME...])")
     return tuple(dict.fromkeys(names))
+
+
+def alias_version(text: str) -> AliasVersion:
+    """`ADAPTER=WEIGHT`, one of an alias's weighted adapters."""
+    name, sep, weight = text.rpartition("=")
+    if not sep or not ADAPTER_NAME.match(name) or not weight.isdigit():
+        raise argparse.ArgumentTypeError(f"expected ADAPTER=WEIGHT (an integer), got {text!r}")
+    return AliasVersion(name, int(weight))
 
 
 def model_spec(text: str) -> ModelSpec:

@@ -73,6 +73,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         events_idle_s=min(_KEEPALIVE_S, config.limits.max_wait_s),
         model_unserved_after_s=config.model_unserved_after_s,
         fleet=FleetView(redis, app[METRICS].jobs_placed) if config.adapter_routing else None,
+        alias_jobs=app[METRICS].alias_jobs,
     )
     app[FILES] = FileStore(redis, config.batches.file_ttl_s)
     app[BATCHES] = BatchStore(redis, config.batches.batch_ttl_s)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from prometheus_client import Counter
 from redis.asyncio import Redis
 
 from gateway.chat import render_chat
@@ -30,6 +32,7 @@ from gateway.job_request import JobRequest
 from gateway.routing import FleetView
 from gateway.tokenization import TokenizerCache
 from gateway.ttl_cache import TtlCache
+from shared.adapter_aliases import get_alias
 from shared.adapter_registry import get_adapter, track_adapter_job
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore
@@ -155,15 +158,18 @@ class JobService:
         events_idle_s: float,
         model_unserved_after_s: float,
         fleet: FleetView | None = None,
+        alias_jobs: Counter | None = None,
     ) -> None:
         """`fleet`: where adapter jobs are routed from (gateway/routing.py); None: every job on its model's
-        shared stream."""
+        shared stream. `alias_jobs`: the counter of jobs by alias and the adapter drawn."""
         self._redis = redis
         self._store = store
         self._events = events
         self._tokenizers = tokenizers
         self._admission = admission
         self._fleet = fleet
+        self._alias_jobs = alias_jobs
+        self._rng = random.Random()
         self._events_idle_s = events_idle_s  # an event stream yields Idle after this long without events
         self._unserved_after_ms = model_unserved_after_s * 1000
         # when a worker last advertised each model (unix ms): stamps are refreshed every heartbeat, so a
@@ -190,7 +196,10 @@ class JobService:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} not found", param="model")
         if not self._served_recently(model.name):
             await self._check_served(model.name)
-        adapter = None if request.adapter is None else await self._adapter(tenant, request.adapter, model)
+        adapter_name, alias = None, None
+        if request.adapter is not None:
+            adapter_name, alias = await self._through_alias(tenant, request.adapter)
+        adapter = None if adapter_name is None else await self._adapter(tenant, adapter_name, model)
         if isinstance(request.prompt, str):  # awaited here, not in a helper coroutine: one frame fewer to resume
             encoded = await self._tokenizers.encode(
                 model.name, request.prompt, add_special_tokens=request.add_special_tokens
@@ -206,11 +215,13 @@ class JobService:
             status=JobStatus.QUEUED,
             tenant=tenant.tenant_id,
             model=model.name,
-            adapter=request.adapter,
+            adapter=adapter_name,
             created_ms=int(created_at * 1000),
             prompt_tokens=len(prompt_token_ids),
             webhook=request.webhook,
             priority=request.priority,
+            adapter_version=0 if adapter is None else adapter.version,
+            alias=alias,
         )
         message = JobMessage(
             job_id=record.job_id,
@@ -242,6 +253,8 @@ class JobService:
         except AdmissionDenied as denied:
             raise _refusal(denied.denial, model, cost_tokens) from None
         if created:
+            if alias is not None and self._alias_jobs is not None:
+                self._alias_jobs.labels(alias, adapter_name).inc()
             return record, True
         return await self.get(tenant, job_id), False
 
@@ -285,7 +298,7 @@ class JobService:
         base, sep, adapter_name = name.partition(":")
         if sep:
             return base, adapter_name
-        adapter = await get_adapter(self._redis, name)
+        adapter = await get_adapter(self._redis, name) or await get_alias(self._redis, name)
         if adapter is None or not adapter.visible_to(tenant.tenant_id):
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} not found", param="model")
         return adapter.base_model, name
@@ -379,6 +392,14 @@ class JobService:
                 f"no worker serves model {model!r} at present; retry later",
                 param="model",
             )
+
+    async def _through_alias(self, tenant: Tenant, name: str) -> tuple[str, str | None]:
+        """(the adapter the job runs, the alias it was drawn from or None): a name that is an alias the tenant
+        may use draws one of its adapters by the weights as they are now; any other name is an adapter's."""
+        alias = await get_alias(self._redis, name)
+        if alias is None or not alias.visible_to(tenant.tenant_id):
+            return name, None
+        return alias.draw(self._rng), name
 
     async def _adapter(self, tenant: Tenant, name: str, model: ModelInfo) -> AdapterRef:
         """The current version of an adapter the tenant may use with `model`."""

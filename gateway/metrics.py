@@ -35,6 +35,12 @@ class GatewayMetrics:
             ["model", "placement"],
             registry=self.registry,
         )
+        self.alias_jobs = Counter(
+            "lorafleet_gateway_alias_jobs",
+            "jobs queued through an adapter alias, by alias and the adapter its weights drew (a canary's share)",
+            ["alias", "adapter"],
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "lorafleet_queue_depth",
             "entries in a model's streams of one priority class, shared and routed (queued + running)",

@@ -138,6 +138,8 @@ async def register_adapter(
     relative = adapter_relative_path(adapter_root, path, owner=tenant)
     files = await asyncio.to_thread(read_adapter, adapter_root, relative, model, max_rank=max_rank, max_bytes=max_bytes)
     manifest = files.manifest
+    if await redis.exists(keys.alias(name)):  # one namespace: a name in a request means one thing
+        raise LorafleetError(ErrorCode.CONFLICT, f"{name!r} is an adapter alias's name")
     existing = await get_adapter(redis, name)
     if existing is not None and existing.tenant != tenant:
         raise LorafleetError(ErrorCode.CONFLICT, f"adapter name {name!r} belongs to another tenant")

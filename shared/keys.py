@@ -12,6 +12,7 @@
 | lf:models / lf:model:{name}   | set / hash | base models: ModelInfo, tokenizer.json, served_ms    |
 | lf:adapters / lf:adapter:{n}  | set / hash | adapter registry records                              |
 | lf:adapter-jobs:{n}           | zset   | job ids queued or running on adapter n (unregister: 409)  |
+| lf:aliases / lf:alias:{name}  | set / hash | adapter aliases: owner, base model, weighted adapters  |
 | lf:workers / lf:worker:{id}   | set / hash | worker heartbeats; the hash has a TTL                 |
 | lf:tenants / lf:tenant:{id}   | set / hash | tenants (name, salted key hash, disabled)             |
 | lf:apikey:{lookup}            | string | API-key lookup id → tenant id                             |
@@ -45,6 +46,7 @@ MODELS = f"{PREFIX}:models"
 ADAPTERS = f"{PREFIX}:adapters"
 WORKERS = f"{PREFIX}:workers"
 TENANTS = f"{PREFIX}:tenants"
+ALIASES = f"{PREFIX}:aliases"
 
 
 def queue(model: str, priority: Priority = Priority.INTERACTIVE) -> str:
@@ -79,6 +81,10 @@ def model(name: str) -> str:
 
 def adapter(name: str) -> str:
     return f"{PREFIX}:adapter:{name}"
+
+
+def alias(name: str) -> str:
+    return f"{PREFIX}:alias:{name}"
 
 
 def adapter_jobs(name: str) -> str:
