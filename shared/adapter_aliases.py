@@ -9,7 +9,8 @@ served it and the alias it came through.
 Isolation as for adapters: an alias is owned by a tenant or "shared", and only its owner (or every
 tenant, for a shared one) may use it. Its adapters must be usable by its owner (a shared alias names
 shared adapters only) and be trained for one base model. Alias and adapter names share one namespace,
-so a name in a request means one thing.
+so a name in a request means one thing; an adapter an alias names cannot be unregistered
+(`lf:adapter-aliases:{adapter}`), so an alias never draws an adapter that is gone.
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ async def set_alias(redis: Redis, name: str, tenant: str, versions: list[AliasVe
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.alias(name), mapping={"record": json.dumps(alias.to_dict()), "tenant": tenant})
         pipe.sadd(keys.ALIASES, name)
+        for version in () if existing is None else existing.versions:
+            pipe.srem(keys.adapter_aliases(version.adapter), name)
+        for version in checked:  # an adapter an alias names is not unregistered (shared/adapter_registry.py)
+            pipe.sadd(keys.adapter_aliases(version.adapter), name)
         await pipe.execute()
     return alias
 
@@ -129,5 +134,7 @@ async def delete_alias(redis: Redis, name: str) -> AdapterAlias:
     async with redis.pipeline(transaction=True) as pipe:
         pipe.delete(keys.alias(name))
         pipe.srem(keys.ALIASES, name)
+        for version in alias.versions:
+            pipe.srem(keys.adapter_aliases(version.adapter), name)
         await pipe.execute()
     return alias

@@ -13,6 +13,7 @@
 | lf:adapters / lf:adapter:{n}  | set / hash | adapter registry records                              |
 | lf:adapter-jobs:{n}           | zset   | job ids queued or running on adapter n (unregister: 409)  |
 | lf:aliases / lf:alias:{name}  | set / hash | adapter aliases: owner, base model, weighted adapters  |
+| lf:adapter-aliases:{n}        | set    | the aliases naming adapter n (unregister: 409)            |
 | lf:workers / lf:worker:{id}   | set / hash | worker heartbeats; the hash has a TTL                 |
 | lf:tenants / lf:tenant:{id}   | set / hash | tenants (name, salted key hash, disabled)             |
 | lf:apikey:{lookup}            | string | API-key lookup id → tenant id                             |
@@ -85,6 +86,10 @@ def adapter(name: str) -> str:
 
 def alias(name: str) -> str:
     return f"{PREFIX}:alias:{name}"
+
+
+def adapter_aliases(adapter_name: str) -> str:
+    return f"{PREFIX}:adapter-aliases:{adapter_name}"
 
 
 def adapter_jobs(name: str) -> str:

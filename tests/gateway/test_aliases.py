@@ -3,12 +3,14 @@ and metrics naming the adapter that served, isolation as for adapters, and bad i
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from shared import keys
 from shared.errors import LorafleetError
 from shared.tenants import SHARED_OWNER
-from tests.gateway.fleet import ADMIN, next_queued_job, submit
+from tests.gateway.fleet import ADMIN, next_queued_job, play_worker, submit
 
 
 async def set_alias(client, name: str, tenant: str, **weights: int):
@@ -123,3 +125,35 @@ async def test_a_deleted_alias_is_not_found_and_aliases_are_listed_for_the_admin
         "/v1/jobs", json={"model": "tiny", "prompt": "hi", "adapter": "acme-bot"}, headers=fleet.auth("acme")
     )
     assert response.status == 404 and (await response.json())["error"]["code"] == "adapter_not_found"
+
+
+async def test_an_adapter_an_alias_names_is_not_unregistered_until_the_alias_lets_it_go(admin_client, fleet):
+    await fleet.add_adapter("acme-support-v2", "acme", "tiny")
+    await set_alias(admin_client, "acme-bot", "acme", acme_support=1, acme_support_v2=1)
+    response = await admin_client.delete("/v1/admin/adapters/acme-support", headers=ADMIN)
+    assert response.status == 409 and "acme-bot" in (await response.json())["error"]["message"]
+
+    await set_alias(admin_client, "acme-bot", "acme", acme_support_v2=1)  # acme-support taken out
+    assert (await admin_client.delete("/v1/admin/adapters/acme-support", headers=ADMIN)).status == 200
+    response = await admin_client.post(
+        "/v1/unload_lora_adapter", json={"lora_name": "acme-support-v2"}, headers=fleet.auth("acme")
+    )
+    assert response.status == 409
+    await admin_client.delete("/v1/admin/aliases/acme-bot", headers=ADMIN)
+    assert (await admin_client.delete("/v1/admin/adapters/acme-support-v2", headers=ADMIN)).status == 200
+
+
+async def test_an_alias_is_an_openai_model_name_as_an_adapter_is(admin_client, fleet):
+    await set_alias(admin_client, "acme-bot", "acme", acme_support=1)
+    for model in ("acme-bot", "tiny:acme-bot"):
+        request = asyncio.create_task(
+            admin_client.post("/v1/completions", json={"model": model, "prompt": "hello"}, headers=fleet.auth("acme"))
+        )
+        message = await next_queued_job(fleet.redis)
+        assert (message.model, message.adapter.name) == ("tiny", "acme-support")
+        await play_worker(fleet.redis, message, [], "x")
+        assert (await (await request).json())["model"] == model
+    response = await admin_client.post(
+        "/v1/completions", json={"model": "acme-bot", "prompt": "hello"}, headers=fleet.auth("globex")
+    )
+    assert response.status == 404 and (await response.json())["error"]["code"] == "model_not_found"
