@@ -43,6 +43,7 @@ from worker.kernel_plans import tune_at_start
 from worker.metrics import WorkerMetrics
 from worker.redis_retry import retrying
 from worker.results import CancelWatch, ResultPublisher
+from worker.routed_streams import RoutedStreams
 from worker.running_jobs import RunningJob, RunningJobs
 from worker.switching.residency import ModelResidency
 from worker.switching.switcher import ModelSwitcher
@@ -114,6 +115,7 @@ class Worker:
             switch_grace_s=self.config.switch_grace_s,
             in_flight=self._running.load_of,
             hand_back=self._hand_back_model,
+            release_routed=RoutedStreams(self._redis, self.id).hand_over_own,
         )
         intake = Intake(
             self._redis,
