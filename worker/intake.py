@@ -91,6 +91,9 @@ class Intake:
             return
         if time.monotonic() - self._last_claim > self._config.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
+            for spec in self._config.models:  # routed here in the moment before a heartbeat said it went
+                if spec.name not in readable and not self._stopping.is_set():
+                    await self._streams.hand_over_own(spec.name)
             for model in readable:
                 await self._streams.adopt_orphans(model)
                 for priority in PRIORITIES:
