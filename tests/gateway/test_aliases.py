@@ -65,6 +65,9 @@ async def test_an_alias_is_used_only_by_its_owner_and_names_only_adapters_its_ow
     assert (await set_alias(admin_client, "chat", SHARED_OWNER, shared_chat=1)).status == 200
     assert await drawn(admin_client, fleet, 1, alias="chat", tenant="globex") == ["shared-chat"]
     assert await drawn(admin_client, fleet, 1, alias="chat", tenant="acme") == ["shared-chat"]
+    for tenant, listed in (("acme", {"acme-bot", "chat"}), ("globex", {"chat"})):
+        models = await (await admin_client.get("/v1/models", headers=fleet.auth(tenant))).json()
+        assert {m["id"] for m in models["data"]} & {"acme-bot", "chat"} == listed
 
 
 async def test_alias_and_adapter_names_never_collide(admin_client, fleet):
