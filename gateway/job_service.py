@@ -196,10 +196,9 @@ class JobService:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} not found", param="model")
         if not self._served_recently(model.name):
             await self._check_served(model.name)
-        adapter_name, alias = None, None
-        if request.adapter is not None:
-            adapter_name, alias = await self._through_alias(tenant, request.adapter)
-        adapter = None if adapter_name is None else await self._adapter(tenant, adapter_name, model)
+        adapter, alias = (
+            (None, None) if request.adapter is None else await self._adapter(tenant, request.adapter, model)
+        )
         if isinstance(request.prompt, str):  # awaited here, not in a helper coroutine: one frame fewer to resume
             encoded = await self._tokenizers.encode(
                 model.name, request.prompt, add_special_tokens=request.add_special_tokens
@@ -215,7 +214,7 @@ class JobService:
             status=JobStatus.QUEUED,
             tenant=tenant.tenant_id,
             model=model.name,
-            adapter=adapter_name,
+            adapter=None if adapter is None else adapter.name,
             created_ms=int(created_at * 1000),
             prompt_tokens=len(prompt_token_ids),
             webhook=request.webhook,
@@ -254,7 +253,7 @@ class JobService:
             raise _refusal(denied.denial, model, cost_tokens) from None
         if created:
             if alias is not None and self._alias_jobs is not None:
-                self._alias_jobs.labels(alias, adapter_name).inc()
+                self._alias_jobs.labels(alias, record.adapter).inc()
             return record, True
         return await self.get(tenant, job_id), False
 
@@ -393,17 +392,17 @@ class JobService:
                 param="model",
             )
 
-    async def _through_alias(self, tenant: Tenant, name: str) -> tuple[str, str | None]:
-        """(the adapter the job runs, the alias it was drawn from or None): a name that is an alias the tenant
-        may use draws one of its adapters by the weights as they are now; any other name is an adapter's."""
-        alias = await get_alias(self._redis, name)
-        if alias is None or not alias.visible_to(tenant.tenant_id):
-            return name, None
-        return alias.draw(self._rng), name
-
-    async def _adapter(self, tenant: Tenant, name: str, model: ModelInfo) -> AdapterRef:
-        """The current version of an adapter the tenant may use with `model`."""
+    async def _adapter(self, tenant: Tenant, name: str, model: ModelInfo) -> tuple[AdapterRef, str | None]:
+        """The current version of an adapter the tenant may use with `model`, and the alias it was drawn from:
+        a name that is no adapter but an alias the tenant may use draws one of the alias's adapters by its
+        weights as they are now (None: the name was the adapter's)."""
         adapter = await get_adapter(self._redis, name)
+        alias = None
+        if adapter is None:  # one namespace: an adapter's name is no alias's
+            aliased = await get_alias(self._redis, name)
+            if aliased is not None and aliased.visible_to(tenant.tenant_id):
+                alias, name = name, aliased.draw(self._rng)
+                adapter = await get_adapter(self._redis, name)
         if adapter is None or not adapter.visible_to(tenant.tenant_id):
             raise RequestError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r} not found", param="adapter")
         if adapter.base_model != model.name:
@@ -417,7 +416,7 @@ class JobService:
         refusal = None if limits is None else adapter.refusal(limits)
         if refusal is not None:
             raise RequestError(ErrorCode.ADAPTER_EXCEEDS_MODEL_LIMITS, f"adapter {name!r} {refusal}", param="adapter")
-        return adapter.ref()
+        return adapter.ref(), alias
 
     async def _live_limits(self, model: str) -> tuple[AdapterLimits | None]:
         return (await adapter_limits(self._redis, model, since_ms=time.time() * 1000 - self._unserved_after_ms),)
