@@ -21,7 +21,7 @@ from kernels import pdl
 from kernels.quant.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude below 2**22 to an integer, ties to even
-_ROUNDER = 12582912.0
+_ROUNDER = tl.constexpr(12582912.0)  # a global a jitted function reads must be a constexpr
 
 
 @triton.jit

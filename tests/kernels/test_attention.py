@@ -13,6 +13,8 @@ from tests.kernels.lora_cases import rel_err
 # compiled kernels need CUDA tensors; without a GPU the interpreter runs them on CPU tensors
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+# (query heads, KV heads, head_dim): power-of-two GQA, and the demo model's (SmolLM2-135M: a group of 3)
+HEAD_LAYOUTS = {"llama": (32, 8, 128), "smollm2": (9, 3, 64)}
 
 CASES = {
     "decode": [(1, 1), (1, 17), (1, 40), (1, 64)],
@@ -24,7 +26,9 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kind", sorted(CASES))
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [(8, 2, 64, 16), (2, 2, 48, 5)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"), [(8, 2, 64, 16), (2, 2, 48, 5), (9, 3, 64, 16)]
+)
 def test_triton_matches_the_reference(
     kind: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
@@ -79,11 +83,19 @@ def test_rejects_query_heads_that_do_not_group_over_kv_heads() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
 @pytest.mark.parametrize("kind", sorted(CASES))
-def test_bf16_on_the_gpu_matches_the_reference(kind: str) -> None:
+def test_bf16_on_the_gpu_matches_the_reference(kind: str, layout: str) -> None:
     lens = [(q * 7, ctx * 7) for q, ctx in CASES[kind]]
+    num_heads, num_kv_heads, head_dim = HEAD_LAYOUTS[layout]
     case = make_case(
-        lens, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda"
+        lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
     )
     out = paged_attention(*case.args())
     ref = paged_attention_reference(*case.args())

@@ -29,7 +29,7 @@ def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_tokens", "hidden"), [(1, 64), (7, 96), (5, 4096)])
+@pytest.mark.parametrize(("num_tokens", "hidden"), [(1, 64), (7, 96), (5, 4096), (3, 576)])
 def test_rms_norm_matches_the_reference(dtype: torch.dtype, num_tokens: int, hidden: int):
     x = randn(num_tokens, hidden, dtype=dtype, seed=hidden)
     weight = randn(hidden, dtype=dtype, seed=hidden + 1)
@@ -38,7 +38,7 @@ def test_rms_norm_matches_the_reference(dtype: torch.dtype, num_tokens: int, hid
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_tokens", "hidden"), [(3, 80), (9, 4096)])
+@pytest.mark.parametrize(("num_tokens", "hidden"), [(3, 80), (9, 4096), (4, 576)])
 def test_add_rms_norm_writes_the_sum_into_the_residual(dtype: torch.dtype, num_tokens: int, hidden: int):
     # x is a row-strided view, as the rows gathered from a wider buffer are
     x = randn(num_tokens, hidden + 16, dtype=dtype, seed=num_tokens)[:, :hidden]
@@ -52,7 +52,7 @@ def test_add_rms_norm_writes_the_sum_into_the_residual(dtype: torch.dtype, num_t
 
 @pytest.mark.parametrize("with_delta", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_tokens", "width"), [(1, 24), (6, 1000), (3, 2304)])
+@pytest.mark.parametrize(("num_tokens", "width"), [(1, 24), (6, 1000), (3, 2304), (4, 1536)])
 def test_silu_and_mul_matches_the_reference(dtype: torch.dtype, num_tokens: int, width: int, with_delta: bool):
     gate_up = randn(num_tokens, 2 * width, dtype=dtype, seed=width) * 3
     # a LoRA delta beside the projection: a strided view, as a wider buffer's columns would be
@@ -79,7 +79,7 @@ def rope_case(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
 
 @pytest.mark.parametrize("with_delta", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (3, 1, 48), (2, 2, 128)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (3, 1, 48), (2, 2, 128), (9, 3, 64)])
 def test_rope_and_cache_kv_matches_the_reference(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, with_delta: bool
 ):

@@ -109,6 +109,20 @@ def test_kept_buffers_hold_their_tensors_after_the_read(tmp_path: Path) -> None:
         assert same_bytes(kept[name], tensor), name
 
 
+def test_kept_tensors_view_whole_aligned_buffers_as_their_storage(tmp_path: Path) -> None:
+    """torch's is_pinned asks about a tensor's storage's first byte: for the warm tier's tensors to
+    read as pinned, that byte must be the first of a buffer a PageLock registers (ALIGN-aligned)."""
+    buffers = KeptBuffers(pin=False)
+    with contextlib.closing(read_tensors("m", two_shards(tmp_path), buffers)) as tensors:
+        kept = dict(tensors)
+    starts = {buffer.data_ptr() for buffer in buffers.buffers}
+    for buffer in buffers.buffers:
+        storage = buffer.untyped_storage()
+        assert storage.data_ptr() == buffer.data_ptr() and storage.nbytes() == buffer.numel()
+        assert buffer.data_ptr() % shard_reader.ALIGN == 0
+    assert all(tensor.untyped_storage().data_ptr() in starts for tensor in kept.values())
+
+
 def test_partial_reads_are_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shard_reader, "_direct_fd", lambda path: None)
     real_preadv = os.preadv

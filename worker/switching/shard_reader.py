@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import structlog
 import torch
 
@@ -80,11 +81,15 @@ class PageLock:
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
-    """An uninitialised uint8 host buffer of `nbytes` (rounded up to ALIGN) whose address is ALIGN-aligned."""
+    """An uninitialised uint8 host buffer of `nbytes` (rounded up to ALIGN) whose address is ALIGN-aligned.
+
+    The buffer is its storage's whole, not a slice of a larger one: torch's `is_pinned` asks the CUDA
+    driver about a tensor's storage's first byte, which must be the first byte a PageLock registers,
+    or page-locked buffers (and every tensor viewing them) read as pageable."""
     nbytes = -(-nbytes // ALIGN) * ALIGN
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % ALIGN
-    return raw[skip : skip + nbytes]
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return torch.from_numpy(raw[skip : skip + nbytes])  # a storage starting at the slice, keeping `raw` alive
 
 
 class SegmentBuffers(abc.ABC):
