@@ -1,15 +1,19 @@
-"""Admin commands over the fleet's Redis: `lorafleet tenant create` and `lorafleet adapter register`."""
+"""Admin commands over the fleet's Redis: `lorafleet tenant create`, `lorafleet adapter register` and
+`lorafleet alias set / list / delete`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from redis.asyncio import Redis
 
 from shared import keys
+from shared.adapter_aliases import AdapterAlias, AliasVersion, delete_alias, list_aliases, set_alias
 from shared.adapter_registry import SHARED_OWNER, AdapterRecord, register_adapter
 from shared.config import EngineConfig
 from shared.errors import ErrorCode, LorafleetError
@@ -17,6 +21,8 @@ from shared.model_info import ModelInfo
 from shared.model_registry import get_model
 from shared.redis_client import plain_redis
 from shared.tenants import create_tenant
+
+T = TypeVar("T")
 
 
 def tenant_create(redis_url: str, name: str, *, as_json: bool) -> int:
@@ -86,3 +92,41 @@ async def _register(redis_url: str, registration: AdapterRegistration) -> Adapte
             max_rank=registration.max_rank,
             max_bytes=EngineConfig().max_adapter_bytes,
         )
+
+
+def alias_set(redis_url: str, name: str, tenant: str, versions: list[AliasVersion], *, as_json: bool) -> int:
+    alias = asyncio.run(_set_alias(redis_url, name, tenant, versions))
+    print(json.dumps(alias.to_dict()) if as_json else f"alias {_describe(alias)}")
+    return 0
+
+
+async def _set_alias(redis_url: str, name: str, tenant: str, versions: list[AliasVersion]) -> AdapterAlias:
+    async with plain_redis(redis_url) as redis:
+        if tenant != SHARED_OWNER and not await redis.sismember(keys.TENANTS, tenant):
+            raise LorafleetError(
+                ErrorCode.NOT_FOUND, f"tenant {tenant!r} does not exist (create it with `lorafleet tenant create`)"
+            )
+        return await set_alias(redis, name, tenant, versions)
+
+
+def alias_list(redis_url: str) -> int:
+    for alias in asyncio.run(_with_redis(redis_url, list_aliases)):
+        print(_describe(alias))
+    return 0
+
+
+def alias_delete(redis_url: str, name: str) -> int:
+    alias = asyncio.run(_with_redis(redis_url, lambda redis: delete_alias(redis, name)))
+    print(f"deleted alias {alias.name}")
+    return 0
+
+
+async def _with_redis(redis_url: str, work: Callable[[Redis], Awaitable[T]]) -> T:
+    async with plain_redis(redis_url) as redis:
+        return await work(redis)
+
+
+def _describe(alias: AdapterAlias) -> str:
+    total = sum(v.weight for v in alias.versions)
+    shares = ", ".join(f"{v.adapter} {100 * v.weight / total:g}%" for v in alias.versions)
+    return f"{alias.name} (tenant {alias.tenant}, model {alias.base_model}): {shares}"

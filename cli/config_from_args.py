@@ -17,6 +17,7 @@ from cli.admin import AdapterRegistration
 from cli.devices import visible_gpus
 from cli.errors import CommandError
 from cli.state import DEFAULT_STATE_DIR, DEMO_FILE, KERNEL_PLANS_DIR, FleetState, read_json
+from shared.adapter_aliases import AliasVersion
 from shared.adapter_registry import ADAPTER_NAME
 from shared.config import (
     BatchConfig,
@@ -121,6 +122,14 @@ def adapter_names(text: str) -> tuple[str, ...]:
     if bad:
         raise argparse.ArgumentTypeError(f"not an adapter name: {bad[0]!r} (expected NAME[,NAME...])")
     return tuple(dict.fromkeys(names))
+
+
+def alias_version(text: str) -> AliasVersion:
+    """`ADAPTER=WEIGHT`, one of an alias's weighted adapters."""
+    name, sep, weight = text.rpartition("=")
+    if not sep or not ADAPTER_NAME.match(name) or not weight.isdigit():
+        raise argparse.ArgumentTypeError(f"expected ADAPTER=WEIGHT (an integer), got {text!r}")
+    return AliasVersion(name, int(weight))
 
 
 def model_spec(text: str) -> ModelSpec:
@@ -249,6 +258,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         port=args.port,
         admin_key_sha256=None if admin_key is None else hash_admin_key(admin_key),
         adapter_root=_gateway_adapter_root(args),
+        adapter_routing=args.adapter_routing == "on",
         tenant_limits=TenantLimits(
             requests_per_min=args.requests_per_min,
             tokens_per_min=args.tokens_per_min,
@@ -310,6 +320,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             worker_id=args.worker_id or default_worker_id(),
             heartbeat_interval_s=args.heartbeat_interval,
             claim_idle_ms=args.claim_idle_ms,
+            steal_after_ms=args.steal_after_ms,
             max_deliveries=args.max_deliveries,
             drain_grace_s=args.drain_grace,
             metrics_port=args.metrics_port,

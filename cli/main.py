@@ -106,6 +106,13 @@ def _add_gateway(commands: argparse._SubParsersAction) -> None:
     gateway.add_argument(
         "--adapter-root", type=Path, help="adapters registered over HTTP must live here (default: from --state-dir)"
     )
+    gateway.add_argument(
+        "--adapter-routing",
+        choices=("on", "off"),
+        default="on" if _GATEWAY.adapter_routing else "off",
+        help="place adapter jobs on the worker holding the adapter; off: any worker takes any job "
+        "(default: %(default)s)",
+    )
     limits = gateway.add_argument_group("per-tenant admission limits (a tenant's own limits, set by an admin, win)")
     for flag, default in (
         ("--requests-per-min", _GATEWAY.tenant_limits.requests_per_min),
@@ -166,6 +173,13 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
         type=cfa.positive_int,
         default=_WORKER.claim_idle_ms,
         help="a running job not renewed for this long is taken over by another worker (default: %(default)s)",
+    )
+    delivery.add_argument(
+        "--steal-after-ms",
+        type=cfa.positive_int,
+        default=_WORKER.steal_after_ms,
+        help="a job routed to another worker that waited there unread this long is taken by a worker with "
+        "free batch slots (default: %(default)s)",
     )
     delivery.add_argument(
         "--max-deliveries",
@@ -320,6 +334,33 @@ def _add_admin(commands: argparse._SubParsersAction) -> None:
     register.add_argument("--json", action="store_true", help="print the adapter record")
     register.set_defaults(run=_run_adapter_register)
 
+    alias = commands.add_parser("alias", help="manage adapter aliases (canaries, rollouts, rollbacks)")
+    alias_actions = alias.add_subparsers(dest="action", required=True)
+    alias_set = alias_actions.add_parser(
+        "set", help="point an alias at weighted adapters; jobs submitted from now on draw by the new weights"
+    )
+    alias_set.add_argument("name", help="the alias's name in job requests")
+    alias_set.add_argument("--tenant", required=True, help="owning tenant, or 'shared' for every tenant")
+    alias_set.add_argument(
+        "--adapter",
+        dest="versions",
+        action="append",
+        required=True,
+        type=cfa.alias_version,
+        metavar="ADAPTER=WEIGHT",
+        help="a registered adapter and its weight (repeat: e.g. support-v2=95 support-v3=5; 0 keeps it listed, unused)",
+    )
+    _add_redis_flags(alias_set)
+    alias_set.add_argument("--json", action="store_true", help="print the alias")
+    alias_set.set_defaults(run=_run_alias_set)
+    alias_list = alias_actions.add_parser("list", help="every alias with its weights")
+    _add_redis_flags(alias_list)
+    alias_list.set_defaults(run=_run_alias_list)
+    alias_delete = alias_actions.add_parser("delete", help="remove an alias (jobs queued keep their adapter)")
+    alias_delete.add_argument("name")
+    _add_redis_flags(alias_delete)
+    alias_delete.set_defaults(run=_run_alias_delete)
+
 
 def _add_submit(commands: argparse._SubParsersAction) -> None:
     submit = commands.add_parser("submit", help="run one prompt through the gateway and print the output")
@@ -449,6 +490,24 @@ def _run_adapter_register(args: argparse.Namespace) -> int:
     from cli.admin import adapter_register
 
     return adapter_register(cfa.redis_url(args), cfa.adapter_registration(args), as_json=args.json)
+
+
+def _run_alias_set(args: argparse.Namespace) -> int:
+    from cli.admin import alias_set
+
+    return alias_set(cfa.redis_url(args), args.name, args.tenant, args.versions, as_json=args.json)
+
+
+def _run_alias_list(args: argparse.Namespace) -> int:
+    from cli.admin import alias_list
+
+    return alias_list(cfa.redis_url(args))
+
+
+def _run_alias_delete(args: argparse.Namespace) -> int:
+    from cli.admin import alias_delete
+
+    return alias_delete(cfa.redis_url(args), args.name)
 
 
 def _run_submit(args: argparse.Namespace) -> int:

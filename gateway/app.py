@@ -19,6 +19,7 @@ from gateway.job_service import JobService
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_middleware
 from gateway.routes import setup_routes
+from gateway.routing import FleetView
 from gateway.state import BATCHES, CONFIG, FILES, JOBS, METRICS, REDIS
 from gateway.tokenization import TokenizerCache
 from gateway.webhooks import WebhookDispatcher
@@ -71,6 +72,8 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         Admission(config.tenant_limits),
         events_idle_s=min(_KEEPALIVE_S, config.limits.max_wait_s),
         model_unserved_after_s=config.model_unserved_after_s,
+        fleet=FleetView(redis, app[METRICS].jobs_placed) if config.adapter_routing else None,
+        alias_jobs=app[METRICS].alias_jobs,
     )
     app[FILES] = FileStore(redis, config.batches.file_ttl_s)
     app[BATCHES] = BatchStore(redis, config.batches.batch_ttl_s)

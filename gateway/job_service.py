@@ -16,27 +16,30 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from prometheus_client import Counter
 from redis.asyncio import Redis
 
 from gateway.chat import render_chat
 from gateway.errors import RequestError
 from gateway.job_events import JobEventReader
 from gateway.job_request import JobRequest
+from gateway.routing import FleetView
 from gateway.tokenization import TokenizerCache
 from gateway.ttl_cache import TtlCache
-from shared import keys
+from shared.adapter_aliases import get_alias
 from shared.adapter_registry import get_adapter, track_adapter_job
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore
 from shared.model_info import ModelInfo
 from shared.model_registry import AdapterLimits, adapter_limits, get_chat_template, get_model, served_ms
 from shared.rate_limits import Admission, AdmissionDenied, Denial
-from shared.schema import AdapterRef, JobMessage, JobRecord, JobStatus, SamplingParams
+from shared.schema import AdapterRef, JobMessage, JobRecord, JobStatus, Priority, SamplingParams
 from shared.tenants import Tenant
 
 _JOB_ID = re.compile(r"^job_[0-9a-f]{32}$")
@@ -154,12 +157,19 @@ class JobService:
         *,
         events_idle_s: float,
         model_unserved_after_s: float,
+        fleet: FleetView | None = None,
+        alias_jobs: Counter | None = None,
     ) -> None:
+        """`fleet`: where adapter jobs are routed from (gateway/routing.py); None: every job on its model's
+        shared stream. `alias_jobs`: the counter of jobs by alias and the adapter drawn."""
         self._redis = redis
         self._store = store
         self._events = events
         self._tokenizers = tokenizers
         self._admission = admission
+        self._fleet = fleet
+        self._alias_jobs = alias_jobs
+        self._rng = random.Random()
         self._events_idle_s = events_idle_s  # an event stream yields Idle after this long without events
         self._unserved_after_ms = model_unserved_after_s * 1000
         # when a worker last advertised each model (unix ms): stamps are refreshed every heartbeat, so a
@@ -186,7 +196,9 @@ class JobService:
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {request.model!r} not found", param="model")
         if not self._served_recently(model.name):
             await self._check_served(model.name)
-        adapter = None if request.adapter is None else await self._adapter(tenant, request.adapter, model)
+        adapter, alias = (
+            (None, None) if request.adapter is None else await self._adapter(tenant, request.adapter, model)
+        )
         if isinstance(request.prompt, str):  # awaited here, not in a helper coroutine: one frame fewer to resume
             encoded = await self._tokenizers.encode(
                 model.name, request.prompt, add_special_tokens=request.add_special_tokens
@@ -202,11 +214,13 @@ class JobService:
             status=JobStatus.QUEUED,
             tenant=tenant.tenant_id,
             model=model.name,
-            adapter=request.adapter,
+            adapter=None if adapter is None else adapter.name,
             created_ms=int(created_at * 1000),
             prompt_tokens=len(prompt_token_ids),
             webhook=request.webhook,
             priority=request.priority,
+            adapter_version=0 if adapter is None else adapter.version,
+            alias=alias,
         )
         message = JobMessage(
             job_id=record.job_id,
@@ -227,13 +241,19 @@ class JobService:
         admission = None
         if admit:
             admission = self._admission.check(
-                tenant.tenant_id, tenant.key_lookup, job_id, keys.queue(model.name, request.priority), cost_tokens
+                tenant.tenant_id, tenant.key_lookup, job_id, model.name, request.priority, cost_tokens
             )
+        queue = None
+        if self._fleet is not None and request.priority is Priority.INTERACTIVE:
+            # batch jobs wait on the model's shared batch stream: routing places interactive jobs only
+            queue = (await self._fleet.route(model.name, None if adapter is None else adapter.uid)).queue
         try:
-            job_id, created = await self._store.create(record, message, idempotency_key, admission)
+            job_id, created = await self._store.create(record, message, idempotency_key, admission, queue)
         except AdmissionDenied as denied:
             raise _refusal(denied.denial, model, cost_tokens) from None
         if created:
+            if alias is not None and self._alias_jobs is not None:
+                self._alias_jobs.labels(alias, record.adapter).inc()
             return record, True
         return await self.get(tenant, job_id), False
 
@@ -277,7 +297,7 @@ class JobService:
         base, sep, adapter_name = name.partition(":")
         if sep:
             return base, adapter_name
-        adapter = await get_adapter(self._redis, name)
+        adapter = await get_adapter(self._redis, name) or await get_alias(self._redis, name)
         if adapter is None or not adapter.visible_to(tenant.tenant_id):
             raise RequestError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} not found", param="model")
         return adapter.base_model, name
@@ -372,9 +392,17 @@ class JobService:
                 param="model",
             )
 
-    async def _adapter(self, tenant: Tenant, name: str, model: ModelInfo) -> AdapterRef:
-        """The current version of an adapter the tenant may use with `model`."""
+    async def _adapter(self, tenant: Tenant, name: str, model: ModelInfo) -> tuple[AdapterRef, str | None]:
+        """The current version of an adapter the tenant may use with `model`, and the alias it was drawn from:
+        a name that is no adapter but an alias the tenant may use draws one of the alias's adapters by its
+        weights as they are now (None: the name was the adapter's)."""
         adapter = await get_adapter(self._redis, name)
+        alias = None
+        if adapter is None:  # one namespace: an adapter's name is no alias's
+            aliased = await get_alias(self._redis, name)
+            if aliased is not None and aliased.visible_to(tenant.tenant_id):
+                alias, name = name, aliased.draw(self._rng)
+                adapter = await get_adapter(self._redis, name)
         if adapter is None or not adapter.visible_to(tenant.tenant_id):
             raise RequestError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r} not found", param="adapter")
         if adapter.base_model != model.name:
@@ -388,7 +416,7 @@ class JobService:
         refusal = None if limits is None else adapter.refusal(limits)
         if refusal is not None:
             raise RequestError(ErrorCode.ADAPTER_EXCEEDS_MODEL_LIMITS, f"adapter {name!r} {refusal}", param="adapter")
-        return adapter.ref()
+        return adapter.ref(), alias
 
     async def _live_limits(self, model: str) -> tuple[AdapterLimits | None]:
         return (await adapter_limits(self._redis, model, since_ms=time.time() * 1000 - self._unserved_after_ms),)

@@ -1,5 +1,6 @@
 """The Prometheus metrics of one gateway process: requests by route and status, request latency, and at
-scrape time the queue depth of each served model (entries in its stream: queued + running).
+scrape time the queue depth of each served model (entries in its streams: queued + running), and
+where routing placed jobs (gateway/routing.py).
 
 Each application gets its own registry, so several apps in one process (tests) never collide. The
 middleware that records requests is in middleware.py (the numbers are request_metrics.py's);
@@ -26,15 +27,29 @@ class GatewayMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.jobs_placed = Counter(
+            "lorafleet_gateway_jobs_placed",
+            "jobs queued, by where routing put them: shared (any worker), gpu / host (a worker holding the "
+            "adapter in that tier), home (the adapter's consistent-hash worker), spill (its home had no room), "
+            "overflow (no worker had room: the shared stream)",
+            ["model", "placement"],
+            registry=self.registry,
+        )
+        self.alias_jobs = Counter(
+            "lorafleet_gateway_alias_jobs",
+            "jobs queued through an adapter alias, by alias and the adapter its weights drew (a canary's share)",
+            ["alias", "adapter"],
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "lorafleet_queue_depth",
-            "entries in a model's queue stream of one priority class (queued + running)",
+            "entries in a model's streams of one priority class, shared and routed (queued + running)",
             ["model", "priority"],
             registry=self.registry,
         )
         self.queue_wait = Gauge(
             "lorafleet_queue_oldest_seconds",
-            "age of the oldest entry in a model's queue stream of one priority class (0 when empty)",
+            "age of the oldest entry in a model's streams of one priority class, shared and routed (0 when empty)",
             ["model", "priority"],
             registry=self.registry,
         )

@@ -79,6 +79,8 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     job = request.get(QUEUED_JOB)
     if job is not None:  # the job the request queued
         line |= {"job_id": job.job_id, "tenant": job.tenant, "model": job.model, "adapter": job.adapter}
+        if job.alias is not None:  # the adapter above is the one the alias drew
+            line["alias"] = job.alias
     info_line("request", line)
     return response
 

@@ -41,3 +41,6 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/v1/admin/adapters", admin.register_adapter_view)
     app.router.add_get("/v1/admin/adapters", admin.list_adapters_view)
     app.router.add_delete("/v1/admin/adapters/{name}", admin.unregister_adapter_view)
+    app.router.add_put("/v1/admin/aliases/{name}", admin.set_alias_view)
+    app.router.add_get("/v1/admin/aliases", admin.list_aliases_view)
+    app.router.add_delete("/v1/admin/aliases/{name}", admin.delete_alias_view)

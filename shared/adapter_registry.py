@@ -65,7 +65,9 @@ return 1
 _UNREGISTER = (
     _IN_FLIGHT
     + """
--- KEYS: adapter record, adapter names, its in-flight jobs   ARGV: name, now_ms, job key prefix, grace_ms
+-- KEYS: adapter record, adapter names, its in-flight jobs, the aliases naming it
+-- ARGV: name, now_ms, job key prefix, grace_ms
+if redis.call('SCARD', KEYS[4]) > 0 then return -1 end
 local tracked = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
 for i = 1, #tracked, 2 do
   if not in_flight(ARGV[3], tracked[i], tracked[i + 1], ARGV[2], ARGV[4]) then
@@ -138,6 +140,8 @@ async def register_adapter(
     relative = adapter_relative_path(adapter_root, path, owner=tenant)
     files = await asyncio.to_thread(read_adapter, adapter_root, relative, model, max_rank=max_rank, max_bytes=max_bytes)
     manifest = files.manifest
+    if await redis.exists(keys.alias(name)):  # one namespace: a name in a request means one thing
+        raise LorafleetError(ErrorCode.CONFLICT, f"{name!r} is an adapter alias's name")
     existing = await get_adapter(redis, name)
     if existing is not None and existing.tenant != tenant:
         raise LorafleetError(ErrorCode.CONFLICT, f"adapter name {name!r} belongs to another tenant")
@@ -195,15 +199,21 @@ async def track_adapter_job(redis: Redis, name: str, job_id: str) -> bool:
 
 async def unregister_adapter(redis: Redis, name: str, *, owner: str | None = None) -> AdapterRecord:
     """Remove adapter `name` (only if `owner` owns it, when given); new jobs naming it get
-    ADAPTER_NOT_FOUND. Refused with CONFLICT while jobs naming it are queued or running."""
+    ADAPTER_NOT_FOUND. Refused with CONFLICT while jobs naming it are queued or running, or an alias names
+    it (shared/adapter_aliases.py): an alias never draws an adapter that is gone."""
     record = await get_adapter(redis, name)
     if record is None or (owner is not None and record.tenant != owner):
         raise LorafleetError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r} not found")
     script = redis.register_script(_UNREGISTER)
     busy = await script(
-        keys=[keys.adapter(name), keys.ADAPTERS, keys.adapter_jobs(name)],
+        keys=[keys.adapter(name), keys.ADAPTERS, keys.adapter_jobs(name), keys.adapter_aliases(name)],
         args=[name, int(time.time() * 1000), keys.job(""), _QUEUEING_GRACE_MS],
     )
+    if busy == -1:
+        aliases = sorted(alias.decode() for alias in await redis.smembers(keys.adapter_aliases(name)))
+        raise LorafleetError(
+            ErrorCode.CONFLICT, f"adapter {name!r} is named by alias(es) {', '.join(aliases)}: take it out first"
+        )
     if busy:
         raise LorafleetError(
             ErrorCode.CONFLICT, f"adapter {name!r} has {busy} job(s) queued or running: retry once they finish"

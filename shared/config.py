@@ -140,6 +140,9 @@ class GatewayConfig:
     model_unserved_after_s: float = 120.0
     # a job is answered 202 only once this many replicas have it (503 replica_unavailable otherwise)
     replica_wait: ReplicaWait = field(default_factory=ReplicaWait)
+    # place adapter jobs on the worker holding the adapter (gateway/routing.py); off: every job on the
+    # model's shared stream, any worker takes any job
+    adapter_routing: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +223,9 @@ class WorkerConfig:
     # a pending job whose worker has been silent this long is claimed by another worker
     claim_idle_ms: int = 60_000
     max_deliveries: int = 3
+    # a job routed to another worker of a model that has waited there unread this long is taken by a
+    # worker with free batch slots (worker/routed_streams.py)
+    steal_after_ms: int = 500
     # on SIGTERM, running jobs get this long to finish; the rest are handed back to the queue
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
     # base models on the device at once (None: all of them); the others wait warm or cold
@@ -248,6 +254,8 @@ class WorkerConfig:
             raise ValueError("claim_idle_ms must be at least three heartbeat intervals")
         if self.max_deliveries < 1:
             raise ValueError("max_deliveries must be >= 1")
+        if self.steal_after_ms < 1:
+            raise ValueError("steal_after_ms must be >= 1")
         if self.max_resident_models is not None and self.max_resident_models < 1:
             raise ValueError("max_resident_models must be >= 1")
         if self.cpu_model_cache_bytes < 0 or self.switch_grace_s < 0:

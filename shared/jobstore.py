@@ -49,21 +49,23 @@ log = structlog.get_logger(__name__)
 _CREATE = (
     ADMIT_LUA
     + """
--- KEYS: job hash, model queue, idempotency key, then the admit function's keys when admitting
+-- KEYS: job hash, the job's queue (the model's shared stream or a worker's), idempotency key, the model's
+-- worker streams (set), then the admit function's keys when admitting
 -- ARGV: payload, then one msgpack array: use_idem, ttl_s, job_id, record [field, value, ...], admit's
--- args (nil: no admission)
-local use_idem, ttl_s, job_id, record, admit_args = unpack(cmsgpack.unpack(ARGV[2]), 1, 5)
+-- args (nil: no admission), routed (the queue is a worker's stream: listed, so that it is never stranded)
+local use_idem, ttl_s, job_id, record, admit_args, routed = unpack(cmsgpack.unpack(ARGV[2]), 1, 6)
 if use_idem then
   local existing = redis.call('GET', KEYS[3])
   if existing then return {0, existing} end
 end
 if admit_args then
-  local verdict = admit({unpack(KEYS, 4)}, admit_args)
+  local verdict = admit({unpack(KEYS, 5)}, admit_args)
   if verdict[1] ~= 'ok' then return {2, verdict[1], verdict[2], verdict[3]} end
 end
 redis.call('HSET', KEYS[1], unpack(record))
 redis.call('EXPIRE', KEYS[1], ttl_s)
 local entry_id = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
+if routed then redis.call('SADD', KEYS[4], KEYS[2]) end
 if use_idem then redis.call('SET', KEYS[3], job_id, 'EX', ttl_s) end
 return {1, job_id, entry_id}
 """
@@ -104,7 +106,7 @@ end
 
 _FINISH = (
     f"""
--- KEYS: job hash, job events, webhooks[, model queue]   ARGV: ttl_s, new status, events cap, queue entry id
+-- KEYS: job hash, job events, webhooks[, job queue]   ARGV: ttl_s, new status, events cap, queue entry id
 -- ('' with no queue), field/value...
 -- With a queue, its entry is acknowledged (and deleted) in the same script: a result is never stored
 -- without its ack nor acked without its result, whatever the primary that survives has of them.
@@ -238,9 +240,11 @@ class JobStore:
         message: JobMessage,
         idempotency_key: str | None = None,
         admission: AdmissionCheck | None = None,
+        queue: str | None = None,
     ) -> tuple[str, bool]:
-        """Write the job hash, then its queue entry, atomically (one script, one round trip). Returns
-        (job id, newly created); a repeated idempotency key returns the first job's id and queues
+        """Write the job hash, then its queue entry, atomically (one script, one round trip); the entry goes
+        on `queue`, a worker's routed stream (gateway/routing.py), or by default the model's shared stream of the
+        job's class. Returns (job id, newly created); a repeated idempotency key returns the first job's id and queues
         nothing (nor is admitted again). With `admission`, the job is admitted first in the same script,
         and AdmissionDenied is raised, with nothing written, when it is not. With replicas to wait for,
         ReplicaUnavailable is raised, the job withdrawn, when too few confirm it in time."""
@@ -254,9 +258,11 @@ class JobStore:
                 record.job_id,
                 record.hset_fields(),
                 admission.args if admission else None,
+                queue is not None,
             ]
         )
-        script_keys = [keys.job(record.job_id), keys.queue(record.model, message.priority), idem_key]
+        script_keys = [keys.job(record.job_id), queue or keys.queue(record.model, message.priority), idem_key]
+        script_keys.append(keys.worker_queues(record.model))
         script_keys += admission.keys if admission else ()
         script_args = [encode_job(message), packed]
         if self._replica_wait.replicas and self._batched is self._redis:
@@ -350,8 +356,8 @@ class JobStore:
         first_token_ms: int = 0,
         entry: tuple[str, bytes] | None = None,
     ) -> bool:
-        """Store the final result once and, with `entry` (queue stream key, entry id), acknowledge the job's
-        queue entry in the same script. Returns False when the job already had a terminal status
+        """Store the final result once and, with `entry` (the key of the stream it was read from, entry id),
+        acknowledge the job's queue entry in the same script. Returns False when the job already had a terminal status
         (canceled meanwhile, or finished by another delivery): the caller must not publish twice. With
         replicas to wait for, it returns once they have the result, or the wait timed out (logged: the
         result is stored, and if the primary is lost before a replica has it, the job runs again).

@@ -2,14 +2,18 @@
 
 | key                           | type   | what                                                      |
 | ----------------------------- | ------ | --------------------------------------------------------- |
-| lf:q:{model}                  | stream | queued interactive jobs for one base model (group `workers`) |
-| lf:qb:{model}                 | stream | queued batch jobs for one base model (group `workers`)    |
+| lf:q:{model}                  | stream | queued interactive jobs for one base model, any worker (group `workers`) |
+| lf:qb:{model}                 | stream | queued batch jobs for one base model, any worker (group `workers`) |
+| lf:wq:{model}:{worker}        | stream | interactive jobs routed to one worker of the model (group `workers`) |
+| lf:wqs:{model}                | set    | the model's worker streams (routing; stealing; re-claim)  |
 | lf:job:{id}                   | hash   | job record (status, tenant, timings, result); TTL         |
 | lf:out:{id}                   | stream | job events (tokens, final) for long-poll / streaming; TTL |
 | lf:dlq                        | stream | jobs that failed delivery too many times (capped)         |
 | lf:models / lf:model:{name}   | set / hash | base models: ModelInfo, tokenizer.json, served_ms    |
 | lf:adapters / lf:adapter:{n}  | set / hash | adapter registry records                              |
 | lf:adapter-jobs:{n}           | zset   | job ids queued or running on adapter n (unregister: 409)  |
+| lf:aliases / lf:alias:{name}  | set / hash | adapter aliases: owner, base model, weighted adapters  |
+| lf:adapter-aliases:{n}        | set    | the aliases naming adapter n (unregister: 409)            |
 | lf:workers / lf:worker:{id}   | set / hash | worker heartbeats; the hash has a TTL                 |
 | lf:tenants / lf:tenant:{id}   | set / hash | tenants (name, salted key hash, disabled)             |
 | lf:apikey:{lookup}            | string | API-key lookup id → tenant id                             |
@@ -43,11 +47,21 @@ MODELS = f"{PREFIX}:models"
 ADAPTERS = f"{PREFIX}:adapters"
 WORKERS = f"{PREFIX}:workers"
 TENANTS = f"{PREFIX}:tenants"
+ALIASES = f"{PREFIX}:aliases"
 
 
 def queue(model: str, priority: Priority = Priority.INTERACTIVE) -> str:
     """The stream of `model`'s jobs of one priority class: a worker reads the interactive one first."""
     return f"{PREFIX}:{_QUEUE_PREFIX[priority]}:{model}"
+
+
+# routing (gateway/routing.py, worker/routed_streams.py): an interactive job for an adapter goes to one worker's stream
+def worker_queue(model: str, worker_id: str) -> str:
+    return f"{PREFIX}:wq:{model}:{worker_id}"
+
+
+def worker_queues(model: str) -> str:
+    return f"{PREFIX}:wqs:{model}"
 
 
 def job(job_id: str) -> str:
@@ -68,6 +82,14 @@ def model(name: str) -> str:
 
 def adapter(name: str) -> str:
     return f"{PREFIX}:adapter:{name}"
+
+
+def alias(name: str) -> str:
+    return f"{PREFIX}:alias:{name}"
+
+
+def adapter_aliases(adapter_name: str) -> str:
+    return f"{PREFIX}:adapter-aliases:{adapter_name}"
 
 
 def adapter_jobs(name: str) -> str:

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from shared import keys
 from shared.config import TenantLimits
 from shared.errors import ErrorCode, LorafleetError
+from shared.schema import Priority
 
 # fields on lf:tenant:{id} that override the gateway's defaults for one tenant
 LIMIT_FIELDS = {
@@ -30,8 +31,16 @@ LIMIT_FIELDS = {
 # It re-checks the API key (still this tenant's) and that the tenant is enabled, so a gateway may cache
 # authentication without letting a rotated key or a disabled tenant submit.
 ADMIT_LUA = """
--- k: rate hash, active set, tenant hash, model queue, api-key lookup
--- a: job id, cost (tokens), default rpm, default tpm, default max jobs, max queue, job key prefix, tenant id
+-- k: rate hash, active set, tenant hash, model queue, api-key lookup, the model's worker queues (a set)
+-- a: job id, cost (tokens), default rpm, default tpm, default max jobs, max queue, job key prefix, tenant id,
+--    '1' when the class's jobs may be routed (interactive: the worker streams hold its jobs too)
+-- the class's queued and running jobs of the model: its shared stream, and every worker stream if routed
+local function model_queue_length(shared, worker_queues, routed)
+  local length = redis.call('XLEN', shared)
+  if routed ~= '1' then return length end
+  for _, stream in ipairs(redis.call('SMEMBERS', worker_queues)) do length = length + redis.call('XLEN', stream) end
+  return length
+end
 local function admit(k, a)
   if redis.call('GET', k[5]) ~= a[8] then return {'invalid_api_key', 0, 0} end
   local own = redis.call('HMGET', k[3], 'limit_rpm', 'limit_tpm', 'limit_concurrent', 'disabled')
@@ -41,7 +50,7 @@ local function admit(k, a)
   local max_jobs = tonumber(own[3]) or tonumber(a[5])
   local cost = tonumber(a[2])
   if cost > tpm then return {'tokens_per_request', 0, tpm} end
-  if redis.call('XLEN', k[4]) >= tonumber(a[6]) then return {'queue', 1000, tonumber(a[6])} end
+  if model_queue_length(k[4], k[6], a[9]) >= tonumber(a[6]) then return {'queue', 1000, tonumber(a[6])} end
   if redis.call('ZCARD', k[2]) >= max_jobs then
     for _, id in ipairs(redis.call('ZRANGE', k[2], 0, -1)) do
       local status = redis.call('HGET', a[7] .. id, 'status')
@@ -96,17 +105,21 @@ class Admission:
     def __init__(self, defaults: TenantLimits) -> None:
         self._defaults = defaults
 
-    def check(self, tenant_id: str, key_lookup: str, job_id: str, queue: str, cost_tokens: int) -> AdmissionCheck:
-        """Admit job `job_id` of `cost_tokens` (prompt + max_tokens), bound for the stream `queue`, for the
-        tenant whose API key has lookup id `key_lookup`."""
+    def check(
+        self, tenant_id: str, key_lookup: str, job_id: str, model: str, priority: Priority, cost_tokens: int
+    ) -> AdmissionCheck:
+        """Admit job `job_id` of `cost_tokens` (prompt + max_tokens), a job of `model` in class `priority`, for
+        the tenant whose API key has lookup id `key_lookup`. The queue cap counts the class's streams of the
+        model: interactive jobs may wait on a worker's routed stream, batch jobs only on the shared one."""
         defaults = self._defaults
         return AdmissionCheck(
             keys=(
                 keys.rate(tenant_id),
                 keys.active_jobs(tenant_id),
                 keys.tenant(tenant_id),
-                queue,
+                keys.queue(model, priority),
                 keys.api_key(key_lookup),
+                keys.worker_queues(model),
             ),
             args=(
                 job_id,
@@ -117,6 +130,7 @@ class Admission:
                 defaults.max_queue_per_model,
                 keys.job(""),
                 tenant_id,
+                "1" if priority is Priority.INTERACTIVE else "0",
             ),
         )
 

@@ -255,6 +255,8 @@ class JobRecord:
     error: JobError | None = None
     webhook: str | None = None  # URL called once with the finished job
     priority: Priority = Priority.INTERACTIVE
+    adapter_version: int = 0  # the version of `adapter` the job was submitted with (0: no adapter)
+    alias: str | None = None  # the adapter alias the job named, which drew `adapter` (shared/adapter_aliases.py)
 
     def hset_fields(self) -> list[str | int | bytes]:
         """A fresh job's hash as HSET's arguments, `[field, value, ...]` (output and error are written by the
@@ -271,6 +273,10 @@ class JobRecord:
             "attempts", 0,
             "priority", self.priority.value,
         ]  # fmt: skip
+        if self.adapter_version:
+            fields += ["adapter_version", self.adapter_version]
+        if self.alias:
+            fields += ["alias", self.alias]
         if self.webhook:
             fields += ["webhook", self.webhook]
         return fields
@@ -322,6 +328,8 @@ class JobRecord:
             error=error,
             webhook=text(b"webhook") or None,
             priority=decode_priority(text(b"priority") or Priority.INTERACTIVE.value),
+            adapter_version=number(b"adapter_version"),
+            alias=text(b"alias") or None,
         )
 
 

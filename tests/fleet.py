@@ -21,7 +21,7 @@ from shared import keys
 from shared.adapter_registry import register_adapter
 from shared.model_info import ModelInfo
 from shared.redis_client import plain_redis, sync_redis
-from shared.schema import JobRecord, JobStatus
+from shared.schema import PRIORITIES, JobRecord, JobStatus
 from shared.tenants import create_tenant
 from tests.e2e.processes import lorafleet_process, wait_until
 
@@ -191,9 +191,17 @@ class Fleet:
             assert len(record.output.token_ids) == record.completion_tokens > 0
             assert self.end_events(job_id) == 1, f"job {job_id} was finished more than once"
         with self.redis() as client:
-            assert client.xlen(keys.queue(MODEL)) == 0
-            assert client.xpending(keys.queue(MODEL), keys.WORKER_GROUP)["pending"] == 0
+            for stream in self.streams():
+                assert client.xlen(stream) == 0, stream
+                if client.exists(stream):
+                    assert client.xpending(stream, keys.WORKER_GROUP)["pending"] == 0, stream
             assert client.xlen(keys.DEAD_LETTER) == 0
+
+    def streams(self) -> list[str]:
+        """The model's shared streams (both classes) and every worker stream listed for it (routing)."""
+        with self.redis() as client:
+            members = sorted(member.decode() for member in client.smembers(keys.worker_queues(MODEL)))
+        return [*(keys.queue(MODEL, priority) for priority in PRIORITIES), *members]
 
 
 def jobs_for(count: int, max_tokens: int) -> list[dict]:

@@ -1,5 +1,7 @@
-"""Jobs in: reads the resident models' streams for as many jobs as there is room for, takes over
-entries whose worker died, and starts each job in the job store and the engine thread.
+"""Jobs in: reads the resident models' streams (each model's shared streams and this worker's own
+stream of interactive jobs routed to it, worker/routed_streams.py) for as many jobs as there is room
+for, takes over entries whose worker died, steals entries that waited too long on a busy worker's
+stream while this one has free batch slots, and starts each job in the job store and the engine thread.
 
 Each model has a stream per priority class: the interactive streams are read first, the batch
 streams with what room is left, up to the batch jobs' share of it (worker/running_jobs.py), so a
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from enum import StrEnum
 
 import structlog
 from redis.asyncio import Redis
@@ -29,13 +32,24 @@ from shared.jobstore import JobStore
 from shared.schema import PRIORITIES, JobError, JobMessage, JobStatus, Priority, SchemaError, decode_job
 from worker.engine.engine import EngineRequest
 from worker.engine_thread import EngineThread
-from worker.job_stream import ack, autoclaim_page, dead_letter, ensure_group, requeue
+from worker.job_stream import ack, autoclaim_page, dead_letter, ensure_group, requeue, shared_streams
+from worker.metrics import AdapterTier, WorkerMetrics
+from worker.routed_streams import RoutedStreams
 from worker.running_jobs import RunningJob, RunningJobs
 from worker.switching.switcher import ModelSwitcher
 
 log = structlog.get_logger(__name__)
 
 _READ_BLOCK_MS = 1000
+
+
+class Arrival(StrEnum):
+    """How a job reached this worker (metrics: routed vs stolen)."""
+
+    ROUTED = "routed"  # placed on this worker's own stream by the gateway
+    SHARED = "shared"  # read from the model's shared stream (base-model jobs, jobs handed back)
+    STOLEN = "stolen"  # waited past the bound on another worker's stream (worker/routed_streams.py)
+    RECLAIMED = "reclaimed"  # its worker died while running it
 
 
 class Intake:
@@ -48,6 +62,7 @@ class Intake:
         engine_thread: EngineThread,
         switcher: ModelSwitcher,
         stopping: asyncio.Event,
+        metrics: WorkerMetrics,
     ) -> None:
         self._redis = redis
         self._jobs = jobs
@@ -56,12 +71,17 @@ class Intake:
         self._engine_thread = engine_thread
         self._switcher = switcher
         self._stopping = stopping
+        self._metrics = metrics
+        self._streams = RoutedStreams(redis, config.worker_id)
         self._last_claim = 0.0
+        self._last_steal = 0.0
+        # an idle read returns this often, so entries waiting on a busy worker are stolen near the bound
+        self._read_block_ms = max(10, min(_READ_BLOCK_MS, config.steal_after_ms // 4))
 
     async def consume_once(self) -> None:
-        """Wait for room, or read (and first claim abandoned entries, every claim_idle_ms / 2) once."""
-        room = self._running.room_left
-        if room <= 0:
+        """Wait for room, or read (and first claim abandoned entries, every claim_idle_ms / 2) once;
+        with free batch slots left after that, steal what waited too long on other workers' streams."""
+        if self._running.room_left <= 0:
             self._running.room.clear()
             await self._running.room.wait()
             return
@@ -71,32 +91,49 @@ class Intake:
             return
         if time.monotonic() - self._last_claim > self._config.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
+            for spec in self._config.models:  # routed here in the moment before a heartbeat said it went
+                if spec.name not in readable and not self._stopping.is_set():
+                    await self._streams.hand_over_own(spec.name)
             for model in readable:
+                await self._streams.adopt_orphans(model)
                 for priority in PRIORITIES:
-                    await self._claim_abandoned(model, priority, self._room(priority))
+                    for stream in await self._streams.of_model(model, priority):
+                        await self._claim_abandoned(model, priority, stream, self._room(priority))
             if self._running.room_left <= 0:
                 return
         read = await self._read(readable, Priority.INTERACTIVE, block_ms=None)
         if self._running.batch_room_left > 0:
             read += await self._read(readable, Priority.BATCH, block_ms=None)
-        if not read:  # both empty: wait for the first entry of either class
+        if not read:  # all empty: wait for the first entry of any of them
             with_batch = PRIORITIES if self._running.batch_room_left > 0 else (Priority.INTERACTIVE,)
-            await self._read(readable, *with_batch, block_ms=_READ_BLOCK_MS, count=1)
+            await self._read(readable, *with_batch, block_ms=self._read_block_ms, count=1)
+        await self._steal_if_idle(readable)
 
     def _room(self, priority: Priority) -> int:
         return self._running.room_left if priority is Priority.INTERACTIVE else self._running.batch_room_left
+
+    def _streams_of(self, model: str, priority: Priority) -> dict[str, Arrival]:
+        """The streams this worker reads for `model`'s class `priority`: the shared one and, for interactive
+        jobs (the class routing places), its own."""
+        shared = {keys.queue(model, priority): Arrival.SHARED}
+        return shared | {self._streams.own(model): Arrival.ROUTED} if priority is Priority.INTERACTIVE else shared
 
     async def _read(
         self, readable: list[str], *priorities: Priority, block_ms: int | None, count: int | None = None
     ) -> int:
         """Read and accept new entries of `readable` models' streams of `priorities` (at most the room
         of the first class each); returns how many were read."""
-        queues = {keys.queue(model, priority): (model, priority) for priority in priorities for model in readable}
+        streams = {
+            stream: (model, priority, arrival)
+            for priority in priorities
+            for model in readable
+            for stream, arrival in self._streams_of(model, priority).items()
+        }
         try:
             response = await self._redis.xreadgroup(
                 keys.WORKER_GROUP,
                 self._config.worker_id,
-                dict.fromkeys(queues, ">"),
+                dict.fromkeys(streams, ">"),
                 count=count or self._room(priorities[0]),
                 block=block_ms,
             )
@@ -105,41 +142,72 @@ class Intake:
                 raise
             log.error("consumer_group_missing", error=str(exc))  # Redis came back without its data
             for spec in self._config.models:
-                await ensure_group(self._redis, spec.name)
+                for stream in shared_streams(spec.name):
+                    await ensure_group(self._redis, stream)
+                await self._streams.register(spec.name)
             return 0
         read = 0
-        for stream, entries in response or []:
-            model, priority = queues[stream.decode()]
+        for stream_key, entries in response or []:
+            stream = stream_key.decode()
+            model, priority, arrival = streams[stream]
             for entry_id, fields in entries:
                 read += 1
                 if self._stopping.is_set() or not self._switcher.admitting(model):
-                    await requeue(self._redis, model, priority, entry_id, fields)  # read during a stop or switch
+                    # read during a stop or a switch
+                    await requeue(self._redis, model, priority, stream, entry_id, fields)
                 else:
-                    await self._accept(model, priority, entry_id, fields)
+                    await self._accept(model, priority, stream, entry_id, fields, arrival)
         return read
 
-    async def _claim_abandoned(self, model: str, priority: Priority, count: int) -> None:
-        """Take over entries whose worker stopped renewing them (it died), scanning the whole pending list."""
+    async def _steal_if_idle(self, readable: list[str]) -> None:
+        """With free batch slots (jobs would run now, not queue), take entries that have waited past
+        `steal_after_ms` on other workers' streams; tried every quarter of the bound at most. Only
+        interactive jobs are routed, so only they are stolen."""
+        free = min(self._running.room_left, self._config.engine.max_num_seqs - len(self._running))
+        if free <= 0 or self._stopping.is_set() or time.monotonic() - self._last_steal < self._read_block_ms / 1000:
+            return
+        self._last_steal = time.monotonic()
+        for model in readable:
+            if not self._switcher.admitting(model):
+                continue
+            for stream, entries in await self._streams.steal(model, free, self._config.steal_after_ms):
+                for entry_id, fields in entries:
+                    log.info("job_stolen", model=model, stream=stream, entry=entry_id.decode())
+                    await self._accept(model, Priority.INTERACTIVE, stream, entry_id, fields, Arrival.STOLEN)
+            free = min(self._running.room_left, self._config.engine.max_num_seqs - len(self._running))
+            if free <= 0:
+                return
+
+    async def _claim_abandoned(self, model: str, priority: Priority, stream: str, count: int) -> None:
+        """Take over entries of `stream` whose worker stopped renewing them (it died), scanning the whole
+        pending list."""
         cursor: bytes | str = "0-0"
         claimed = 0
         while claimed < count:
-            cursor, entries = await autoclaim_page(
-                self._redis, model, priority, self._config.worker_id, self._config.claim_idle_ms, start_id=cursor,
-                count=count - claimed,
-            )  # fmt: skip
+            try:
+                cursor, entries = await autoclaim_page(
+                    self._redis, stream, self._config.worker_id, self._config.claim_idle_ms, start_id=cursor,
+                    count=count - claimed,
+                )  # fmt: skip
+            except ResponseError as exc:  # a worker stream deleted since it was listed: nothing to claim
+                if "NOGROUP" not in str(exc):
+                    raise
+                return
             for entry_id, fields in entries:
-                log.warning("job_reclaimed", model=model, priority=priority.value, entry=entry_id.decode())
-                await self._accept(model, priority, entry_id, fields)
+                log.warning("job_reclaimed", model=model, priority=priority, stream=stream, entry=entry_id.decode())
+                await self._accept(model, priority, stream, entry_id, fields, Arrival.RECLAIMED)
             claimed += len(entries)
             if cursor in (b"0-0", "0-0"):
                 return
 
-    async def _accept(self, model: str, priority: Priority, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    async def _accept(
+        self, model: str, priority: Priority, stream: str, entry_id: bytes, fields: dict[bytes, bytes], arrival: Arrival
+    ) -> None:
         try:
             message = _decode_entry(fields)
         except SchemaError as exc:
             log.error("undecodable_job", model=model, entry=entry_id.decode(), error=str(exc))
-            await dead_letter(self._redis, model, priority, entry_id, fields, reason=str(exc))
+            await dead_letter(self._redis, model, stream, entry_id, fields, reason=str(exc))
             return
         if message.job_id in self._running:
             return  # our own entry, already running
@@ -147,25 +215,27 @@ class Intake:
             status, attempts = await self._jobs.start(message.job_id, self._config.worker_id)
         except SchemaError as exc:
             log.error("unreadable_job_record", job=message.job_id, model=model, error=str(exc))
-            await dead_letter(self._redis, model, priority, entry_id, fields, reason=str(exc))
+            await dead_letter(self._redis, model, stream, entry_id, fields, reason=str(exc))
             return
         if status is not JobStatus.RUNNING:
-            await ack(self._redis, model, priority, entry_id)  # canceled while queued, finished earlier, or expired
+            await ack(self._redis, stream, entry_id)  # canceled while queued, finished earlier, or expired
             return
         if attempts > self._config.max_deliveries:
-            await self._give_up(model, priority, entry_id, fields, message, attempts)
+            await self._give_up(model, stream, entry_id, fields, message, attempts)
             return
         if not self._switcher.admitting(model):  # a switch began while the job was being started
             await self._jobs.release(message.job_id, self._config.worker_id)
-            await requeue(self._redis, model, priority, entry_id, fields)
+            await requeue(self._redis, model, priority, stream, entry_id, fields)
             return
-        self._running.add(message.job_id, RunningJob(model, priority, entry_id, message.request_id, fields))
+        self._running.add(message.job_id, RunningJob(model, priority, stream, entry_id, message.request_id, fields))
+        self._metrics.job_started(model, arrival, self._adapter_tier(model, message))
         log.info(
             "job_started",
             job=message.job_id,
             model=model,
             tenant=message.tenant,
             attempt=attempts,
+            arrival=arrival.value,
             request_id=message.request_id,
         )
         self._engine_thread.submit(
@@ -182,19 +252,23 @@ class Intake:
             ),
         )
 
+    def _adapter_tier(self, model: str, message: JobMessage) -> str:
+        """Where the job's adapter is on this worker now (as of its engine's last step): the hit rate by tier."""
+        if message.adapter is None:
+            return "none"
+        engine = self._switcher.residency.engines.get(model)
+        pool = None if engine is None else engine.adapter_pool  # None: a worker without LoRA
+        gpu, host = pool.resident if pool is not None else ((), ())
+        uid = message.adapter.uid
+        return AdapterTier.GPU if uid in gpu else AdapterTier.CPU if uid in host else AdapterTier.DISK
+
     async def _give_up(
-        self,
-        model: str,
-        priority: Priority,
-        entry_id: bytes,
-        fields: dict[bytes, bytes],
-        message: JobMessage,
-        attempts: int,
+        self, model: str, stream: str, entry_id: bytes, fields: dict[bytes, bytes], message: JobMessage, attempts: int
     ) -> None:
         log.error("job_dead_lettered", job=message.job_id, attempts=attempts, request_id=message.request_id)
         error = JobError(ErrorCode.WORKER_CRASHED, f"the job was delivered {attempts - 1} times without finishing")
         await self._jobs.finish(message.job_id, JobStatus.FAILED, error=error)
-        await dead_letter(self._redis, model, priority, entry_id, fields, reason="too many deliveries")
+        await dead_letter(self._redis, model, stream, entry_id, fields, reason="too many deliveries")
 
 
 def _decode_entry(fields: dict[bytes, bytes]) -> JobMessage:

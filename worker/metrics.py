@@ -120,12 +120,26 @@ class WorkerMetrics:
         self.adapters_resident = Gauge(
             "lorafleet_worker_adapters_resident", "adapters held in a tier", tier_labels, registry=self.registry
         )
+        self.jobs_started = Counter(
+            "lorafleet_worker_jobs_started",
+            "jobs started, by how they reached this worker (routed, shared, stolen, reclaimed) and where their "
+            "adapter was when they were read (gpu, cpu, disk; none: the base model)",
+            ["model", "arrival", "tier"], registry=self.registry,
+        )  # fmt: skip
+        # the same counts as plain numbers, for the heartbeat: the fleet's hit rate without Prometheus
+        self.started_counts: dict[str, int] = {}
         gpus = GpuCollector.for_device(device)
         if gpus is not None:
             self.registry.register(gpus)
 
     def engine(self, model: str) -> EngineMetrics:
         return EngineMetrics(self, model)
+
+    def job_started(self, model: str, arrival: str, tier: str) -> None:
+        """A job started here: how it arrived (worker/intake.py) and its adapter's tier at that moment."""
+        self.jobs_started.labels(model, arrival, tier).inc()
+        key = f"{arrival}/{tier}"
+        self.started_counts[key] = self.started_counts.get(key, 0) + 1
 
     def serve(self, host: str, port: int) -> WSGIServer:
         """Serve `/metrics` (any path, in fact) on a daemon thread; `shutdown()` the result to stop."""

@@ -82,11 +82,11 @@ class ResultPublisher:
                 error=result.error,
                 completion_tokens=result.completion_tokens,
                 first_token_ms=result.first_token_ms,
-                entry=(keys.queue(job.model, job.priority), job.entry_id),
+                entry=(job.stream, job.entry_id),
             )
         except SchemaError as exc:
             log.error("unreadable_job_record", job=result.job_id, model=job.model, error=str(exc))
-            await dead_letter(self._redis, job.model, job.priority, job.entry_id, job.fields, reason=str(exc))
+            await dead_letter(self._redis, job.model, job.stream, job.entry_id, job.fields, reason=str(exc))
             self._running.release(result.job_id)
             return
         self._running.release(result.job_id)
@@ -127,6 +127,6 @@ class CancelWatch:
             if job is None or status not in (b"canceled", None):
                 continue
             self._engine_thread.abort(job_id)
-            await ack(self._redis, job.model, job.priority, job.entry_id)
+            await ack(self._redis, job.stream, job.entry_id)
             self._running.release(job_id)
             log.info("job_aborted", job=job_id, status=(status or b"missing").decode(), request_id=job.request_id)

@@ -13,7 +13,8 @@ from shared.schema import Priority
 @dataclass(slots=True)
 class RunningJob:
     model: str
-    priority: Priority  # which of the model's streams holds its entry
+    priority: Priority
+    stream: str  # the stream its entry was read from: its class's shared stream or (interactive) a worker's
     entry_id: bytes
     request_id: str
     fields: dict[bytes, bytes]  # the entry as read, to queue it again if this worker lets it go
@@ -69,9 +70,9 @@ class RunningJobs:
         started = [job.started for job in self.jobs.values() if job.model == model]
         return len(started), sum(now - t for t in started)
 
-    def entries_by_queue(self) -> dict[tuple[str, Priority], list[bytes]]:
-        """Running entry ids by the (model, priority) of the stream that holds them."""
-        by_queue: dict[tuple[str, Priority], list[bytes]] = {}
+    def entries_by_stream(self) -> dict[str, list[bytes]]:
+        """Running entry ids by the stream that holds them."""
+        by_stream: dict[str, list[bytes]] = {}
         for job in self.jobs.values():
-            by_queue.setdefault((job.model, job.priority), []).append(job.entry_id)
-        return by_queue
+            by_stream.setdefault(job.stream, []).append(job.entry_id)
+        return by_stream

@@ -43,6 +43,7 @@ from worker.kernel_plans import tune_at_start
 from worker.metrics import WorkerMetrics
 from worker.redis_retry import retrying
 from worker.results import CancelWatch, ResultPublisher
+from worker.routed_streams import RoutedStreams
 from worker.running_jobs import RunningJob, RunningJobs
 from worker.switching.residency import ModelResidency
 from worker.switching.switcher import ModelSwitcher
@@ -82,7 +83,7 @@ class Worker:
         self._engine_thread: EngineThread | None = None
         self.metrics = WorkerMetrics(config.engine.device)
         self._residency = ModelResidency(config, self.metrics)  # plans the device's memory: fails early
-        self._heartbeat = Heartbeat(self._redis, config, self._running, self._residency)
+        self._heartbeat = Heartbeat(self._redis, config, self._running, self._residency, self.metrics)
         self._switcher: ModelSwitcher | None = None
 
     async def run(self) -> int:
@@ -114,9 +115,17 @@ class Worker:
             switch_grace_s=self.config.switch_grace_s,
             in_flight=self._running.load_of,
             hand_back=self._hand_back_model,
+            release_routed=RoutedStreams(self._redis, self.id).hand_over_own,
         )
         intake = Intake(
-            self._redis, self._jobs, self.config, self._running, self._engine_thread, self._switcher, self._stopping
+            self._redis,
+            self._jobs,
+            self.config,
+            self._running,
+            self._engine_thread,
+            self._switcher,
+            self._stopping,
+            self.metrics,
         )
         await retrying("announce", self._heartbeat.announce)
         log.info("worker_ready", worker=self.id, models=[s.name for s in self.config.models], resident=list(engines))
@@ -244,8 +253,8 @@ class Worker:
             if self._crash is None:
                 await self._jobs.release(job_id, self.id)
         except SchemaError as exc:  # its record became unreadable while it ran
-            await dead_letter(self._redis, job.model, job.priority, job.entry_id, job.fields, reason=str(exc))
+            await dead_letter(self._redis, job.model, job.stream, job.entry_id, job.fields, reason=str(exc))
         else:
-            await requeue(self._redis, job.model, job.priority, job.entry_id, job.fields)
+            await requeue(self._redis, job.model, job.priority, job.stream, job.entry_id, job.fields)
         self._running.pop(job_id)
         log.info("job_handed_back", job=job_id, request_id=job.request_id)

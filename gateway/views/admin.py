@@ -1,5 +1,6 @@
 """Admin API (`/v1/admin/...`, admin key only): tenants (create, list, rotate key, disable/enable,
-limits) and adapters (register for any tenant or "shared", list all, unregister)."""
+limits), adapters (register for any tenant or "shared", list all, unregister) and adapter aliases
+(set the weighted adapters, list, delete)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gateway.job_request import boolean, invalid
 from gateway.json_body import parse_json_object
 from gateway.json_response import json_response
 from gateway.state import CONFIG, REDIS
+from shared.adapter_aliases import AliasVersion, delete_alias, list_aliases, set_alias
 from shared.adapter_registry import list_adapters, unregister_adapter
 from shared.errors import ErrorCode
 from shared.rate_limits import LIMIT_FIELDS, get_tenant_limits, set_tenant_limits
@@ -129,3 +131,38 @@ async def unregister_adapter_view(request: web.Request) -> web.Response:
     admin.require_admin(request)
     record = await unregister_adapter(request.app[REDIS], request.match_info["name"])
     return json_response(record.to_dict())
+
+
+async def set_alias_view(request: web.Request) -> web.Response:
+    """`PUT /v1/admin/aliases/{name} {"tenant", "versions": [{"adapter", "weight"}, ...]}` → the alias: created,
+    or its adapters and weights replaced for every job submitted from now on (a rollout or a rollback)."""
+    admin.require_admin(request)
+    body = _only(parse_json_object(await request.read()), {"tenant", "versions"})
+    owner = _string(body, "tenant")
+    redis = request.app[REDIS]
+    if owner != SHARED_OWNER and not await tenant_exists(redis, owner):
+        raise RequestError(ErrorCode.TENANT_NOT_FOUND, f"tenant {owner!r} not found", param="tenant")
+    versions = body.get("versions")
+    if not isinstance(versions, list):
+        raise invalid("versions", 'versions must be a list of {"adapter", "weight"}')
+    parsed = []
+    for index, version in enumerate(versions):
+        if not isinstance(version, dict) or set(version) != {"adapter", "weight"}:
+            raise invalid(f"versions[{index}]", 'each version is {"adapter": name, "weight": integer}')
+        if not isinstance(version["adapter"], str):
+            raise invalid(f"versions[{index}].adapter", "adapter must be a string")
+        parsed.append(AliasVersion(version["adapter"], version["weight"]))
+    alias = await set_alias(redis, request.match_info["name"], owner, parsed)
+    return json_response(alias.to_dict())
+
+
+async def list_aliases_view(request: web.Request) -> web.Response:
+    admin.require_admin(request)
+    return json_response({"data": [a.to_dict() for a in await list_aliases(request.app[REDIS])]})
+
+
+async def delete_alias_view(request: web.Request) -> web.Response:
+    """`DELETE /v1/admin/aliases/{name}` → the removed alias."""
+    admin.require_admin(request)
+    alias = await delete_alias(request.app[REDIS], request.match_info["name"])
+    return json_response(alias.to_dict())

@@ -71,6 +71,8 @@ def job_body(record: JobRecord) -> dict[str, Any]:
         "status": record.status.value,
         "model": record.model,
         "adapter": record.adapter,
+        "adapter_version": record.adapter_version or None,
+        "alias": record.alias,
         "priority": record.priority.value,
         "output": None
         if output is None

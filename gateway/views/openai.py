@@ -20,6 +20,7 @@ from gateway.openai_completion import completion_body, job_failure, openai_job_r
 from gateway.openai_request import OpenAIRequest, parse_chat_request, parse_completion_request
 from gateway.sse import open_event_stream, send_event, send_keepalive
 from gateway.state import CONFIG, JOBS, QUEUED_JOB, REDIS, REQUEST_ID
+from shared.adapter_aliases import list_aliases
 from shared.adapter_registry import list_adapters
 from shared.errors import ErrorCode
 from shared.model_registry import adapter_limits, list_models
@@ -44,10 +45,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """`GET /v1/models`: the base models (with how they are quantized), then the adapters this tenant
-    may use (with their base as parent). A base model's `max_lora_rank` is the highest adapter rank every
-    live worker serving it takes: 0 when one runs without LoRA (--max-loras 0), null when no worker serves
-    it now."""
+    """`GET /v1/models`: the base models (with how they are quantized), then the adapters and adapter
+    aliases this tenant may use (with their base as parent; an alias's weights are the operator's, not
+    shown). A base model's `max_lora_rank` is the highest adapter rank every live worker serving it
+    takes: 0 when one runs without LoRA (--max-loras 0), null when no worker serves it now."""
     tenant = await request_tenant(request)
     redis = request.app[REDIS]
     since_ms = time.time() * 1000 - request.app[CONFIG].model_unserved_after_s * 1000
@@ -77,6 +78,18 @@ async def models(request: web.Request) -> web.Response:
             "parent": adapter.base_model,
         }
         for adapter in await list_adapters(redis, visible_to=tenant.tenant_id)
+    ]
+    data += [
+        {
+            "id": alias.name,
+            "object": "model",
+            "created": alias.updated_ms // 1000,
+            "owned_by": alias.tenant,
+            "root": alias.name,
+            "parent": alias.base_model,
+        }
+        for alias in await list_aliases(redis)
+        if alias.visible_to(tenant.tenant_id)
     ]
     return json_response({"object": "list", "data": data})
 

@@ -38,9 +38,11 @@ def cli(*args: str) -> int:
     return main(list(args))
 
 
-def register(redis_url: str, demo_files: DemoFiles, *extra: str, path: str = ACME, tenant: str = "acme") -> int:
+def register(
+    redis_url: str, demo_files: DemoFiles, *extra: str, path: str = ACME, tenant: str = "acme", name: str = "support"
+) -> int:
     return cli(
-        *("adapter", "register", "support", "--tenant", tenant, "--model", "demo", "--path", path),
+        *("adapter", "register", name, "--tenant", tenant, "--model", "demo", "--path", path),
         *("--adapter-root", str(demo_files.adapter_root), "--redis-url", redis_url, *extra),
     )
 

@@ -13,8 +13,8 @@ from gateway.app import create_app
 from shared.adapter_registry import SHARED_OWNER
 from shared.config import GatewayConfig
 from shared.model_registry import publish_model
-from shared.tenants import create_tenant
-from tests.gateway.fleet import LIMITS, Fleet, build_tokenizer, tiny_model
+from shared.tenants import create_tenant, hash_admin_key
+from tests.gateway.fleet import ADMIN_KEY, LIMITS, Fleet, build_tokenizer, tiny_model
 
 
 @pytest.fixture
@@ -43,3 +43,16 @@ def gateway_config(redis_url: str) -> GatewayConfig:
 @pytest.fixture
 async def client(aiohttp_client: Any, gateway_config: GatewayConfig, fleet: Fleet) -> TestClient:
     return await aiohttp_client(create_app(gateway_config))
+
+
+@pytest.fixture
+async def admin_client(aiohttp_client: Any, redis_url: str, fleet: Fleet) -> TestClient:
+    """A gateway with the admin API on (key ADMIN_KEY) and the fleet's adapter root."""
+    config = GatewayConfig(
+        redis_url=redis_url,
+        limits=LIMITS,
+        admin_key_sha256=hash_admin_key(ADMIN_KEY),
+        adapter_root=fleet.adapter_root,
+        max_lora_rank=8,
+    )
+    return await aiohttp_client(create_app(config))

@@ -33,6 +33,9 @@ LIMITS = RequestLimits(
     max_wait_s=1.0,
 )
 
+ADMIN_KEY = "admin-secret-for-tests"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
 
 def build_tokenizer() -> Tokenizer:
     """A word-level tokenizer over WORDS that prepends <s>, like Llama's."""

@@ -2,32 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytest
-from aiohttp.test_utils import TestClient
-
-from gateway.app import create_app
 from shared import keys
 from shared.adapter_registry import track_adapter_job, unregister_adapter
-from shared.config import GatewayConfig
-from shared.tenants import hash_admin_key
-from tests.gateway.fleet import LIMITS, submit, write_adapter
-
-ADMIN_KEY = "admin-secret-for-tests"
-ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-
-
-@pytest.fixture
-async def admin_client(aiohttp_client: Any, redis_url: str, fleet) -> TestClient:
-    config = GatewayConfig(
-        redis_url=redis_url,
-        limits=LIMITS,
-        admin_key_sha256=hash_admin_key(ADMIN_KEY),
-        adapter_root=fleet.adapter_root,
-        max_lora_rank=8,
-    )
-    return await aiohttp_client(create_app(config))
+from tests.gateway.fleet import ADMIN, submit, write_adapter
 
 
 async def test_admin_routes_refuse_tenants_and_missing_or_wrong_keys(admin_client, fleet):

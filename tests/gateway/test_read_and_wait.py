@@ -38,6 +38,8 @@ async def test_queued_job_has_no_output_timings_or_error(client: TestClient, fle
         "status": "queued",
         "model": "tiny",
         "adapter": "acme-support",
+        "adapter_version": 1,
+        "alias": None,
         "priority": "interactive",
         "output": None,
         "usage": {"prompt_tokens": 3, "completion_tokens": 0},

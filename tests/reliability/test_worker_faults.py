@@ -43,7 +43,7 @@ def test_a_sigtermed_worker_drains_within_its_grace_period_and_loses_no_job(flee
     fleet.start_gateway()
     draining = fleet.start_worker("draining", "--drain-grace", str(DRAIN_GRACE_S))
     fleet.start_worker("steady")
-    jobs = jobs_for(40, max_tokens=96)
+    jobs = jobs_for(40, max_tokens=192)
     job_ids = fleet.submit(jobs)
     wait_until(lambda: fleet.running_on("draining", job_ids) >= 4, timeout_s=30, what="the worker to run jobs")
 

@@ -14,7 +14,7 @@ from shared.config import ReplicaWait, TenantLimits
 from shared.jobstore import JobStore, ReplicaUnavailable
 from shared.rate_limits import Admission
 from shared.redis_client import resilient_redis
-from shared.schema import JobStatus
+from shared.schema import JobStatus, Priority
 from tests.shared.test_jobstore import OUTPUT, new_job
 
 WAIT = ReplicaWait(replicas=1, timeout_ms=50)
@@ -31,7 +31,7 @@ async def batched(redis_url):
 async def test_a_job_no_replica_confirms_is_withdrawn_with_everything_it_wrote(aredis, batched, through_pipeline):
     store = JobStore(aredis, job_ttl_s=60, batched=batched if through_pipeline else None, replica_wait=WAIT)
     record, message = new_job()
-    admission = Admission(TenantLimits()).check("acme", "lookup", record.job_id, "m", 10)
+    admission = Admission(TenantLimits()).check("acme", "lookup", record.job_id, "m", Priority.INTERACTIVE, 10)
     await aredis.set(keys.api_key("lookup"), "acme")
     started = time.monotonic()
     with pytest.raises(ReplicaUnavailable) as refused:

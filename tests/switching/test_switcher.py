@@ -16,8 +16,11 @@ from shared import keys
 from shared.config import EngineConfig, ModelSpec, WorkerConfig
 from worker.engine_thread import EngineThread
 from worker.metrics import WorkerMetrics
+from worker.routed_streams import RoutedStreams
 from worker.switching.residency import ModelResidency
 from worker.switching.switcher import ModelSwitcher
+
+WORKER = "w1"
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,7 @@ async def switcher(model_dirs: dict[str, Path], aredis: Redis) -> AsyncIterator[
         switch_grace_s=1.0,
         in_flight=lambda model: (0, 0.0),
         hand_back=hand_back,
+        release_routed=RoutedStreams(aredis, WORKER).hand_over_own,
     )
     task = asyncio.create_task(switcher.run())
     yield switcher
@@ -74,12 +78,17 @@ async def wait_for(condition, timeout_s: float = 20.0) -> None:
 
 async def test_waiting_jobs_for_another_model_switch_an_idle_worker_to_it(switcher: ModelSwitcher, aredis) -> None:
     assert switcher.readable() == ["good"]
+    await RoutedStreams(aredis, WORKER).register("good")
+    await aredis.xadd(keys.worker_queue("good", WORKER), {"job": b"routed"})  # routed here, not read yet
     await aredis.xadd(keys.queue("other"), {"job": b"x"})
     await wait_for(lambda: switcher.switches == 1)
     assert switcher.residency.resident == ("other",) and switcher.readable() == ["other"]
     record = switcher.last_switch
     assert (record.incoming, record.outgoing, record.overlapped, record.handed_back) == ("other", "good", True, 0)
     assert "good" in switcher.report()["warm"]
+    # the outgoing model's routed job went where a worker serving it reads
+    assert [fields[b"job"] for _, fields in await aredis.xrange(keys.queue("good"))] == [b"routed"]
+    assert not await aredis.exists(keys.worker_queue("good", WORKER))
 
 
 async def test_a_model_that_cannot_load_leaves_the_resident_one_serving(switcher: ModelSwitcher, aredis) -> None:

@@ -11,7 +11,6 @@ import redis.asyncio as aioredis
 
 from cli.redis_server import RedisServer, bundled_redis_server
 from shared import keys
-from shared.schema import Priority
 from worker.job_stream import autoclaim_page
 
 SERVERS = {"bundled": bundled_redis_server, "path": lambda: shutil.which("redis-server")}
@@ -29,9 +28,7 @@ async def test_an_idle_pending_entry_is_claimed_by_another_consumer(server: str,
         entry_id = await client.xadd(queue, {"job": b"payload"})
         await client.xreadgroup(keys.WORKER_GROUP, "dead-worker", {queue: ">"}, count=1)
 
-        cursor, entries = await autoclaim_page(
-            client, "m", Priority.INTERACTIVE, "live-worker", 0, start_id="0-0", count=10
-        )
+        cursor, entries = await autoclaim_page(client, queue, "live-worker", 0, start_id="0-0", count=10)
 
         assert entries == [(entry_id, {b"job": b"payload"})]
         assert cursor in (b"0-0", "0-0")

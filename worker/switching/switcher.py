@@ -61,9 +61,12 @@ class ModelSwitcher:
         switch_grace_s: float,
         in_flight: Callable[[str], tuple[int, float]],
         hand_back: Callable[[str], Awaitable[int]],
+        release_routed: Callable[[str], Awaitable[int]],
     ) -> None:
         """`in_flight(model)`: the worker's running jobs of `model` and their summed seconds since they
-        started; `hand_back(model)`: abort them in the engine and queue them again, returning how many."""
+        started; `hand_back(model)`: abort them in the engine and queue them again, returning how many;
+        `release_routed(model)`: move the jobs routed to this worker for `model` and not read yet to the
+        model's shared stream (worker/routed_streams.py), where a worker serving it takes them."""
         self.residency = residency
         self._engine_thread = engine_thread
         self._redis = redis
@@ -71,6 +74,7 @@ class ModelSwitcher:
         self._grace_s = switch_grace_s
         self._in_flight = in_flight
         self._hand_back = hand_back
+        self._release_routed = release_routed
         self._draining: set[str] = set()
         self._failed_at: dict[str, float] = {}  # model → monotonic time its last load failed
         self.switches = 0
@@ -184,6 +188,8 @@ class ModelSwitcher:
         """Stop admitting `outgoing`; wait for its running jobs up to the grace, then hand back the rest."""
         self._draining.add(outgoing)
         started = time.perf_counter()
+        # not read from now on: jobs the gateway routed here before the heartbeat said so go to the others
+        await self._release_routed(outgoing)
         while self._in_flight(outgoing)[0] and time.perf_counter() - started < self._grace_s:
             await asyncio.sleep(_DRAIN_POLL_S)
         handed_back = await self._hand_back(outgoing) if self._in_flight(outgoing)[0] else 0

@@ -1,0 +1,158 @@
+"""Where a job waits: adapter-aware placement across a model's workers, decided from their heartbeats.
+
+A base-model job, a job of a model with no live worker known, or any job with routing off goes to
+the model's shared stream, which every worker of the model reads. A job for adapter A goes to one
+worker's own stream (`lf:wq:{model}:{worker}`), the first of:
+
+1. a worker holding A in its GPU slots, with room (the one with most room);
+2. a worker holding A in pinned host memory, with room;
+3. A's home: the live worker ranked first by rendezvous hashing of (A, worker), so each worker is
+   home to a stable share of the adapters and a worker joining or leaving moves only its share;
+4. if the home has no room while another worker has, the worker with most room (a spill: rather
+   that than a wait the steal bound would only shorten);
+5. if no worker has room, the shared stream (overflow): the fleet's backlog then waits where the
+   first worker to free a slot takes it, as it would without routing. A worker reads its own stream
+   up to its capacity at once, so a backlog placed on one worker's stream could only be stolen
+   from what it has not read yet.
+
+Room is a worker's job capacity less its running jobs and the jobs waiting on its own stream, as of
+its last heartbeat, less what this gateway placed on it since. A job that still ends up waiting on
+a busy worker is taken by a worker with free slots after `steal_after_ms` (worker/routed_streams.py).
+
+The fleet's view is read at most every REFRESH_S per gateway process (one SMEMBERS and one
+pipelined HGETALL per worker), not per job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+from prometheus_client import Counter
+from redis.asyncio import Redis
+
+from shared import keys
+
+REFRESH_S = 0.25
+
+
+class Placement(StrEnum):
+    SHARED = "shared"
+    GPU = "gpu"
+    HOST = "host"
+    HOME = "home"
+    SPILL = "spill"
+    OVERFLOW = "overflow"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One live worker of one model, as its last heartbeat said."""
+
+    worker_id: str
+    gpu: frozenset[str]  # adapter uids in its device slots
+    host: frozenset[str]  # adapter uids in its pinned host tier
+    room: int  # jobs it can take before it has more than its capacity
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    queue: str | None  # a worker's stream; None: the model's shared stream
+    placement: Placement
+    worker: str | None = None
+
+
+def rendezvous_rank(adapter_uid: str, worker_id: str) -> int:
+    """Highest-random-weight hashing: an adapter's home is the worker with the highest rank."""
+    digest = hashlib.blake2b(f"{adapter_uid}\0{worker_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def place(model: str, adapter_uid: str | None, workers: list[WorkerView], placed: dict[str, int]) -> Route:
+    """The route of one job (the rules in the module docstring). `placed`: jobs this gateway put on each
+    worker since `workers` was read."""
+    if adapter_uid is None or not workers:
+        return Route(None, Placement.SHARED)
+
+    def room(worker: WorkerView) -> int:
+        return worker.room - placed.get(worker.worker_id, 0)
+
+    for placement, holders in (
+        (Placement.GPU, [w for w in workers if adapter_uid in w.gpu]),
+        (Placement.HOST, [w for w in workers if adapter_uid in w.host]),
+    ):
+        with_room = [w for w in holders if room(w) > 0]
+        if with_room:
+            chosen = max(with_room, key=room)
+            return Route(keys.worker_queue(model, chosen.worker_id), placement, chosen.worker_id)
+    home = max(workers, key=lambda w: rendezvous_rank(adapter_uid, w.worker_id))
+    if room(home) > 0:
+        return Route(keys.worker_queue(model, home.worker_id), Placement.HOME, home.worker_id)
+    roomiest = max(workers, key=room)
+    if room(roomiest) > 0:
+        return Route(keys.worker_queue(model, roomiest.worker_id), Placement.SPILL, roomiest.worker_id)
+    return Route(None, Placement.OVERFLOW)
+
+
+def parse_worker(model: str, worker_id: str, raw: dict[bytes, bytes]) -> WorkerView | None:
+    """The worker's view for `model` from its heartbeat hash; None when the model is not resident there
+    (its stream would not be read) or the record is unreadable (skipped: routing is a preference)."""
+    try:
+        resident = json.loads(raw[b"adapters"]).get(model)
+        if resident is None:
+            return None
+        waiting = json.loads(raw.get(b"routed_waiting", b"{}")).get(model, 0)
+        room = int(raw[b"capacity"]) - int(raw[b"in_flight"]) - int(waiting)
+        return WorkerView(worker_id, frozenset(resident["gpu"]), frozenset(resident["cpu"]), room)
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return None
+
+
+class FleetView:
+    """The live workers of every model, re-read from their heartbeats at most every REFRESH_S."""
+
+    def __init__(self, redis: Redis, placed: Counter, *, refresh_s: float = REFRESH_S) -> None:
+        """`placed`: the gateway's counter of jobs by model and placement."""
+        self._redis = redis
+        self._counter = placed
+        self._refresh_s = refresh_s
+        self._read_at = -float("inf")
+        self._records: dict[str, dict[bytes, bytes]] = {}
+        self._by_model: dict[str, list[WorkerView]] = {}
+        self._placed: dict[str, int] = {}
+        self._reading: asyncio.Task[None] | None = None
+
+    async def route(self, model: str, adapter_uid: str | None) -> Route:
+        """Where a job of `model` with `adapter_uid` (None: the base model) should wait."""
+        if adapter_uid is None:
+            self._counter.labels(model, Placement.SHARED).inc()
+            return Route(None, Placement.SHARED)
+        if time.monotonic() - self._read_at > self._refresh_s:
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.create_task(self._read())
+            await asyncio.shield(self._reading)  # concurrent submits share one read
+        workers = self._by_model.get(model)
+        if workers is None:
+            workers = [w for w in (parse_worker(model, i, r) for i, r in self._records.items()) if w is not None]
+            self._by_model[model] = workers
+        route = place(model, adapter_uid, workers, self._placed)
+        if route.worker is not None:
+            self._placed[route.worker] = self._placed.get(route.worker, 0) + 1
+        self._counter.labels(model, route.placement).inc()
+        return route
+
+    async def _read(self) -> None:
+        worker_ids = sorted(member.decode() for member in await self._redis.smembers(keys.WORKERS))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id in worker_ids:
+                pipe.hgetall(keys.worker(worker_id))
+            records = await pipe.execute()
+        # a worker whose hash expired is gone (its heartbeat stopped), whatever the set still says
+        self._records = {worker_id: raw for worker_id, raw in zip(worker_ids, records, strict=True) if raw}
+        self._by_model = {}
+        self._placed = {}
+        self._read_at = time.monotonic()

@@ -1,0 +1,109 @@
+"""Adapter-aware placement (gateway/routing.py): the rules, one per test, and what a worker joining or
+leaving moves; and the fleet view read from real heartbeat records."""
+
+from __future__ import annotations
+
+import json
+
+from prometheus_client import CollectorRegistry, Counter
+
+from gateway.routing import FleetView, Placement, WorkerView, place, rendezvous_rank
+from shared import keys
+
+MODEL = "m"
+
+
+def worker(worker_id: str, *, gpu: tuple[str, ...] = (), host: tuple[str, ...] = (), room: int = 8) -> WorkerView:
+    return WorkerView(worker_id, frozenset(gpu), frozenset(host), room)
+
+
+def home_of(adapter: str, worker_ids: list[str]) -> str:
+    return max(worker_ids, key=lambda w: rendezvous_rank(adapter, w))
+
+
+def test_a_base_model_job_goes_to_the_shared_stream():
+    route = place(MODEL, None, [worker("a", gpu=("x",))], {})
+    assert route.queue is None and route.placement is Placement.SHARED
+
+
+def test_with_no_live_worker_known_an_adapter_job_goes_to_the_shared_stream():
+    assert place(MODEL, "x", [], {}).placement is Placement.SHARED
+
+
+def test_a_worker_holding_the_adapter_on_its_gpu_is_preferred_over_host_and_home():
+    workers = [worker("a", host=("x",)), worker("b", gpu=("x",)), worker("c")]
+    route = place(MODEL, "x", workers, {})
+    assert (route.placement, route.worker, route.queue) == (Placement.GPU, "b", keys.worker_queue(MODEL, "b"))
+
+
+def test_a_host_tier_holder_is_preferred_over_the_home():
+    workers = [worker("a"), worker("b", host=("x",)), worker("c")]
+    assert place(MODEL, "x", workers, {}).worker == "b"
+
+
+def test_among_gpu_holders_the_one_with_most_room_takes_the_job():
+    workers = [worker("a", gpu=("x",), room=2), worker("b", gpu=("x",), room=5)]
+    assert place(MODEL, "x", workers, {}).worker == "b"
+    assert place(MODEL, "x", workers, {"b": 4}).worker == "a"  # what this gateway placed since counts
+
+
+def test_a_holder_without_room_is_passed_over_for_the_home():
+    ids = ["a", "b", "c", "d"]
+    holder = next(w for w in ids if w != home_of("x", ids))
+    workers = [worker(w, gpu=("x",) if w == holder else (), room=0 if w == holder else 8) for w in ids]
+    route = place(MODEL, "x", workers, {})
+    assert (route.placement, route.worker) == (Placement.HOME, home_of("x", ids))
+
+
+def test_an_unheld_adapter_goes_to_its_home_every_time():
+    ids = ["a", "b", "c", "d"]
+    workers = [worker(w) for w in ids]
+    homes = {f"adapter-{i}": place(MODEL, f"adapter-{i}", workers, {}).worker for i in range(200)}
+    assert all(home == home_of(adapter, ids) for adapter, home in homes.items())
+    assert set(homes.values()) == set(ids)  # every worker is home to a share
+
+
+def test_a_full_home_spills_to_the_worker_with_most_room_and_a_full_fleet_overflows_to_the_shared_stream():
+    ids = ["a", "b", "c"]
+    home = home_of("x", ids)
+    workers = [worker(w, room=0 if w == home else 3) for w in ids]
+    assert place(MODEL, "x", workers, {}).placement is Placement.SPILL
+    full = [worker(w, room=0) for w in ids]
+    route = place(MODEL, "x", full, {})
+    assert (route.placement, route.queue) == (Placement.OVERFLOW, None)
+
+
+def test_a_worker_joining_or_leaving_moves_only_its_share_of_adapters():
+    adapters = [f"adapter-{i}" for i in range(1000)]
+    before = {a: home_of(a, ["a", "b", "c", "d"]) for a in adapters}
+    joined = {a: home_of(a, ["a", "b", "c", "d", "e"]) for a in adapters}
+    moved = [a for a in adapters if before[a] != joined[a]]
+    assert all(joined[a] == "e" for a in moved)  # only to the newcomer
+    assert 100 < len(moved) < 300  # about a fifth
+    left = {a: home_of(a, ["a", "b", "d"]) for a in adapters}
+    assert all(left[a] == before[a] for a in adapters if before[a] != "c")  # only the leaver's adapters move
+
+
+async def test_the_fleet_view_routes_from_heartbeat_records_and_ignores_workers_whose_record_expired(aredis):
+    for worker_id, gpu in (("w1", ["x"]), ("w2", [])):
+        await aredis.sadd(keys.WORKERS, worker_id)
+        await aredis.hset(
+            keys.worker(worker_id),
+            mapping={
+                "adapters": json.dumps({MODEL: {"gpu": gpu, "cpu": []}}),
+                "capacity": 16,
+                "in_flight": 0,
+                "routed_waiting": json.dumps({MODEL: 0}),
+            },
+        )
+    await aredis.sadd(keys.WORKERS, "gone")  # listed, but its record expired
+    registry = CollectorRegistry()
+    placed = Counter("placed", "", ["model", "placement"], registry=registry)
+    fleet = FleetView(aredis, placed, refresh_s=0)
+
+    route = await fleet.route(MODEL, "x")
+    other = await fleet.route("another-model", "x")  # no worker has it resident
+
+    assert (route.placement, route.worker) == (Placement.GPU, "w1")
+    assert other.placement is Placement.SHARED
+    assert registry.get_sample_value("placed_total", {"model": MODEL, "placement": "gpu"}) == 1
