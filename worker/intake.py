@@ -138,6 +138,8 @@ class Intake:
                 block=block_ms,
             )
         except ResponseError as exc:
+            if "UNBLOCKED" in str(exc):  # a stream read was deleted meanwhile (a routed stream handed over)
+                return 0
             if "NOGROUP" not in str(exc):
                 raise
             log.error("consumer_group_missing", error=str(exc))  # Redis came back without its data
