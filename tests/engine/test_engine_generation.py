@@ -42,6 +42,13 @@ def adapter_ref(checkpoint: TinyCheckpoint, name: str) -> AdapterRef:
     return saved_adapter_ref(name, checkpoint.adapters[name])
 
 
+def preload_adapters(engine: LLMEngine, checkpoint: TinyCheckpoint) -> None:
+    """Every adapter of PROMPTS on the host before the first step: a test whose assertions depend on
+    which requests run in which step must not race the pool's disk reads (a loaded machine finishes
+    them a step or more later)."""
+    engine.adapter_pool.preload([adapter_ref(checkpoint, name) for name in PROMPTS if name is not None])
+
+
 def greedy_request(checkpoint: TinyCheckpoint, job_id: str, adapter: str | None, **sampling: object) -> EngineRequest:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, **sampling)
     return EngineRequest(
@@ -91,9 +98,7 @@ def test_chunked_prefill_and_preemption_do_not_change_outputs(llama: TinyCheckpo
     # 9 blocks of 4 tokens cannot hold all four sequences at full length: some are preempted and
     # recomputed; a budget of 5 tokens a step splits every prompt into chunks.
     engine = make_engine(llama, num_kv_blocks=9, max_num_batched_tokens=5)
-    # every adapter on the host before the first step, so all four contend for the blocks from the start
-    # (a disk read still in flight on a loaded machine let one finish before another began: no preemption)
-    engine.adapter_pool.preload([adapter_ref(llama, name) for name in PROMPTS if name is not None])
+    preload_adapters(engine, llama)  # so all four contend for the blocks from the first step
     jobs = {f"job-{name}": name for name in PROMPTS}
     results = run_to_completion(engine, [greedy_request(llama, job, adapter) for job, adapter in jobs.items()])
     assert engine.scheduler.num_preemptions > 0

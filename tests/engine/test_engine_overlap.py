@@ -16,6 +16,7 @@ from tests.engine.test_engine_generation import (
     expected_tokens,
     greedy_request,
     make_engine,
+    preload_adapters,
     run_to_completion,
 )
 from tests.engine.tiny_hf import TinyCheckpoint
@@ -46,6 +47,7 @@ def record_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[tup
 
 def test_the_next_step_is_launched_before_this_ones_tokens_are_read(llama: TinyCheckpoint, monkeypatch):
     engine = make_engine(llama)
+    preload_adapters(engine, llama)  # no step without a launch while an adapter is still being read
     events = record_steps(engine, monkeypatch)
     jobs = {f"job-{name}": name for name in PROMPTS}
     results = run_to_completion(engine, [greedy_request(llama, job, adapter) for job, adapter in jobs.items()])
