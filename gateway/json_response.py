@@ -13,3 +13,16 @@ from aiohttp import web
 
 def json_response(data: Any, *, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, headers=headers, content_type="application/json")
+
+
+def list_response(data: list[dict[str, Any]]) -> web.Response:
+    """An OpenAI list object (`GET /v1/files`, `/v1/batches`) holding all of `data`, one page."""
+    return json_response(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": False,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )

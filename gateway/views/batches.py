@@ -14,7 +14,7 @@ from gateway.batches import BatchRecord, BatchStatus, new_batch_id
 from gateway.errors import RequestError
 from gateway.files import FilePurpose
 from gateway.json_body import parse_json_object
-from gateway.json_response import json_response
+from gateway.json_response import json_response, list_response
 from gateway.state import BATCHES, CONFIG, FILES
 from shared.errors import ErrorCode
 
@@ -81,15 +81,7 @@ async def create_batch(request: web.Request) -> web.Response:
 async def list_batches(request: web.Request) -> web.Response:
     tenant = await request_tenant(request)
     data = [record.openai_object() for record in await request.app[BATCHES].list(tenant.tenant_id)]
-    return json_response(
-        {
-            "object": "list",
-            "data": data,
-            "has_more": False,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-        }
-    )
+    return list_response(data)
 
 
 async def get_batch(request: web.Request) -> web.Response:

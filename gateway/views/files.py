@@ -8,7 +8,7 @@ from gateway.auth import request_tenant
 from gateway.batch_input import batch_lines
 from gateway.errors import RequestError
 from gateway.files import FilePurpose
-from gateway.json_response import json_response
+from gateway.json_response import json_response, list_response
 from gateway.state import BATCHES, CONFIG, FILES
 from gateway.upload import read_upload
 from shared.errors import ErrorCode
@@ -42,15 +42,7 @@ async def list_files(request: web.Request) -> web.Response:
     purpose = request.query.get("purpose")
     records = [r for r in await request.app[FILES].list(tenant.tenant_id) if purpose is None or r.purpose == purpose]
     data = [record.openai_object() for record in records]
-    return json_response(
-        {
-            "object": "list",
-            "data": data,
-            "has_more": False,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-        }
-    )
+    return list_response(data)
 
 
 async def get_file(request: web.Request) -> web.Response:
