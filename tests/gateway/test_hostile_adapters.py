@@ -5,16 +5,12 @@ its own directory of the adapter root; another tenant's path looks the same whet
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from aiohttp.test_utils import TestClient
 
-from gateway.app import create_app
 from shared import keys
-from shared.config import GatewayConfig
-from shared.tenants import hash_admin_key, issue_key
-from tests.gateway.fleet import LIMITS, Fleet, submit
+from shared.tenants import issue_key
+from tests.gateway.fleet import Fleet, submit
 from tests.shared.hostile_adapters import ALL_CASES, EQUIVALENT_PATHS, OTHER, OWNER, PATH_CASES, Hostile, Lab
 
 ADMIN_KEY = "admin-secret-for-tests"
@@ -28,15 +24,9 @@ async def lab(fleet: Fleet, tmp_path) -> Lab:
 
 
 @pytest.fixture
-async def gateway(aiohttp_client: Any, redis_url: str, fleet: Fleet) -> TestClient:
-    config = GatewayConfig(
-        redis_url=redis_url,
-        limits=LIMITS,
-        admin_key_sha256=hash_admin_key(ADMIN_KEY),
-        adapter_root=fleet.adapter_root,
-        max_lora_rank=8,
-    )
-    return await aiohttp_client(create_app(config))
+def gateway(admin_client: TestClient) -> TestClient:
+    """The admin-enabled gateway of tests/gateway/conftest.py: these tests use both its routes."""
+    return admin_client
 
 
 async def load(gateway: TestClient, fleet: Fleet, name: str, path: str, tenant: str = OWNER):
