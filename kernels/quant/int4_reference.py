@@ -26,10 +26,6 @@ import torch
 
 PACK = 8  # 4-bit values per int32
 MAX_LEVEL = 15  # the largest 4-bit value
-# the groups a checkpoint may use: the kernel's K tile divides the group, and the K tile is >= 32
-GROUP_SIZES = (32, 64, 128)
-# a group at load is quantized in groups of this many inputs (what AWQ and GPTQ publish)
-LOAD_GROUP_SIZE = 128
 # the smallest scale: an all-zero group quantizes to its zero point instead of dividing by zero;
 # float16's smallest normal, so the stored scale keeps full precision
 MIN_SCALE = 2.0**-14
@@ -94,7 +90,7 @@ def pack_along_n(q: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     return packed
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = LOAD_GROUP_SIZE) -> tuple[torch.Tensor, Int4Weight]:
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, Int4Weight]:
     """(4-bit values int32 [K, N], the packed Int4Weight) of weight [N, K], round to nearest,
     asymmetric per group of `group_size` inputs: scale = (max - min) / 15 (rounded to float16 first,
     so the values are rounded against the scale that is stored), zero point = round(-min / scale),

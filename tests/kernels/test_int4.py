@@ -77,8 +77,8 @@ def test_quantizer_round_trip_is_within_half_a_step(group: int):
 def test_quantizing_packed_slices_equals_quantizing_them_apart():
     generator = torch.Generator().manual_seed(2)
     q_proj, k_proj = torch.randn(48, 128, generator=generator), torch.randn(16, 128, generator=generator) * 5
-    _, together = quantize_int4(torch.cat([q_proj, k_proj]))
-    _, alone = quantize_int4(k_proj)
+    _, together = quantize_int4(torch.cat([q_proj, k_proj]), 128)
+    _, alone = quantize_int4(k_proj, 128)
     assert torch.equal(together.qweight[:, 48:], alone.qweight)
     assert torch.equal(together.scales[:, 48:], alone.scales)
     assert torch.equal(together.zeros[:, 48:], alone.zeros)
