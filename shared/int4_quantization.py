@@ -7,7 +7,7 @@ Two published formats load as they are (worker/model/int4_weights.py repacks bot
                          (packed along K), `qzeros` int32 [K / G, N / 8] (stored minus one),
                          `scales` float16 [K / G, N], `g_idx` int32 [K]; desc_act false only
 both with bits 4 and a group size G of 32, 64 or 128 inputs. A plain checkpoint served with
---quantization int4 is quantized at load in groups of LOAD_GROUP_SIZE. Anything else is refused at
+--quantization int4 is quantized at load in groups of 128 (LOAD_GROUP_SIZES). Anything else is refused at
 start, naming the file and the problem.
 """
 
@@ -23,8 +23,10 @@ INT4_METHODS = ("awq", "gptq")
 INT4_FORMATS = ("int4", *INT4_METHODS)
 # the kernel's K tile divides the group and is at least 32 inputs (kernels/quant/int4_gemm.py)
 GROUP_SIZES = (32, 64, 128)
-# what --quantization int4 quantizes a plain checkpoint in: the group AWQ and GPTQ publish
-LOAD_GROUP_SIZE = 128
+# what --quantization int4 quantizes a plain checkpoint in: the group AWQ and GPTQ publish (128), or,
+# for a model whose widths are not whole groups of 128 (SmolLM2-135M: hidden 576), the largest
+# smaller group that fits
+LOAD_GROUP_SIZES = (128, 64, 32)
 
 
 def check_int4_checkpoint(quant: dict[str, Any], path: Path) -> str:
@@ -63,6 +65,17 @@ def check_int4_widths(widths: dict[str, int], group_size: int, path: Path) -> No
     for name, width in widths.items():
         if width % group_size:
             _refuse(path, f"{name}'s input width {width} is not a multiple of the 4-bit group size {group_size}")
+
+
+def load_group_size(widths: dict[str, int], path: Path) -> int:
+    """The group --quantization int4 quantizes a plain checkpoint in: the first of LOAD_GROUP_SIZES
+    that divides every projection's input width (`widths`: name → K)."""
+    for group in LOAD_GROUP_SIZES:
+        if all(width % group == 0 for width in widths.values()):
+            return group
+    odd = ", ".join(f"{name} {width}" for name, width in widths.items() if width % LOAD_GROUP_SIZES[-1])
+    _refuse(path, f"--quantization int4 needs input widths in whole groups of {LOAD_GROUP_SIZES[-1]} or more; "
+                  f"this model has {odd}")  # fmt: skip
 
 
 def _refuse(path: Path, problem: str) -> NoReturn:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import ErrorCode, LorafleetError
-from shared.int4_quantization import INT4_FORMATS, LOAD_GROUP_SIZE, check_int4_widths, checkpoint_group_size
+from shared.int4_quantization import INT4_FORMATS, check_int4_widths, checkpoint_group_size, load_group_size
 from shared.quantization import KV_CACHE_DTYPES, checkpoint_quantization, served_quantization
 
 # Decoder-only families that share the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
@@ -107,10 +107,11 @@ class ModelInfo:
                 ErrorCode.INVALID_REQUEST, f"{source}: {weights} weights are not supported for MoE models yet"
             )
         group_size = self.weight_group_size
+        widths = {name: self.projection_shape(name)[0] for name in PROJECTIONS}
         if weights == "int4" and self.checkpoint_quantization == "none":
-            group_size = LOAD_GROUP_SIZE
+            group_size = load_group_size(widths, source)
         if weights in INT4_FORMATS:
-            check_int4_widths({name: self.projection_shape(name)[0] for name in PROJECTIONS}, group_size, source)
+            check_int4_widths(widths, group_size, source)
         return replace(self, quantization=weights, kv_cache_dtype=kv_cache_dtype, weight_group_size=group_size)
 
     def to_json(self) -> str:

@@ -38,13 +38,14 @@ def dequantized(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Ten
     return ((levels.float() - zeros) * scales).T
 
 
-def int4_oracle(oracle: PeftModel) -> PeftModel:
-    """A copy of `oracle` whose base projections hold their 4-bit weights, dequantized."""
+def int4_oracle(oracle: PeftModel, group_size: int = GROUP_SIZE) -> PeftModel:
+    """A copy of `oracle` whose base projections hold their 4-bit weights (in groups of
+    `group_size`), dequantized."""
     quantized = copy.deepcopy(oracle)
     with torch.no_grad():
         for name, module in quantized.named_modules():
             if isinstance(module, torch.nn.Linear) and _is_base_projection(name):
-                module.weight.copy_(dequantized(module.weight))
+                module.weight.copy_(dequantized(module.weight, group_size))
     return quantized
 
 

@@ -12,6 +12,7 @@ quantization happened at all: every row is more than ten tolerances from the unq
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,10 +137,18 @@ def test_unsupported_awq_configs_are_refused_naming_the_file(
         ModelInfo.from_pretrained("llama", model_dir)
 
 
-def test_int4_at_load_needs_whole_groups(llama: TinyCheckpoint) -> None:
-    # the default tiny model's hidden width is 64: half a group of 128
-    with pytest.raises(LorafleetError, match=r"q_proj's input width 64 is not a multiple of the 4-bit group size 128"):
-        llama.info.served(quantization="int4", kv_cache_dtype="auto", source=llama.model_dir)
+def test_int4_at_load_takes_smaller_groups_for_narrow_widths_and_matches_their_oracle(llama: TinyCheckpoint) -> None:
+    # the default tiny model's widths are 64 and 96: whole groups of 32, not of 128 or 64
+    served = llama.info.served(quantization="int4", kv_cache_dtype="auto", source=llama.model_dir)
+    assert served.weight_group_size == 32
+    model = load_model(llama.model_dir, served, {slot: llama.adapters[name] for name, slot in SLOTS.items()})
+    check_mixed_batch(model, int4_oracle(llama.oracle, group_size=32), llama.oracle)
+
+
+def test_int4_at_load_refuses_widths_in_no_whole_group(llama: TinyCheckpoint) -> None:
+    info = dataclasses.replace(llama.info, intermediate_size=100)
+    with pytest.raises(LorafleetError, match=r"whole groups of 32 or more; this model has down_proj 100"):
+        info.served(quantization="int4", kv_cache_dtype="auto", source=llama.model_dir)
 
 
 @pytest.mark.parametrize(
