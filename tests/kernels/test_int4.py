@@ -4,9 +4,13 @@ source packings (fp32/fp16 through the interpreter, bf16 on the GPU), also under
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from kernels.lora import linear_deferred_with_plan, linear_with_plan, lora_linear
+from kernels.lora.configs import GatherConfig, default_plan
 from kernels.quant import Int4Weight, int4_linear
 from kernels.quant.int4_gemm import Int4Config, int4_config, int4_gemm
 from kernels.quant.int4_reference import (
@@ -20,6 +24,7 @@ from kernels.quant.int4_reference import (
     unpack_along_k,
     unpack_along_n,
 )
+from tests.kernels.lora_cases import make_case, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter computes bf16 tl.dot wrongly (tests/kernels/conftest.py): bf16 on the GPU only
@@ -156,6 +161,7 @@ def test_decode_configs_split_the_narrow_projections_of_llama3_8b():
     assert int4_config(1024, 28672, 4096, 128, 132).block_m == 128
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="the dispatch takes the kernel on CUDA only")
 def test_linear_with_bias_on_cuda_matches_the_reference():
     weight = random_int4(96, 256, 128, seed=3)
@@ -163,3 +169,29 @@ def test_linear_with_bias_on_cuda_matches_the_reference():
     bias = torch.randn(96, device=DEVICE, dtype=torch.bfloat16)
     expected = int4_linear_reference(x, weight, bias).float()
     assert torch.allclose(int4_linear(x, weight, bias).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+PATHS = [("fused", None), ("split", None), ("split", GatherConfig()), ("overlap", None)]
+
+
+def test_lora_linear_adds_the_delta_on_top_of_the_4bit_base_on_cpu():
+    case = make_case(9, 128, [32, 16], [8, 0, 4], dtype=torch.float32, device="cpu", seed=5)
+    _, weight = quantize_int4(case.weight, 32)
+    y = lora_linear(case.x, weight, case.bias, case.lora_a, case.lora_b, case.batch)
+    assert torch.allclose(y, case.delta(int4_linear_reference(case.x, weight, case.bias)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_tokens", [1, 40, 600])
+@pytest.mark.parametrize(("path", "expand"), PATHS)
+def test_every_lora_path_adds_its_delta_to_the_4bit_base(path: str, expand: GatherConfig | None, num_tokens: int):
+    case = make_case(num_tokens, 1024, [1024, 256, 256], [16, 8, 0, 32], dtype=torch.bfloat16, device="cuda",
+                     page_rank=16, seed=num_tokens)  # fmt: skip
+    _, weight = quantize_int4(case.weight, 128)
+    plan = dataclasses.replace(default_plan(num_tokens, 32), path=path, gather=expand)
+    expected = case.delta(int4_linear_reference(case.x.float(), weight, case.bias))
+    y = linear_with_plan(plan, case.x, weight, case.bias, case.lora_a, case.lora_b, case.batch)
+    assert rel_err(y, expected) < 1e-2
+    base, delta = linear_deferred_with_plan(plan, case.x, weight, case.bias, case.lora_a, case.lora_b, case.batch)
+    assert rel_err(base if delta is None else base.float() + delta.float(), expected) < 1e-2
