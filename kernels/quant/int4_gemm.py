@@ -10,10 +10,15 @@ x's dtype to tl.dot. Only the 4-bit weights, their scales and x cross the memory
 sizes that is 3.5x fewer bytes than a bf16 weight.
 
 Split-K: at decode a [BLOCK_N]-wide column of tiles is all the parallelism there is (4096 / 64 = 64
-programs for o_proj, half an H100); SPLIT_K programs share a column's K range and write float32
-partial sums [SPLIT_K, M, N] that one torch sum adds (deterministic, unlike atomics, and no memset).
-Everything the launch needs is on the device or fixed by shapes: a decode step is CUDA-graph
-capturable.
+programs for o_proj, half an H100); SPLIT_K programs share a column's K range. Each writes its
+float32 partial sum into a workspace [SPLIT_K, M, N] and counts itself in on the tile's arrival
+counter; the last to arrive adds the partials in split order (deterministic, whichever is last),
+writes y and sets the counter back to zero for the next launch. No second kernel: a torch sum and
+cast after the GEMM would add two launches per projection, about 0.5 ms per Llama-3-8B decode step
+against a 1.6 ms roofline at batch 1. The counters (zeroed once per device) are shared by every
+launch: GEMMs on one device run one at a time (the engine's thread; the LoRA side stream runs no
+base GEMM). Everything the launch needs is on the device or fixed by shapes: a decode step is
+CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ class Int4Config:
 
 @triton.jit
 def _int4_gemm_kernel(
-    y_ptr,  # [M, N] in x's dtype (SPLIT_K == 1) or float32 [SPLIT_K, M, N], contiguous
+    y_ptr,  # [M, N] in x's dtype, contiguous
+    partials_ptr,  # float32 [SPLIT_K, M, N] (SPLIT_K > 1), contiguous
+    arrivals_ptr,  # int32 [>= grid tiles], zero between launches (SPLIT_K > 1)
     x_ptr,  # [M, K], last axis contiguous
     qweight_ptr,  # int32 [K / 8, N], contiguous
     scales_ptr,  # float16 [K / G, N], contiguous
@@ -80,8 +87,21 @@ def _int4_gemm_kernel(
         zero = tl.load(zeros_ptr + group_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         w = ((q - zero[None, :]) * scale[None, :]).to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    out = y_ptr + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tile_offsets = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptr + tile_offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(partials_ptr + pid_k.to(tl.int64) * M * N + tile_offsets, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        arrival = arrivals_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:  # the last to arrive sums
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in range(SPLIT_K):  # in split order: the same sum whichever arrived last
+                part = partials_ptr + split * M * N + tile_offsets
+                total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, not a stale L1
+            tl.store(y_ptr + tile_offsets, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(arrival, 0)  # ready for the next launch (graph replays included)
 
 
 def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = None) -> torch.Tensor:
@@ -108,14 +128,18 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = N
     if group % config.block_k or config.block_k % PACK:
         raise ValueError(f"BLOCK_K={config.block_k} must divide the group size {group} and be a multiple of {PACK}")
     split = config.split_k
-    y = (
-        torch.empty((m, n), dtype=x.dtype, device=x.device)
-        if split == 1
-        else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    )
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), split)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    partials, arrivals = y, y  # never read without a split
+    if split > 1:
+        partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        arrivals = _arrival_counters(x.device)
+        if grid[0] * grid[1] > arrivals.numel():
+            raise ValueError(f"a split-K launch of {grid[0] * grid[1]} tiles exceeds the {arrivals.numel()} counters")
     _int4_gemm_kernel[grid](
         y,
+        partials,
+        arrivals,
         x,
         weight.qweight,
         weight.scales,
@@ -133,7 +157,19 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = N
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    return y if split == 1 else y.sum(dim=0).to(x.dtype)
+    return y
+
+
+# split-K arrival counters per device: enough for any decode launch (64 rows by 4 tiles of BLOCK_M 16
+# over N up to 2**18 columns by 64)
+_COUNTERS = 1 << 14
+
+
+@cache
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """int32 [_COUNTERS] zeros on `device`, allocated by the first split launch (a warm-up, before any
+    graph capture) and kept for the process's life; each launch leaves them zero."""
+    return torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
 
 
 @cache

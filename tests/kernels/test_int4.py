@@ -114,13 +114,15 @@ def test_gemm_matches_the_reference(dtype: torch.dtype, m: int, n: int, k: int, 
 
 
 @pytest.mark.parametrize("split", [2, 3])
-def test_split_k_sums_the_same_product(split: int):
+def test_split_k_sums_the_same_product_launch_after_launch(split: int):
     weight = random_int4(40, 384, 32, seed=5)
-    x = torch.randn(5, 384, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    x = torch.randn(20, 384, generator=torch.Generator().manual_seed(6)).to(DEVICE)  # two row tiles
     whole = int4_gemm(x, weight, Int4Config(16, 32, 32, 1, 4, 1))
-    parts = int4_gemm(x, weight, Int4Config(16, 32, 32, split, 4, 1))
-    assert torch.allclose(parts, whole, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(parts, int4_linear_reference(x, weight), rtol=1e-4, atol=1e-4)
+    first = int4_gemm(x, weight, Int4Config(16, 32, 32, split, 4, 1))
+    assert torch.allclose(first, whole, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(first, int4_linear_reference(x, weight), rtol=1e-4, atol=1e-4)
+    # the arrival counters are back at zero: the next launch (a graph replay) sums the same, bit for bit
+    assert torch.equal(int4_gemm(x, weight, Int4Config(16, 32, 32, split, 4, 1)), first)
 
 
 @pytest.mark.parametrize("source", ["awq", "gptq"])
@@ -195,3 +197,19 @@ def test_every_lora_path_adds_its_delta_to_the_4bit_base(path: str, expand: Gath
     assert rel_err(y, expected) < 1e-2
     base, delta = linear_deferred_with_plan(plan, case.x, weight, case.bias, case.lora_a, case.lora_b, case.batch)
     assert rel_err(base if delta is None else base.float() + delta.float(), expected) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_split_k_decode_gemm_replays_from_a_cuda_graph():
+    weight = random_int4(4096, 4096, 128, seed=11)  # o_proj of Llama-3-8B: split 4 ways or more
+    assert int4_config(4, 4096, 4096, 128, torch.cuda.get_device_properties(0).multi_processor_count).split_k > 1
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    int4_gemm(x, weight)  # warm-up: compiles, and allocates the arrival counters outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = int4_gemm(x, weight)
+    for seed in range(3):
+        x.copy_(torch.randn(4, 4096, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16))
+        graph.replay()
+        assert rel_err(y, int4_linear_reference(x, weight)) < 1e-2
