@@ -5,7 +5,8 @@ Two published formats load as they are (worker/model/int4_weights.py repacks bot
                          along N), `qzeros` int32 [K / G, N / 8], `scales` float16 [K / G, N]
     quant_method "gptq"  AutoGPTQ / GPTQModel, checkpoint_format "gptq": `qweight` int32 [K / 8, N]
                          (packed along K), `qzeros` int32 [K / G, N / 8] (stored minus one),
-                         `scales` float16 [K / G, N], `g_idx` int32 [K]; desc_act false only
+                         `scales` float16 [K / G, N], `g_idx` int32 [K] (not read: with
+                         desc_act false, the only order served, g_idx[k] is k // G)
 both with bits 4 and a group size G of 32, 64 or 128 inputs. A plain checkpoint served with
 --quantization int4 is quantized at load in groups of 128 (LOAD_GROUP_SIZES). Anything else is refused at
 start, naming the file and the problem.

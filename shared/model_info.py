@@ -62,8 +62,9 @@ class ModelInfo:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block (others: a dense MLP)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
-    # how the weights are stored: in the checkpoint's files, and on the device as served ("none" or
-    # "fp8": shared/quantization.py); the KV cache's dtype as served ("auto": the activations')
+    # how the weights are stored: in the checkpoint's files, and on the device as served ("none",
+    # "fp8": shared/quantization.py; 4-bit "awq", "gptq", or "int4" as served when quantized at load:
+    # shared/int4_quantization.py); the KV cache's dtype as served ("auto": the activations')
     checkpoint_quantization: str = "none"
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
