@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from shared.config import EngineConfig, ModelSpec
 from shared.errors import LorafleetError
 from shared.model_info import ModelInfo
 from tests.engine.engine_driver import BlockPool, build_step, make_kv_cache, prefill
@@ -29,6 +31,7 @@ from tests.engine.int4_oracle import INT4_SHAPE, int4_oracle, quantization_confi
 from tests.engine.test_model_oracle import MIXED, SLOTS, mixed_sequences, random_prompt
 from tests.engine.tiny_hf import TinyCheckpoint, build_checkpoint, oracle_greedy, oracle_logits
 from worker.model.model import CausalLM
+from worker.switching.loader import served_info
 
 TOLERANCE = 1e-4
 
@@ -151,33 +154,46 @@ def test_int4_at_load_refuses_widths_in_no_whole_group(llama: TinyCheckpoint) ->
         info.served(quantization="int4", kv_cache_dtype="auto", source=llama.model_dir)
 
 
+def served_at_start(model_dir: Path) -> ModelInfo:
+    """The model as a worker starting on it serves it (worker/switching/loader.served_info)."""
+    return served_info(ModelSpec("llama", model_dir), EngineConfig())
+
+
 @pytest.mark.parametrize(
-    ("method", "tensor", "problem"),
-    [
-        ("awq", "model.layers.1.mlp.down_proj.qzeros", r"checkpoint lacks 1 tensors: .*down_proj\.qzeros"),
-        ("gptq", "model.layers.0.self_attn.o_proj.scales", r"checkpoint lacks 1 tensors: .*o_proj\.scales"),
-    ],
+    ("method", "tensor"),
+    [("awq", "model.layers.1.mlp.down_proj.qzeros"), ("gptq", "model.layers.0.self_attn.o_proj.scales")],
 )
-def test_a_missing_4bit_tensor_names_it(
-    wide_llama: TinyCheckpoint, tmp_path: Path, method: str, tensor: str, problem: str
+def test_a_missing_4bit_tensor_is_refused_at_start_naming_it(
+    wide_llama: TinyCheckpoint, tmp_path: Path, method: str, tensor: str
 ) -> None:
     model_dir = save_int4_checkpoint(wide_llama.model_dir, tmp_path / method, method=method)
+    assert served_at_start(model_dir).quantization == method
     tensors = load_file(model_dir / "model.safetensors")
     del tensors[tensor]
     save_file(tensors, model_dir / "model.safetensors")
-    with pytest.raises(ValueError, match=rf"llama: {problem}"):
-        int4_model(model_dir, ModelInfo.from_pretrained("llama", model_dir))
+    with pytest.raises(LorafleetError, match=rf"^{model_dir}: {re.escape(tensor)} is missing: a {method} checkpoint"):
+        served_at_start(model_dir)
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_a_wrongly_shaped_qweight_names_it(wide_llama: TinyCheckpoint, tmp_path: Path, method: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "change", "problem"),
+    [
+        ("awq", "transpose", "I32 [32, 128]; a awq checkpoint in groups of 128 needs I32 [128, 32]"),
+        ("gptq", "transpose", "I32 [256, 16]; a gptq checkpoint in groups of 128 needs I32 [16, 256]"),
+        ("gptq", "float", "F32 [16, 256]; a gptq checkpoint in groups of 128 needs I32 [16, 256]"),
+    ],
+)
+def test_a_misshapen_4bit_tensor_is_refused_at_start_naming_its_file(
+    wide_llama: TinyCheckpoint, tmp_path: Path, method: str, change: str, problem: str
+) -> None:
     model_dir = save_int4_checkpoint(wide_llama.model_dir, tmp_path / method, method=method)
     tensors = load_file(model_dir / "model.safetensors")
-    name = "model.layers.0.mlp.up_proj.qweight"
-    tensors[name] = tensors[name].T.contiguous()  # the other format's orientation
+    name = "model.layers.0.mlp.up_proj.qweight"  # up_proj: K 128, N 256
+    tensors[name] = tensors[name].T.contiguous() if change == "transpose" else tensors[name].float()
     save_file(tensors, model_dir / "model.safetensors")
-    with pytest.raises(ValueError, match=rf"{name}: checkpoint shape"):
-        int4_model(model_dir, ModelInfo.from_pretrained("llama", model_dir))
+    message = f"{model_dir / 'model.safetensors'}: {name} is {problem}"
+    with pytest.raises(LorafleetError, match=f"^{re.escape(message)}$"):
+        served_at_start(model_dir)
 
 
 def test_a_4bit_checkpoint_served_unquantized_is_refused(wide_llama: TinyCheckpoint, tmp_path: Path) -> None:
