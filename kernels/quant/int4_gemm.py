@@ -3,8 +3,8 @@
     y[m, n] = sum_k x[m, k] * dtype((q[k, n] - zeros[k // G, n]) * scales[k // G, n])    in float32
 
 Each program owns a [BLOCK_M, BLOCK_N] tile of y and a range of K tiles (split-K): it loads a
-[BLOCK_K / 8, BLOCK_N] block of packed int32 once per K tile (each int32 feeds eight rows, read from
-L1 after the first), shifts and masks the 4-bit values out in registers, dequantizes with the
+[BLOCK_K / 8, BLOCK_N] block of packed int32 once per K tile, spreads each int32 over its eight
+rows and masks the 4-bit values out in registers, dequantizes with the
 group's scale and zero point (one row of each per K tile: BLOCK_K divides the group size) and feeds
 x's dtype to tl.dot. Only the 4-bit weights, their scales and x cross the memory bus: at decode
 sizes that is 3.5x fewer bytes than a bf16 weight.
@@ -75,13 +75,18 @@ def _int4_gemm_kernel(
     first = pid_k * tiles_per_split
     last = tl.minimum(first + tiles_per_split, k_tiles)
     rows = tl.arange(0, BLOCK_K)
-    shifts = (rows % 8) * 4  # [BLOCK_K]: where row k's value sits in its int32
+    packed_rows = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4  # where row 8 * i + j's value sits in packed row i: bits 4 * j
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for tile in range(first, last):
         offs_k = tile * BLOCK_K + rows
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-        packed = tl.load(qweight_ptr + (offs_k[:, None] // 8).to(tl.int64) * N + offs_n[None, :], mask=mask_n[None, :])
-        q = ((packed >> shifts[:, None]) & 0xF).to(tl.float32)  # [BLOCK_K, BLOCK_N]
+        # each int32 loaded once and spread over its eight rows in registers (a load of
+        # offs_k // 8 would stage every int32 eight times in shared memory)
+        packed_offs = (tile * (BLOCK_K // 8) + packed_rows)[:, None].to(tl.int64) * N + offs_n[None, :]
+        packed = tl.load(qweight_ptr + packed_offs, mask=mask_n[None, :])  # [BLOCK_K / 8, BLOCK_N]
+        nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
+        q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)).to(tl.float32)  # row 8 * i + j: packed row i, nibble j
         group_row = (tile * BLOCK_K // GROUP) * N  # < K / 32 * N: int32 suffices
         scale = tl.load(scales_ptr + group_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + group_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
