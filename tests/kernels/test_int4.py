@@ -5,6 +5,9 @@ source packings (fp32/fp16 through the interpreter, bf16 on the GPU), also under
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -213,3 +216,19 @@ def test_a_split_k_decode_gemm_replays_from_a_cuda_graph():
         x.copy_(torch.randn(4, 4096, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16))
         graph.replay()
         assert rel_err(y, int4_linear_reference(x, weight)) < 1e-2
+
+
+def test_the_kernel_compiles_for_hopper():
+    """Compiled ahead of time for sm_90 on any machine, outside the interpreter (a process of its own:
+    this one's Triton may be the interpreter's): what the interpreter accepts and the GPU compiler
+    refuses. A split-K decode launch in bf16 and fp16, a prefill launch in float32."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.int4_hopper_compile"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["bf16", "fp16", "fp32"]
