@@ -165,8 +165,8 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = N
     return y
 
 
-# split-K arrival counters per device: enough for any decode launch (64 rows by 4 tiles of BLOCK_M 16
-# over N up to 2**18 columns by 64)
+# split-K arrival counters per device: int4_config splits only launches of fewer tiles than two per
+# SM; this is room for a hand-picked split over a 64-row batch of 2**18 columns in tiles of 16 × 64
 _COUNTERS = 1 << 14
 
 
@@ -197,23 +197,33 @@ def int4_config(m: int, n: int, k: int, group: int, sm_count: int) -> Int4Config
     in flight per program. Split-K fills the GPU where the N tiles alone do not (two programs per
     SM, each split keeping four K tiles or more): o (64 column tiles, 32 K tiles) and down (64, 112)
     split 8 ways, qkv (96) 4, gate_up (448) not at all. The float32 partial sums of a split cost
-    split × M × N × 8 bytes (written, then read back from L2): 1 MiB for o at batch 8, beside 8 MiB
-    of 4-bit weight.
+    split × M × N × 8 bytes (written, then read back, mostly from L2): 2 MiB for o at batch 8,
+    beside 8 MiB of 4-bit weight; splits stop before the partials outweigh the weight.
 
-    Prefill (m > 64) is bound by compute: 128×128 tiles with BLOCK_K 64, no split, the usual
-    Hopper tensor-core shape for Triton, with the dequantization hidden under the MMA by
-    software pipelining (num_stages 4). cuBLAS on a dequantized copy would be faster per FLOP,
-    but would cost a bf16 copy of the largest weight (235 MB for gate_up) in every step.
+    Larger batches (64 < m <= 256: decode of 128 or 256 sequences) take 64-row tiles, 128 wide,
+    split the same way as far as the partials stay within the weight's bytes (o at batch 128: 64
+    tiles, split 2). Prefill (m > 256) is bound by
+    compute: 128×128 tiles with BLOCK_K 64, the usual Hopper tensor-core shape for Triton, with the
+    dequantization hidden under the MMA by software pipelining (num_stages 4), and no split (its
+    partials would be megabytes). cuBLAS on a dequantized copy would be faster per FLOP, but would
+    cost a bf16 copy of the largest weight (235 MB for gate_up) in every step.
     """
-    block_k = min(128 if m <= 64 else 64, group)
-    if m > 64:
-        return Int4Config(block_m=128, block_n=128, block_k=block_k, split_k=1, num_warps=8, num_stages=4)
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64
+    if m <= 64:
+        block_m, block_n, block_k, warps = (16 if m <= 16 else (32 if m <= 32 else 64)), 64, min(128, group), 4
+    elif m <= 256:
+        block_m, block_n, block_k, warps = 64, 128, min(64, group), 4
+    else:
+        return Int4Config(block_m=128, block_n=128, block_k=min(64, group), split_k=1, num_warps=8, num_stages=4)
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     k_tiles = k // block_k
     split = 1
-    # powers of two, each split keeping at least four K tiles to pipeline over
-    while tiles * split < _PROGRAMS_PER_SM * sm_count and split * 2 * 4 <= k_tiles and split < 8:
+    # powers of two, each split keeping at least four K tiles to pipeline over, and the float32
+    # partials (written, then read back: 8 bytes an output per split) no more bytes than the 4-bit weight
+    while (
+        tiles * split < _PROGRAMS_PER_SM * sm_count
+        and split * 2 * 4 <= k_tiles
+        and split * 2 * m * 16 <= k
+        and split < 8
+    ):
         split *= 2
-    return Int4Config(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4)
+    return Int4Config(block_m, block_n, block_k, split_k=split, num_warps=warps, num_stages=4)

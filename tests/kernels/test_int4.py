@@ -163,6 +163,9 @@ def test_decode_configs_split_the_narrow_projections_of_llama3_8b():
     assert int4_config(8, 4096, 14336, 128, 132).split_k == 8
     assert int4_config(8, 6144, 4096, 128, 132).split_k == 4
     assert int4_config(8, 28672, 4096, 128, 132).split_k == 1
+    assert int4_config(64, 4096, 4096, 128, 132).split_k == 4  # as many partial bytes as weight bytes
+    assert int4_config(128, 4096, 4096, 128, 132).split_k == 2
+    assert int4_config(1024, 4096, 4096, 128, 132).split_k == 1  # prefill: enough tiles, no split
     assert int4_config(1024, 28672, 4096, 128, 132).block_m == 128
 
 
