@@ -12,6 +12,7 @@ from kernels.quant.int4_gemm import Int4Config, _int4_gemm_kernel
 LAUNCHES = [
     ("bf16", Int4Config(16, 64, 128, 8, 4, 4)),  # decode, split-K with its arrival counters
     ("fp16", Int4Config(64, 64, 128, 2, 4, 4)),
+    ("bf16", Int4Config(64, 128, 64, 2, 4, 4)),  # a batch of 65-256 rows
     ("fp32", Int4Config(128, 128, 64, 1, 8, 4)),  # prefill, float32 products
 ]
 
