@@ -15,10 +15,9 @@ float32 partial sum into a workspace [SPLIT_K, M, N] and counts itself in on the
 counter; the last to arrive adds the partials in split order (deterministic, whichever is last),
 writes y and sets the counter back to zero for the next launch. No second kernel: a torch sum and
 cast after the GEMM would add two launches per projection, about 0.5 ms per Llama-3-8B decode step
-against a 1.6 ms roofline at batch 1. The counters (zeroed once per device) are shared by every
-launch: GEMMs on one device run one at a time (the engine's thread; the LoRA side stream runs no
-base GEMM). Everything the launch needs is on the device or fixed by shapes: a decode step is
-CUDA-graph capturable.
+against a 1.6 ms roofline at batch 1. The counters are the weight's own (Int4Weight.arrivals: a
+weight is multiplied by one step at a time). Everything the launch needs is on the device or fixed
+by shapes: a decode step is CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -138,7 +137,7 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = N
     partials, arrivals = y, y  # never read without a split
     if split > 1:
         partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        arrivals = _arrival_counters(x.device)
+        arrivals = weight.arrivals
         if grid[0] * grid[1] > arrivals.numel():
             raise ValueError(f"a split-K launch of {grid[0] * grid[1]} tiles exceeds the {arrivals.numel()} counters")
     _int4_gemm_kernel[grid](
@@ -163,18 +162,6 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = N
         num_stages=config.num_stages,
     )
     return y
-
-
-# split-K arrival counters per device: int4_config splits only launches of fewer tiles than two per
-# SM; this is room for a hand-picked split over a 64-row batch of 2**18 columns in tiles of 16 × 64
-_COUNTERS = 1 << 14
-
-
-@cache
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """int32 [_COUNTERS] zeros on `device`, allocated by the first split launch (a warm-up, before any
-    graph capture) and kept for the process's life; each launch leaves them zero."""
-    return torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
 
 
 @cache

@@ -33,13 +33,22 @@ MIN_SCALE = 2.0**-14
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
+# split-K arrival counters a weight keeps for its GEMM (int4_gemm.py): more than the tiles of any
+# split launch (int4_config splits only launches of fewer tiles than two per SM)
+ARRIVAL_COUNTERS = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class Int4Weight:
-    """A projection's 4-bit weight in the layout above (tensors on one device)."""
+    """A projection's 4-bit weight in the layout above (tensors on one device), with the counters its
+    split-K GEMM synchronises on. They belong to the weight, not to the device: a weight is
+    multiplied by one step at a time (its model's), while two models' steps, or one model's graph
+    capture beside another's serving, may run at once on two streams."""
 
     qweight: torch.Tensor  # int32 [K / 8, N]
     scales: torch.Tensor  # float16 [K / G, N]
     zeros: torch.Tensor  # float16 [K / G, N]
+    arrivals: torch.Tensor  # int32 [ARRIVAL_COUNTERS], zero between launches
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -49,6 +58,11 @@ class Int4Weight:
     @property
     def group_size(self) -> int:
         return self.shape[1] // self.scales.shape[0]
+
+
+def arrival_counters(device: torch.device | str) -> torch.Tensor:
+    """A weight's split-K arrival counters: int32 [ARRIVAL_COUNTERS] zeros on `device`."""
+    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
 
 
 def pack_along_k(q: torch.Tensor) -> torch.Tensor:
@@ -109,6 +123,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
         qweight=pack_along_k(q.T),
         scales=scales.reshape(n, -1).T.half().contiguous(),
         zeros=zeros.reshape(n, -1).T.half().contiguous(),
+        arrivals=arrival_counters(weight.device),
     )
     return q.T.contiguous(), layout
 

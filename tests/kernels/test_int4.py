@@ -19,6 +19,7 @@ from kernels.quant.int4_gemm import Int4Config, int4_config, int4_gemm
 from kernels.quant.int4_reference import (
     AWQ_ORDER,
     MAX_LEVEL,
+    arrival_counters,
     dequantize_int4,
     int4_linear_reference,
     pack_along_k,
@@ -45,6 +46,7 @@ def random_int4(n: int, k: int, group: int, seed: int) -> Int4Weight:
         qweight=pack_along_k(random_levels(k, n, seed)).to(DEVICE),
         scales=(torch.rand(k // group, n, generator=generator) * 0.02 + 1e-3).half().to(DEVICE),
         zeros=torch.randint(0, 17, (k // group, n), generator=generator).half().to(DEVICE),
+        arrivals=arrival_counters(DEVICE),
     )
 
 
@@ -136,7 +138,7 @@ def test_gemm_reads_weights_repacked_from_both_published_packings(source: str):
     published = pack_along_n(levels, AWQ_ORDER) if source == "awq" else pack_along_k(levels)
     unpacked = unpack_along_n(published, AWQ_ORDER) if source == "awq" else unpack_along_k(published)
     scales_and_zeros = random_int4(n, k, group, seed=8)
-    weight = Int4Weight(pack_along_k(unpacked).to(DEVICE), scales_and_zeros.scales, scales_and_zeros.zeros)
+    weight = dataclasses.replace(scales_and_zeros, qweight=pack_along_k(unpacked).to(DEVICE))
     dequantized = (
         levels.float() - weight.zeros.float().cpu().repeat_interleave(group, 0)
     ) * weight.scales.float().cpu().repeat_interleave(group, 0)

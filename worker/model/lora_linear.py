@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels.lora import LoRABatch, lora_linear, lora_linear_deferred
 from kernels.quant import FP8_DTYPE, Int4Weight
-from kernels.quant.int4_reference import PACK
+from kernels.quant.int4_reference import PACK, arrival_counters
 from shared.int4_quantization import INT4_FORMATS
 from shared.model_info import ModelInfo
 from worker.model import int4_weights
@@ -94,6 +94,8 @@ class LoRALinear(nn.Module):
             self.qweight = _frozen(torch.empty(in_features // PACK, total, dtype=torch.int32, device=device))
             self.scales = _frozen(torch.empty(in_features // group_size, total, dtype=torch.float16, device=device))
             self.zeros = _frozen(torch.empty(in_features // group_size, total, dtype=torch.float16, device=device))
+            # the split-K GEMM's counters (4 KiB; the memory plan counts them with the LoRA buffers)
+            self.register_buffer("arrivals", arrival_counters(device), persistent=False)
         else:
             weight_dtype = FP8_DTYPE if quantization == "fp8" else dtype
             self.weight = _frozen(torch.empty(total, in_features, dtype=weight_dtype, device=device))
@@ -147,7 +149,7 @@ class LoRALinear(nn.Module):
     def base_weight(self) -> torch.Tensor | Int4Weight:
         """What the base GEMM reads: the weight [sum N_i, K], or the 4-bit weight standing for it."""
         if self.weight is None:
-            return Int4Weight(self.qweight, self.scales, self.zeros)
+            return Int4Weight(self.qweight, self.scales, self.zeros, self.arrivals)
         return self.weight
 
     def checkpoint_loaders(
