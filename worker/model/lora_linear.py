@@ -94,8 +94,8 @@ class LoRALinear(nn.Module):
             self.qweight = _frozen(torch.empty(in_features // PACK, total, dtype=torch.int32, device=device))
             self.scales = _frozen(torch.empty(in_features // group_size, total, dtype=torch.float16, device=device))
             self.zeros = _frozen(torch.empty(in_features // group_size, total, dtype=torch.float16, device=device))
-            # the split-K GEMM's counters (4 KiB; the memory plan counts them with the LoRA buffers)
-            self.register_buffer("arrivals", arrival_counters(device), persistent=False)
+            # the split-K GEMM's counters: part of the weight's storage (4 KiB), not a LoRA buffer
+            self.arrivals = _frozen(arrival_counters(device))
         else:
             weight_dtype = FP8_DTYPE if quantization == "fp8" else dtype
             self.weight = _frozen(torch.empty(total, in_features, dtype=weight_dtype, device=device))
