@@ -4,7 +4,7 @@ transformers(+PEFT) on the same workload and the decode roofline.
     python -m bench.engine [--batches 1 8 32 64 128] [--prompts 128 1024] [--new-tokens 128]
                            [--adapters 0 8 32] [--hf-batch 32 --hf-prompt 128 --hf-new-tokens N --hf-adapters 0 8]
                            [--profile-batch 32] [--adapter-dir DIR]
-                           [--quantization none fp8] [--kv-cache-dtype auto fp8]
+                           [--quantization none fp8 int4] [--kv-cache-dtype auto fp8]
 
 Engine rows: all requests are added at once to an LLMEngine (scheduler, paged KV, multi-LoRA, the
 GPU sampler; greedy, ignore_eos) and stepped to completion. The engine is built as a worker builds
@@ -32,11 +32,13 @@ overlapped as the engine runs them, for B decoding sequences (context: the first
 eagerly.
 Roofline (per decode step): all weights read once (lm_head included, embedding rows excluded) plus
 each sequence's K/V at its mean decode context, over the measured device-to-device copy bandwidth;
-in each row's own formats (fp8 projections: one byte a weight; an fp8 KV cache: one byte an element).
+in each row's own formats (fp8 projections: one byte a weight; int4: half a byte a weight and a
+float16 scale and zero point per group of 128; an fp8 KV cache: one byte an element).
 --quantization / --kv-cache-dtype: engine rows for every combination given (weights "none": bf16),
 each with the KV blocks its memory plan gives on this GPU, and the issue's targets checked at the end
 (FP8 decode >= 1.7x bf16 at batch 8-32 and >= 80% of its roofline; 8 adapters >= 0.9x the same
-quantized base; KV blocks >= 1.9x with an FP8 KV cache).
+quantized base; KV blocks >= 1.9x with an FP8 KV cache; 4-bit (int4: random weights quantized as
+at load, bench/int4.py) decode >= 2.5x bf16 at batch 1-8).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 
+from bench.int4 import int4_projection_bytes, print_int4_targets, quantize_random
 from kernels.quant import quantize_weight
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, file_sha256
 from shared.config import EngineConfig
@@ -155,11 +158,14 @@ def copy_bandwidth() -> float:
 
 def weight_bytes(info: ModelInfo) -> int:
     """Bytes a decode step reads: every layer's weights and the lm_head (embedding rows are few); the
-    projections in one byte each (and a float32 scale per output row) when served in fp8."""
+    projections in one byte each (and a float32 scale per output row) when served in fp8, in half a
+    byte (and a float16 scale and zero point per group) in 4 bits."""
     h, i, kv = info.hidden_size, info.intermediate_size, info.num_kv_heads * info.head_dim
     rows = (h + 2 * kv) + h + 2 * i + h
     projections = h * (h + 2 * kv) + h * h + 3 * h * i
     projection_bytes = projections + 4 * rows if info.quantization == "fp8" else 2 * projections
+    if info.quantization == "int4":
+        projection_bytes = int4_projection_bytes(info)
     return info.num_layers * (projection_bytes + 2 * 2 * h) + 2 * (info.vocab_size * h + h)
 
 
@@ -190,6 +196,8 @@ def random_model(info: ModelInfo, config: EngineConfig) -> CausalLM:
                 )
                 module.weight.copy_(weight)
                 module.weight_scale.copy_(scale)
+            elif isinstance(module, LoRALinear) and module.weight is None:  # int4: quantized as at load
+                quantize_random(module, info.weight_group_size)
     return model
 
 
@@ -538,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed-steps", type=int, help="time steps admitting requests beside this many decodes")
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 1024], help="prefill chunks (--mixed-steps)")
     parser.add_argument("--out", help="write the rows as JSON lines here")
-    parser.add_argument("--quantization", nargs="+", choices=("none", "fp8"), default=["none"],
+    parser.add_argument("--quantization", nargs="+", choices=("none", "fp8", "int4"), default=["none"],
                         help="engine rows for each weight format (none: bf16)")  # fmt: skip
     parser.add_argument("--kv-cache-dtype", nargs="+", choices=("auto", "fp8"), default=["auto"],
                         help="engine rows for each KV cache dtype")  # fmt: skip
@@ -626,6 +634,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print_lora_off_ratios(rows)
     print_targets(rows, kv_blocks)
+    print_int4_targets(rows, LORAFLEET)
 
 
 def engine_system(info: ModelInfo) -> str:

@@ -209,9 +209,10 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
     )
     engine.add_argument(
         "--quantization",
-        choices=("fp8",),
+        choices=("fp8", "int4"),
         help="quantize the base weights at load: fp8 = W8A8, per-channel weight and per-token activation scales; "
-        "FP8 checkpoints load as they are (default: as the checkpoint holds them)",
+        "int4 = W4A16, 4-bit weights in groups of 128 with a scale and zero point each; "
+        "FP8, AWQ and GPTQ checkpoints load as they are (default: as the checkpoint holds them)",
     )
     engine.add_argument(
         "--kv-cache-dtype",

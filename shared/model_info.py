@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import ErrorCode, LorafleetError
+from shared.int4_quantization import INT4_FORMATS, check_int4_widths, checkpoint_group_size, load_group_size
 from shared.quantization import KV_CACHE_DTYPES, checkpoint_quantization, served_quantization
 
 # Decoder-only families that share the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
@@ -61,11 +62,14 @@ class ModelInfo:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block (others: a dense MLP)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
-    # how the weights are stored: in the checkpoint's files, and on the device as served ("none" or
-    # "fp8": shared/quantization.py); the KV cache's dtype as served ("auto": the activations')
+    # how the weights are stored: in the checkpoint's files, and on the device as served ("none",
+    # "fp8": shared/quantization.py; 4-bit "awq", "gptq", or "int4" as served when quantized at load:
+    # shared/int4_quantization.py); the KV cache's dtype as served ("auto": the activations')
     checkpoint_quantization: str = "none"
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
+    # inputs per scale group of 4-bit weights (quantization "int4", "awq" or "gptq"); 0 otherwise
+    weight_group_size: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -103,7 +107,13 @@ class ModelInfo:
             raise LorafleetError(
                 ErrorCode.INVALID_REQUEST, f"{source}: {weights} weights are not supported for MoE models yet"
             )
-        return replace(self, quantization=weights, kv_cache_dtype=kv_cache_dtype)
+        group_size = self.weight_group_size
+        widths = {name: self.projection_shape(name)[0] for name in PROJECTIONS}
+        if weights == "int4" and self.checkpoint_quantization == "none":
+            group_size = load_group_size(widths, source)
+        if weights in INT4_FORMATS:
+            check_int4_widths(widths, group_size, source)
+        return replace(self, quantization=weights, kv_cache_dtype=kv_cache_dtype, weight_group_size=group_size)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -138,6 +148,7 @@ class ModelInfo:
             max_context = min(max_context, config["sliding_window"])
         moe = _moe_fields(architecture, config)
         weights = checkpoint_quantization(config, path)
+        group_size = checkpoint_group_size(config["quantization_config"], path) if weights in INT4_FORMATS else 0
         rope_theta = config.get("rope_theta")
         rope_scaling = config.get("rope_scaling")
         # transformers >= 5 folds rope settings into `rope_parameters`
@@ -167,6 +178,7 @@ class ModelInfo:
             torch_dtype=config.get("torch_dtype") or config.get("dtype") or "float32",
             checkpoint_quantization=weights,
             quantization=weights,
+            weight_group_size=group_size,
             **moe,
         )
 

@@ -7,7 +7,8 @@ asked for fp8) or FP8 weights with their scales, as published in two formats:
     quant_method "compressed-tensors"  (llm-compressor, format float-quantized): `weight_scale`
 each per tensor (one value) or per output channel ([N] or [N, 1]). Either loads as it is, never
 re-quantized. Their static `input_scale`s are not used: activations get a dynamic scale per token,
-never coarser than one fixed scale per tensor. Anything else is refused at start, naming the file.
+never coarser than one fixed scale per tensor. 4-bit checkpoints (quant_method "awq" or "gptq")
+are checked by shared/int4_quantization.py. Anything else is refused at start, naming the file.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from shared.errors import ErrorCode, LorafleetError
+from shared.int4_quantization import INT4_METHODS, check_int4_checkpoint
 
-WEIGHT_FORMATS = ("none", "fp8")  # "none": the checkpoint's own floating-point dtype
+WEIGHT_FORMATS = ("none", "fp8", "int4")  # "none": the checkpoint's own floating-point dtype
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the weights' activation dtype
-SUPPORTED_METHODS = ("fp8", "compressed-tensors")
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", *INT4_METHODS)
 # compressed-tensors' per-tensor and per-output-channel weight strategies (block / group are refused)
 _CT_STRATEGIES = ("tensor", "channel")
 
 
 def checkpoint_quantization(config: dict[str, Any], path: Path) -> str:
-    """The weight format of the checkpoint whose config.json (at `path`) is `config`: "none" or "fp8".
+    """The weight format of the checkpoint whose config.json (at `path`) is `config`: "none", "fp8",
+    "awq" or "gptq".
     Raises LorafleetError naming the file and the problem for a format the worker cannot serve."""
     quant = config.get("quantization_config")
     if not quant:
@@ -42,6 +45,8 @@ def checkpoint_quantization(config: dict[str, Any], path: Path) -> str:
         if not quant.get("config_groups"):
             _refuse(path, "compressed-tensors quantization_config has no config_groups")
         return "fp8"
+    if method in INT4_METHODS:
+        return check_int4_checkpoint(quant, path)
     _refuse(path, f"quant_method {method!r} is not supported (supported: {', '.join(SUPPORTED_METHODS)})")
 
 
@@ -59,9 +64,10 @@ def _check_ct_group(name: str, group: dict[str, Any], path: Path) -> None:
 
 def served_quantization(checkpoint: str, requested: str | None, path: Path) -> str:
     """The format the weights are served in: the checkpoint's when it is quantized, else `requested`
-    (--quantization; None: the checkpoint's own dtype). An FP8 checkpoint cannot be served unquantized."""
+    (--quantization; None: the checkpoint's own dtype). A quantized checkpoint cannot be served
+    unquantized; an AWQ or GPTQ one is already what --quantization int4 asks for."""
     if checkpoint != "none":
-        if requested not in (None, checkpoint):
+        if requested not in (None, checkpoint) and not (requested == "int4" and checkpoint in INT4_METHODS):
             _refuse(
                 path, f"the checkpoint is {checkpoint}-quantized; it cannot be served as --quantization {requested}"
             )

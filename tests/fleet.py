@@ -15,7 +15,7 @@ import aiohttp
 import redis
 
 from cli.demo_adapters import DEMO_ADAPTERS, write_demo_adapter
-from cli.demo_model import write_demo_model
+from cli.demo_model import DemoModelShape, write_demo_model
 from cli.redis_server import free_port
 from shared import keys
 from shared.adapter_registry import register_adapter
@@ -38,12 +38,12 @@ WORKER_FLAGS = [
 ]  # fmt: skip
 
 
-def write_demo_assets(root: Path) -> tuple[Path, Path]:
-    """(model dir, adapter root) under `root`: the demo model and its tenants' adapters, as `lorafleet up`
-    writes them."""
+def write_demo_assets(root: Path, shape: DemoModelShape | None = None) -> tuple[Path, Path]:
+    """(model dir, adapter root) under `root`: the demo model (of `shape`; None: the demo's own) and its
+    tenants' adapters, as `lorafleet up` writes them."""
     model_dir, adapter_root = root / "model", root / "adapters"
-    model_dir.mkdir()
-    write_demo_model(model_dir)
+    model_dir.mkdir(parents=True)
+    write_demo_model(model_dir, shape or DemoModelShape())
     info = ModelInfo.from_pretrained(MODEL, model_dir)
     for adapter in DEMO_ADAPTERS:
         (adapter_root / adapter.path(MODEL)).mkdir(parents=True)

@@ -29,7 +29,7 @@ from kernels.lora.metadata import LoRABatch
 from kernels.lora.paths import add_lora_cuda, linear_deferred_with_plan, linear_with_plan
 from kernels.lora.reference import add_lora_reference
 from kernels.lora.tiles import rank_pad
-from kernels.quant import base_linear
+from kernels.quant import Int4Weight, base_linear
 
 __all__ = [
     "LoRABatch",
@@ -74,7 +74,7 @@ def add_lora(
 
 def lora_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     bias: torch.Tensor | None,
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
@@ -85,7 +85,8 @@ def lora_linear(
 ) -> torch.Tensor:
     """x [T, K] @ weight[N, K].T (+ bias) plus each token's LoRA delta; slices stack along N
     (lora_a[i] [P, PR, K], lora_b[i] [P, N_i, PR]). weight_scale float32 [N]: the weight is fp8
-    with these per-channel scales (kernels/quant), and the delta is added on top of its GEMM.
+    with these per-channel scales (kernels/quant), and the delta is added on top of its GEMM; so
+    it is on top of a 4-bit weight (an Int4Weight, kernels/quant).
 
     residual [T, N]: a tensor the caller adds the result to next (the residual stream). Where the
     path computes the delta beside the base GEMM (decode sizes on CUDA), it adds the delta into
@@ -103,7 +104,7 @@ def lora_linear(
 
 def lora_linear_deferred(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     bias: torch.Tensor | None,
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],

@@ -3,7 +3,8 @@
 Semantics (see reference.py; lora_a[i] [P, PR, K] and lora_b[i] [P, N_i, PR] are pages read through
 the batch's page table, see tiles.py):
     lora_linear: y = x · Wᵀ (+ bias) + per-token LoRA delta (W fp8 with per-channel scales when a
-                 weight_scale is given: kernels/quant);   add_lora: y += per-token LoRA delta
+                 weight_scale is given, or a 4-bit Int4Weight: kernels/quant);
+    add_lora:    y += per-token LoRA delta
 
     fused     fused.py writes y = bias + delta (z stays on-chip), then y.addmm_(x, Wᵀ): the base
               GEMM adds x · Wᵀ in cuBLAS's epilogue (beta = 1) instead of a separate pass over y
@@ -28,7 +29,7 @@ from kernels.lora.fused import lora_fused
 from kernels.lora.metadata import LoRABatch
 from kernels.lora.shrink import lora_shrink
 from kernels.lora.tiles import SliceGroup, check_slices, slice_groups
-from kernels.quant import base_linear, fp8_linear
+from kernels.quant import Int4Weight, base_linear, fp8_linear, int4_linear
 from kernels.streams import beside, join
 
 
@@ -70,7 +71,7 @@ def add_lora_cuda(
 def linear_with_plan(
     plan: Plan,
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     bias: torch.Tensor | None,
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
@@ -99,6 +100,8 @@ def linear_with_plan(
         else:
             z = lora_shrink(x, group, batch, plan.shrink)
             _expand(plan, y, z, group, batch, bias=bias, accumulate=False)
+    if isinstance(weight, Int4Weight):
+        return y.add_(int4_linear(x, weight))  # the W4A16 GEMM takes no addend either
     if weight_scale is None:
         return y.addmm_(x, weight.t())
     return y.add_(fp8_linear(x, weight, weight_scale))  # no fp8 GEMM takes an addend: one more pass
@@ -107,7 +110,7 @@ def linear_with_plan(
 def linear_deferred_with_plan(
     plan: Plan,
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     bias: torch.Tensor | None,
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
@@ -126,7 +129,7 @@ def linear_deferred_with_plan(
 
 def _check_weight(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
     batch: LoRABatch,
@@ -141,7 +144,7 @@ def _check_weight(
 def _beside(
     plan: Plan,
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     bias: torch.Tensor | None,
     groups: list[SliceGroup],
     batch: LoRABatch,
@@ -163,7 +166,7 @@ def _beside(
 def _overlap(
     plan: Plan,
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     bias: torch.Tensor | None,
     groups: list[SliceGroup],
     batch: LoRABatch,

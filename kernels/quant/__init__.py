@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.quant.int4 import int4_linear
+from kernels.quant.int4_reference import Int4Weight
 from kernels.quant.per_token import quantize_per_token_triton
 from kernels.quant.reference import (
     FP8_DTYPE,
@@ -26,9 +28,11 @@ from kernels.quant.reference import (
 
 __all__ = [
     "FP8_DTYPE",
+    "Int4Weight",
     "base_linear",
     "dequantize",
     "fp8_linear",
+    "int4_linear",
     "quantize_per_token",
     "quantize_weight",
 ]
@@ -58,9 +62,15 @@ def fp8_linear(
 
 
 def base_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_scale: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x [T, K] @ weight[N, K].T (+ bias): an fp8 GEMM when the weight has scales [N], else F.linear."""
+    """x [T, K] @ weight[N, K].T (+ bias): the W4A16 GEMM for a 4-bit weight (int4.py), an fp8 GEMM
+    when the weight has scales [N], else F.linear."""
+    if isinstance(weight, Int4Weight):
+        return int4_linear(x, weight, bias)
     if weight_scale is None:
         return torch.nn.functional.linear(x, weight, bias)
     return fp8_linear(x, weight, weight_scale, bias)

@@ -151,10 +151,11 @@ class TinyCheckpoint:
     oracle: PeftModel  # transformers + PEFT with every adapter loaded
 
 
-def build_checkpoint(family: str, directory: Path) -> TinyCheckpoint:
-    """A saved tiny `family` model with the ADAPTERS saved beside it, and its HF oracle."""
+def build_checkpoint(family: str, directory: Path, **overrides: object) -> TinyCheckpoint:
+    """A saved tiny `family` model (`overrides` change config fields) with the ADAPTERS saved beside
+    it, and its HF oracle."""
     model_dir = directory / "model"
-    base = save_tiny_model(family, model_dir, seed=0)
+    base = save_tiny_model(family, model_dir, seed=0, **overrides)
     adapters = {}
     for seed, (name, spec) in enumerate(ADAPTERS.items(), start=1):
         adapters[name] = directory / name

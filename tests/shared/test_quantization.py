@@ -30,7 +30,7 @@ def test_plain_and_fp8_checkpoints_are_accepted(quant: dict | None) -> None:
 @pytest.mark.parametrize(
     ("quant", "problem"),
     [
-        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
         (fp8_group(type="int", num_bits=4), "holds int 4-bit weights"),
         (fp8_group(strategy="group"), "weight strategy 'group'"),

@@ -76,6 +76,7 @@ class SelfAttention(nn.Module):
             dtype=dtype,
             device=device,
             quantization=info.quantization,
+            group_size=info.weight_group_size,
         )
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v
         o_bias = info.attention_bias and info.architecture != "Qwen2ForCausalLM"
@@ -87,6 +88,7 @@ class SelfAttention(nn.Module):
             dtype=dtype,
             device=device,
             quantization=info.quantization,
+            group_size=info.weight_group_size,
         )
         # Qwen3 RMS-normalises every q and k head before RoPE
         self.q_norm = RMSNorm(info.head_dim, info.rms_norm_eps, dtype=dtype, device=device) if info.qk_norm else None
@@ -140,6 +142,7 @@ class GatedMLP(nn.Module):
             dtype=dtype,
             device=device,
             quantization=info.quantization,
+            group_size=info.weight_group_size,
         )
         self.down_proj = LoRALinear(
             width,
@@ -149,6 +152,7 @@ class GatedMLP(nn.Module):
             dtype=dtype,
             device=device,
             quantization=info.quantization,
+            group_size=info.weight_group_size,
         )
 
     def forward(self, hidden: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,11 @@ import torch
 from torch import nn
 
 from kernels.lora import LoRABatch, lora_linear, lora_linear_deferred
-from kernels.quant import FP8_DTYPE
+from kernels.quant import FP8_DTYPE, Int4Weight
+from kernels.quant.int4_reference import PACK, arrival_counters
+from shared.int4_quantization import INT4_FORMATS
 from shared.model_info import ModelInfo
+from worker.model import int4_weights
 from worker.model.fp8_weights import copy_fp8, copy_scale, quantize_into
 from worker.model.weights import copy_weight
 
@@ -54,7 +57,9 @@ class LoRALinear(nn.Module):
         y[t, off_i : off_i + N_i] += scale[s] * (x[t] @ A_i[s].T) @ B_i[s].T    with s = token_slots[t] >= 0
 
     weight [sum N_i, K] (K = in_features) in the model's dtype, or (quantization "fp8") in fp8 with
-    float32 per-output-channel scales weight_scale [sum N_i] (kernels/quant); bias [sum N_i] or None;
+    float32 per-output-channel scales weight_scale [sum N_i] (kernels/quant), or (quantization
+    "int4", "awq" or "gptq") None, the 4-bit weight held in qweight int32 [K / 8, sum N_i] with
+    float16 scales and zeros [K / G, sum N_i] (kernels/quant/int4_reference.py); bias [sum N_i] or None;
     lora_a[i] [num_pages, page_rank, K]; lora_b[i] [num_pages, N_i, page_rank]. Rank row r of an
     adapter lives in its page r // page_rank, at row (of A) / column (of B) r % page_rank; the rows
     past its rank in its last page stay zero, so padding adds nothing.
@@ -70,20 +75,30 @@ class LoRALinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         quantization: str = "none",
+        group_size: int = 0,
     ) -> None:
         """`projections`: name → output width of each packed slice, in output order; `dtype`: the
-        activations' (and adapters'); `quantization` "fp8": the weight is held in fp8."""
+        activations' (and adapters'); `quantization` "fp8": the weight is held in fp8; "int4", "awq"
+        or "gptq": in 4 bits, in groups of `group_size` inputs (the name says where it came from:
+        quantized at load, or which checkpoint format the loaders read)."""
         super().__init__()
         self.in_features = in_features
         self.projections = tuple(projections)
         self.out_features = tuple(projections.values())
         self.page_rank = pages.page_rank
         total = sum(self.out_features)
+        self.quantization = quantization
         # empty: every element is overwritten by the checkpoint, and the loader checks that it was
-        weight_dtype = FP8_DTYPE if quantization == "fp8" else dtype
-        self.weight = nn.Parameter(
-            torch.empty(total, in_features, dtype=weight_dtype, device=device), requires_grad=False
-        )
+        if quantization in INT4_FORMATS:
+            self.register_parameter("weight", None)
+            self.qweight = _frozen(torch.empty(in_features // PACK, total, dtype=torch.int32, device=device))
+            self.scales = _frozen(torch.empty(in_features // group_size, total, dtype=torch.float16, device=device))
+            self.zeros = _frozen(torch.empty(in_features // group_size, total, dtype=torch.float16, device=device))
+            # the split-K GEMM's counters: part of the weight's storage (4 KiB), not a LoRA buffer
+            self.arrivals = _frozen(arrival_counters(device))
+        else:
+            weight_dtype = FP8_DTYPE if quantization == "fp8" else dtype
+            self.weight = _frozen(torch.empty(total, in_features, dtype=weight_dtype, device=device))
         self.weight_scale = (
             nn.Parameter(torch.empty(total, dtype=torch.float32, device=device), requires_grad=False)
             if quantization == "fp8"
@@ -113,15 +128,29 @@ class LoRALinear(nn.Module):
         the caller adds the result to next, which may take the LoRA delta instead (at decode sizes
         on CUDA, where the delta is computed beside the base GEMM)."""
         return lora_linear(
-            x, self.weight, self.bias, self.lora_a, self.lora_b, lora, residual=residual, weight_scale=self.weight_scale
+            x,
+            self.base_weight,
+            self.bias,
+            self.lora_a,
+            self.lora_b,
+            lora,
+            residual=residual,
+            weight_scale=self.weight_scale,
         )
 
     def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta) for a caller whose next fused kernel adds the LoRA delta: y + delta is the
         projection of x [T, in_features]; delta [T, sum out_features] is None when it is in y."""
         return lora_linear_deferred(
-            x, self.weight, self.bias, self.lora_a, self.lora_b, lora, weight_scale=self.weight_scale
+            x, self.base_weight, self.bias, self.lora_a, self.lora_b, lora, weight_scale=self.weight_scale
         )
+
+    @property
+    def base_weight(self) -> torch.Tensor | Int4Weight:
+        """What the base GEMM reads: the weight [sum N_i, K], or the 4-bit weight standing for it."""
+        if self.weight is None:
+            return Int4Weight(self.qweight, self.scales, self.zeros, self.arrivals)
+        return self.weight
 
     def checkpoint_loaders(
         self, parent: str, *, prequantized: bool = False
@@ -129,14 +158,18 @@ class LoRALinear(nn.Module):
         """Checkpoint tensor name → loader, for each slice's weight (and bias): `q_proj.weight` of a
         packed qkv layer under `parent` lands in rows [0, N_q) of this layer's weight. An fp8 layer
         quantizes a plain checkpoint's weight as it loads, or (`prequantized`) takes the checkpoint's
-        fp8 weight and its `weight_scale` as they are."""
+        fp8 weight and its `weight_scale` as they are. A 4-bit layer quantizes a plain checkpoint's
+        weight, or (`prequantized`) reads an AWQ or GPTQ checkpoint's `qweight`, `qzeros` and
+        `scales` (worker/model/int4_weights.py)."""
         loaders: dict[str, Callable[[torch.Tensor], None]] = {}
         prefix = f"{parent}." if parent else ""
         offset = 0
         for name, width in zip(self.projections, self.out_features, strict=True):
             rows = slice(offset, offset + width)
             key = f"{prefix}{name}"
-            if self.weight_scale is None:
+            if self.weight is None:
+                loaders.update(self._int4_loaders(key, rows, prequantized=prequantized))
+            elif self.weight_scale is None:
                 loaders[f"{key}.weight"] = partial(copy_weight, self.weight[rows], name=f"{key}.weight")
             elif prequantized:
                 loaders[f"{key}.weight"] = partial(copy_fp8, self.weight[rows], name=f"{key}.weight")
@@ -151,3 +184,21 @@ class LoRALinear(nn.Module):
                 loaders[f"{key}.bias"] = partial(copy_weight, self.bias[rows], name=f"{key}.bias")
             offset += width
         return loaders
+
+    def _int4_loaders(
+        self, key: str, columns: slice, *, prequantized: bool
+    ) -> dict[str, Callable[[torch.Tensor], None]]:
+        """The loaders of one slice (output `columns`) of a 4-bit layer, for checkpoint names under `key`."""
+        qweight, scales, zeros = self.qweight[:, columns], self.scales[:, columns], self.zeros[:, columns]
+        if not prequantized:
+            return {f"{key}.weight": partial(int4_weights.quantize_into, qweight, scales, zeros, name=f"{key}.weight")}
+        copy_qweight = int4_weights.copy_awq_qweight if self.quantization == "awq" else int4_weights.copy_gptq_qweight
+        return {
+            f"{key}.qweight": partial(copy_qweight, qweight, name=f"{key}.qweight"),
+            f"{key}.qzeros": partial(int4_weights.zeros_loader(self.quantization), zeros, name=f"{key}.qzeros"),
+            f"{key}.scales": partial(int4_weights.copy_scales, scales, name=f"{key}.scales"),
+        }
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)

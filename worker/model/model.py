@@ -176,6 +176,8 @@ class CausalLM(nn.Module):
         old checkpoints also saved the rotary frequencies."""
         if self.info.checkpoint_quantization != "none" and name.endswith(".input_scale"):
             return True  # a static activation scale: activations are quantized per token instead
+        if self.info.checkpoint_quantization == "gptq" and name.endswith(".g_idx"):
+            return True  # desc_act false (shared/int4_quantization.py): g_idx[k] is k // group_size
         return (self.info.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
 
     def _checkpoint_loaders(self) -> dict[str, TensorLoader]:

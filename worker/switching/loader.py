@@ -22,6 +22,8 @@ import torch
 
 from shared.config import EngineConfig, ModelSpec
 from shared.errors import ErrorCode, LorafleetError
+from shared.int4_quantization import INT4_METHODS
+from shared.int4_tensors import check_int4_tensors
 from shared.model_info import ModelInfo
 from worker.model.model import CausalLM, model_dtype
 from worker.model.weights import checkpoint_files, paced_copies
@@ -49,10 +51,13 @@ _FP8_CAPABILITY = (8, 9)
 
 def served_info(spec: ModelSpec, config: EngineConfig) -> ModelInfo:
     """`spec`'s model as this worker serves it (config.quantization, config.kv_cache_dtype), refused
-    at start, naming the checkpoint, when the device cannot: fp8 needs FP8 tensor cores."""
+    at start, naming the checkpoint, when the device cannot (fp8 needs FP8 tensor cores) or a 4-bit
+    checkpoint's tensors are not what its format says."""
     info = ModelInfo.from_pretrained(spec.name, spec.path).served(
         quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype, source=spec.path
     )
+    if info.checkpoint_quantization in INT4_METHODS:
+        check_int4_tensors(spec.path, info)  # before any weight is read
     device = torch.device(config.device)
     if device.type == "cuda" and "fp8" in (info.quantization, info.kv_cache_dtype):
         capability = torch.cuda.get_device_capability(device)

@@ -1,0 +1,58 @@
+"""The 4-bit (W4A16) side of bench/engine.py: the bytes a decode step reads from 4-bit projections,
+random weights quantized as a worker quantizes at load, and the issue's 4-bit targets."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.quant.int4_reference import quantize_int4
+from shared.model_info import PROJECTIONS, ModelInfo
+from worker.model.lora_linear import LoRALinear
+
+if TYPE_CHECKING:
+    from bench.engine import Row
+
+# issue 22: 4-bit decode >= 2.5x bf16 at batch 1-8
+DECODE_OVER_BF16 = 2.5
+ADAPTERS_OVER_BASE = 0.9
+
+
+def int4_projection_bytes(info: ModelInfo) -> int:
+    """Bytes one layer's 4-bit projections take: half a byte a weight, plus a float16 scale and zero
+    point per group of weight_group_size inputs of each output."""
+    weights = sum(k * n for k, n in (info.projection_shape(name) for name in PROJECTIONS))
+    return weights // 2 + 2 * 2 * weights // info.weight_group_size
+
+
+def quantize_random(module: LoRALinear, group_size: int) -> None:
+    """Fill a 4-bit layer with N(0, 0.02) weights quantized as --quantization int4 quantizes them at load."""
+    n, k = module.qweight.shape[1], module.in_features
+    weight = torch.empty(n, k, dtype=torch.bfloat16, device=module.qweight.device).normal_(0.0, 0.02)
+    _, packed = quantize_int4(weight, group_size)
+    module.qweight.copy_(packed.qweight)
+    module.scales.copy_(packed.scales)
+    module.zeros.copy_(packed.zeros)
+
+
+def print_int4_targets(rows: list[Row], bf16_system: str) -> None:
+    """The 4-bit rows beside the issue's targets: decode over bf16's at batch 1-8, 8 adapters over the
+    same 4-bit base, and the share of each row's own roofline (4-bit weights and their scales)."""
+    engine = {(r.system, r.batch, r.prompt, r.adapters): r for r in rows if r.system.startswith("lorafleet")}
+    int4 = sorted(key for key in engine if key[0].startswith("lorafleet int4"))
+    if not int4:
+        return
+    print("\n4-bit targets")
+    for system, batch, prompt, adapters in int4:
+        row = engine[(system, batch, prompt, adapters)]
+        share = row.decode_tok_s / row.roofline_tok_s
+        print(f"  {system} batch {batch} prompt {prompt} adapters {adapters}: {share:.2f} of its roofline")
+        bf16 = engine.get((bf16_system, batch, prompt, adapters))
+        if bf16 is not None and batch <= 8:
+            ratio = row.decode_tok_s / bf16.decode_tok_s
+            print(f"    decode {ratio:.2f}x bf16 (>= {DECODE_OVER_BF16})")
+        base = engine.get((system, batch, prompt, 0))
+        if base is not None and adapters == 8:
+            ratio = row.decode_tok_s / base.decode_tok_s
+            print(f"    8 adapters: {ratio:.2f}x the same 4-bit base without (>= {ADAPTERS_OVER_BASE})")

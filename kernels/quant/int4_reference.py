@@ -1,0 +1,147 @@
+"""4-bit group-wise weights (W4A16) in plain torch: the one packed layout every source format is
+repacked into, the quantizer used at load, and the semantics the Triton GEMM (int4_gemm.py)
+reproduces; also the path taken off CUDA.
+
+Layout (`Int4Weight`), for a projection weight W [N, K] (N outputs, K inputs) in groups of G inputs:
+    qweight  int32 [K / 8, N]    eight 4-bit values along K per int32: q[k, n] is bits 4 * (k % 8)
+                                 of qweight[k // 8, n] (GPTQ's own packing, so a GPTQ weight is
+                                 copied as it is; AWQ's, packed along N, is repacked)
+    scales   float16 [K / G, N]  one scale per group and output channel
+    zeros    float16 [K / G, N]  one zero point per group and output channel (an integer in 0..16)
+    W[n, k] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]          computed in float32
+
+The zero points are held as floats (not packed nibbles) so that asymmetric (AWQ, GPTQ, ours) and
+symmetric (GPTQ sym: 8) weights take one kernel, and GPTQ's stored-minus-one zero points (16 for a
+symmetric 4-bit group that stored 15) fit; they cost 2 bytes per group of 128, 3% of the 4-bit bytes.
+
+int4_linear:  y = x @ W.T (+ bias), W dequantized in float32 then rounded to x's dtype, products
+              accumulated in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PACK = 8  # 4-bit values per int32
+MAX_LEVEL = 15  # the largest 4-bit value
+# the smallest scale: an all-zero group quantizes to its zero point instead of dividing by zero;
+# float16's smallest normal, so the stored scale keeps full precision
+MIN_SCALE = 2.0**-14
+# AWQ's GEMM packing along N: nibble i of an int32 holds column AWQ_ORDER[i] of its eight
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+# split-K arrival counters a weight keeps for its GEMM (int4_gemm.py): more than the tiles of any
+# split launch (int4_config splits only launches of fewer tiles than two per SM)
+ARRIVAL_COUNTERS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """A projection's 4-bit weight in the layout above (tensors on one device), with the counters its
+    split-K GEMM synchronises on. They belong to the weight, not to the device: a weight is
+    multiplied by one step at a time (its model's), while two models' steps, or one model's graph
+    capture beside another's serving, may run at once on two streams."""
+
+    qweight: torch.Tensor  # int32 [K / 8, N]
+    scales: torch.Tensor  # float16 [K / G, N]
+    zeros: torch.Tensor  # float16 [K / G, N]
+    arrivals: torch.Tensor  # int32 [ARRIVAL_COUNTERS], zero between launches
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K): the shape of the weight it stands for."""
+        return self.qweight.shape[1], self.qweight.shape[0] * PACK
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[1] // self.scales.shape[0]
+
+
+def arrival_counters(device: torch.device | str) -> torch.Tensor:
+    """A weight's split-K arrival counters: int32 [ARRIVAL_COUNTERS] zeros on `device`."""
+    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+
+
+def pack_along_k(q: torch.Tensor) -> torch.Tensor:
+    """int32 [K / 8, N] for 4-bit values q [K, N] (any integer dtype, values 0..15)."""
+    k, n = q.shape
+    if k % PACK:
+        raise ValueError(f"K={k} must be a multiple of {PACK} to pack 4-bit values along it")
+    nibbles = q.to(torch.int32).reshape(k // PACK, PACK, n)
+    packed = torch.zeros(k // PACK, n, dtype=torch.int32, device=q.device)
+    for i in range(PACK):
+        packed |= nibbles[:, i] << (4 * i)  # nibble 7's shift wraps into the sign bit, as int32 does
+    return packed
+
+
+def unpack_along_k(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [K, N] 4-bit values (0..15) of qweight int32 [K / 8, N]."""
+    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=qweight.device)
+    nibbles = (qweight.unsqueeze(1) >> shifts.view(1, PACK, 1)) & MAX_LEVEL  # [K / 8, 8, N]
+    return nibbles.reshape(-1, qweight.shape[1])
+
+
+def unpack_along_n(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """int32 [R, C * 8] 4-bit values of `packed` int32 [R, C], whose nibble i of column c holds column
+    c * 8 + order[i] (AWQ: AWQ_ORDER; GPTQ's zero points: in order)."""
+    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & MAX_LEVEL  # [R, C, 8]: nibble i
+    columns = torch.empty_like(nibbles)
+    columns[..., list(order)] = nibbles
+    return columns.reshape(packed.shape[0], -1)
+
+
+def pack_along_n(q: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """The inverse of unpack_along_n: int32 [R, C] for 4-bit values q [R, C * 8]."""
+    r, c = q.shape
+    columns = q.to(torch.int32).reshape(r, c // PACK, PACK)
+    packed = torch.zeros(r, c // PACK, dtype=torch.int32, device=q.device)
+    for i, column in enumerate(order):
+        packed |= columns[..., column] << (4 * i)
+    return packed
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, Int4Weight]:
+    """(4-bit values int32 [K, N], the packed Int4Weight) of weight [N, K], round to nearest,
+    asymmetric per group of `group_size` inputs: scale = (max - min) / 15 (rounded to float16 first,
+    so the values are rounded against the scale that is stored), zero point = round(-min / scale),
+    q = clamp(round(w / scale) + zero, 0, 15). Asymmetric because a group's weights are rarely
+    centred on zero; it spends all 16 levels on [min, max]. Runs on the weight's device."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"K={k} must be a multiple of the group size {group_size}")
+    groups = weight.float().reshape(n, k // group_size, group_size)
+    low = groups.amin(dim=-1, keepdim=True).clamp(max=0.0)  # 0 in range: zero weights stay exact
+    high = groups.amax(dim=-1, keepdim=True).clamp(min=0.0)
+    scales = ((high - low) / MAX_LEVEL).clamp(min=MIN_SCALE).half().float()
+    zeros = torch.round(-low / scales).clamp(0, MAX_LEVEL)
+    q = (torch.round(groups / scales) + zeros).clamp(0, MAX_LEVEL).to(torch.int32).reshape(n, k)
+    layout = Int4Weight(
+        qweight=pack_along_k(q.T),
+        scales=scales.reshape(n, -1).T.half().contiguous(),
+        zeros=zeros.reshape(n, -1).T.half().contiguous(),
+        arrivals=arrival_counters(weight.device),
+    )
+    return q.T.contiguous(), layout
+
+
+def dequantize_int4(weight: Int4Weight) -> torch.Tensor:
+    """float32 [N, K]: the weight `weight` stands for."""
+    q = unpack_along_k(weight.qweight).float()  # [K, N]
+    group = weight.group_size
+    scales = weight.scales.float().repeat_interleave(group, dim=0)
+    zeros = weight.zeros.float().repeat_interleave(group, dim=0)
+    return ((q - zeros) * scales).T
+
+
+def int4_linear_reference(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] → [T, N] in x's dtype: x @ W.T (+ bias [N]), W dequantized then rounded to x's dtype
+    (the dtype the kernel feeds the tensor cores), accumulated in float32."""
+    w = dequantize_int4(weight).to(x.dtype)
+    y = x.float() @ w.float().T
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,84 @@
+"""A 4-bit checkpoint's tensors checked at start from its safetensors headers alone (no data read,
+no torch): every projection of every layer has its `qweight`, `qzeros` and `scales`, each of the
+dtype and shape its format (shared/int4_quantization.py) gives for that projection's widths and
+the config's group size. A missing tensor names the checkpoint, a wrong one the file holding it,
+each with the tensor and what was expected, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import NoReturn
+
+from shared.errors import ErrorCode, LorafleetError
+from shared.model_info import PROJECTIONS, ModelInfo
+from shared.safetensors_table import TensorEntry, header_length, parse_table
+
+_FLOAT_DTYPES = ("F16", "BF16", "F32")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def check_int4_tensors(model_dir: Path, info: ModelInfo) -> None:
+    """Raise LorafleetError naming the checkpoint (or the file) and the tensor unless every
+    projection's 4-bit tensors are there as `info.checkpoint_quantization` ("awq" or "gptq") lays
+    them out, for groups of info.weight_group_size inputs."""
+    tables = _tables(Path(model_dir))
+    method, group = info.checkpoint_quantization, info.weight_group_size
+    for layer in range(info.num_layers):
+        for projection in PROJECTIONS:
+            k, n = info.projection_shape(projection)
+            if n % 8:
+                _refuse(model_dir, f"{projection}'s {n} outputs cannot be packed 8 to an int32, as {method} packs them")
+            qweight = (k, n // 8) if method == "awq" else (k // 8, n)
+            expected = {
+                "qweight": (("I32",), qweight),
+                "qzeros": (("I32",), (k // group, n // 8)),
+                "scales": (_FLOAT_DTYPES, (k // group, n)),
+            }
+            block = "self_attn" if projection in _ATTENTION else "mlp"
+            for suffix, (dtypes, shape) in expected.items():
+                name = f"model.layers.{layer}.{block}.{projection}.{suffix}"
+                _check(model_dir, tables, name, dtypes, shape, f"a {method} checkpoint in groups of {group}")
+
+
+def _check(
+    model_dir: Path,
+    tables: dict[str, tuple[Path, TensorEntry]],
+    name: str,
+    dtypes: tuple[str, ...],
+    shape: tuple[int, int],
+    what: str,
+) -> None:
+    if name not in tables:
+        _refuse(model_dir, f"{name} is missing: {what} holds qweight, qzeros and scales for every projection")
+    path, entry = tables[name]
+    if entry.dtype not in dtypes or entry.shape != shape:
+        want = "/".join(dtypes)
+        _refuse(path, f"{name} is {entry.dtype} {list(entry.shape)}; {what} needs {want} {list(shape)}")
+
+
+def _tables(model_dir: Path) -> dict[str, tuple[Path, TensorEntry]]:
+    """Tensor name → (its file, its entry) over the checkpoint's safetensors files (the shards an
+    index names, or the single file)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({model_dir / shard for shard in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [model_dir / "model.safetensors"]
+    tables: dict[str, tuple[Path, TensorEntry]] = {}
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                length = header_length(f.read(8), size, str(path))
+                table = parse_table(f.read(length), size - 8 - length, str(path))
+        except OSError as exc:
+            _refuse(path, f"cannot be read: {exc.strerror}")
+        tables.update((name, (path, entry)) for name, entry in table.items())
+    return tables
+
+
+def _refuse(path: Path, problem: str) -> NoReturn:
+    raise LorafleetError(ErrorCode.INVALID_REQUEST, f"{path}: {problem}")

@@ -1,0 +1,62 @@
+"""4-bit (W4A16) serving through the whole engine, built as a worker builds it (--quantization int4
+in EngineConfig, the residency's memory plan and loader): on CPU, and on the GPU with the Triton
+GEMM, CUDA-graph decode and every adapter, against the dequantized oracle (tests/engine/int4_oracle.py).
+The tiny llama's widths (64, 96) quantize at load in groups of 32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.schema import JobStatus
+from tests.engine.int4_oracle import int4_oracle
+from tests.engine.test_engine_generation import NEW_TOKENS, PROMPTS, greedy_request, make_engine, run_to_completion
+from tests.engine.tiny_hf import TinyCheckpoint, oracle_greedy
+from tests.kernels.lora_cases import rel_err
+from worker.engine.block_manager import BlockManager
+from worker.engine.scheduler import ScheduledSequence
+from worker.engine.sequence import Sequence
+
+GROUP = 32  # the largest of 128, 64, 32 that divides 64 and 96
+
+
+def assert_greedy_matches_the_int4_oracle(llama: TinyCheckpoint, **engine: object) -> None:
+    engine_ = make_engine(llama, quantization="int4", **engine)
+    assert engine_.runner.model.info.weight_group_size == GROUP
+    jobs = {f"job-{name}": name for name in PROMPTS}
+    results = run_to_completion(engine_, [greedy_request(llama, job, adapter) for job, adapter in jobs.items()])
+    oracle = int4_oracle(llama.oracle, GROUP)
+    for job_id, adapter in jobs.items():
+        assert results[job_id].status is JobStatus.SUCCEEDED, results[job_id].error
+        assert list(results[job_id].output.token_ids) == oracle_greedy(oracle, PROMPTS[adapter], adapter, NEW_TOKENS)
+
+
+def test_the_int4_engine_generates_the_dequantized_oracles_greedy_tokens(llama: TinyCheckpoint):
+    assert_greedy_matches_the_int4_oracle(llama)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_float32_int4_engine_on_the_gpu_generates_the_oracles_greedy_tokens(llama: TinyCheckpoint):
+    """The Triton GEMM in float32 (ieee products), decode steps replayed from CUDA graphs."""
+    assert_greedy_matches_the_int4_oracle(llama, device="cuda", dtype="float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_bf16_int4_engine_on_the_gpu_matches_the_int4_engine_on_cpu(llama: TinyCheckpoint):
+    """The same 4-bit weights, in bf16 on the GPU against float32 on CPU: within the bf16 engine's
+    tolerance of its fp32 run (2e-2; tests/engine/test_engine_gpu.py): the dequantized weights are
+    rounded to bf16 on the GPU, as any bf16 weight is."""
+
+    def prefill_logits(device: str, dtype: str) -> torch.Tensor:
+        runner = make_engine(llama, device=device, dtype=dtype, quantization="int4").runner
+        blocks = BlockManager(runner.num_blocks, runner.config.block_size)
+        scheduled = []
+        for name, prompt in PROMPTS.items():
+            seq = Sequence(seq_id=str(name), prompt_token_ids=prompt, sampling=None, seed=0)
+            blocks.allocate(seq, len(prompt))
+            scheduled.append(ScheduledSequence(seq, len(prompt)))
+        return runner.execute(scheduled, lambda uid: None, runner.config.block_size).cpu()
+
+    assert rel_err(prefill_logits("cuda", "bfloat16"), prefill_logits("cpu", "float32")) < 2e-2

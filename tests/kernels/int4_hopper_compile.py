@@ -1,0 +1,36 @@
+"""Compile the W4A16 GEMM for sm_90 ahead of time, no GPU needed (run by tests/kernels/test_int4.py
+outside the interpreter): prints each activation dtype whose launches compiled."""
+
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.quant.int4_gemm import Int4Config, _int4_gemm_kernel
+
+LAUNCHES = [
+    ("bf16", Int4Config(16, 64, 128, 8, 4, 4)),  # decode, split-K with its arrival counters
+    ("fp16", Int4Config(64, 64, 128, 2, 4, 4)),
+    ("bf16", Int4Config(64, 128, 64, 2, 4, 4)),  # a batch of 65-256 rows
+    ("fp32", Int4Config(128, 128, 64, 1, 8, 4)),  # prefill, float32 products
+]
+
+
+def compile_for_hopper(dtype: str, config: Int4Config) -> None:
+    signature = {"y_ptr": f"*{dtype}", "partials_ptr": "*fp32", "arrivals_ptr": "*i32", "x_ptr": f"*{dtype}",
+                 "qweight_ptr": "*i32", "scales_ptr": "*fp16", "zeros_ptr": "*fp16",
+                 "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32"}  # fmt: skip
+    constants = {"GROUP": 128, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+                 "SPLIT_K": config.split_k, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}  # fmt: skip
+    source = ASTSource(_int4_gemm_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    if not compiled.asm["cubin"]:
+        raise RuntimeError(f"{dtype} {config}: no cubin")
+
+
+if __name__ == "__main__":
+    for dtype, config in LAUNCHES:
+        compile_for_hopper(dtype, config)
+        print(dtype, flush=True)

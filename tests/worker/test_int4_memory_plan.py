@@ -1,0 +1,32 @@
+"""The memory plan of 4-bit serving (--quantization int4), counted on the meta device like any
+model: the projections take a little over a quarter of their bf16 bytes, adapters stay as they are,
+and the room saved goes to the KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.engine import LLAMA3_8B
+from shared.config import EngineConfig
+from tests.worker.test_memory_plan import GB, plan_one
+
+CUDA = EngineConfig(device="cuda", max_num_seqs=512)
+
+
+def served(quantization: str | None):
+    return LLAMA3_8B.served(quantization=quantization, kv_cache_dtype="auto", source=Path("llama-3-8b"))
+
+
+def test_int4_weights_take_a_quarter_of_the_projection_bytes():
+    bf16 = plan_one(served(None), CUDA).footprints[LLAMA3_8B.name]
+    int4 = plan_one(served("int4"), CUDA).footprints[LLAMA3_8B.name]
+    # 6.98e9 projection weights at half a byte plus a float16 scale and zero per 128 (3.71 GB);
+    # embedding and head (2 x 1.05 GB) stay bf16
+    assert 5.8 * GB < int4.weights < 5.85 * GB < 9 * GB < bf16.weights
+    assert int4.dense_lora == bf16.dense_lora  # adapters stay in the activations' dtype
+
+
+def test_int4_weights_leave_the_kv_cache_more_room():
+    assert plan_one(served("int4"), CUDA).kv_blocks(LLAMA3_8B.name) > plan_one(served(None), CUDA).kv_blocks(
+        LLAMA3_8B.name
+    )
