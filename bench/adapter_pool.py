@@ -7,7 +7,7 @@
    pinned host -> GPU pages (SlotWriter: one H2D copy, device scatters, event) beside the floor
    nbytes / measured pinned H2D bandwidth, and the engine-thread (host) time of a write, once the
    pages' views are built and on the pages' first write of that rank; and disk -> GPU with
-   the file's page cache dropped (read + sha256 + validation + packing on the host, then the same
+   the file's page cache dropped (read + piece digest + validation + packing on the host, then the same
    upload) beside the disk floor: a plain sequential read of the same file, cache dropped
    (bench/disk_floor.py).
 2. 1,000 registered adapters (rank 16; each its own identity, files shared by groups of them), Zipf(1.0)
@@ -68,8 +68,8 @@ SMALL = dataclasses.replace(LLAMA3_8B, name="small", hidden_size=1024, intermedi
 
 
 def write_adapter(directory: Path, info: ModelInfo, rank: int, seed: int) -> str:
-    """A PEFT adapter of `rank` on every projection (bf16); returns its sha256."""
-    return write_bench_adapter(directory, info, rank, seed).sha256
+    """A PEFT adapter of `rank` on every projection (bf16); returns its digest."""
+    return write_bench_adapter(directory, info, rank, seed).digest
 
 
 def pinned_h2d_bandwidth() -> float:

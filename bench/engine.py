@@ -55,7 +55,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 
 from kernels.quant import quantize_weight
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, file_sha256
+from shared.adapter_digest import file_digest
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.config import EngineConfig
 from shared.model_info import PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef, SamplingParams
@@ -239,7 +240,7 @@ def write_adapter(directory: Path, info: ModelInfo, rank: int, seed: int) -> Ada
         save_file(tensors, str(weights))
         config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS)}
         (directory / CONFIG_FILE).write_text(json.dumps(config))
-    return AdapterRef(directory.name, 1, directory.name, file_sha256(weights))
+    return AdapterRef(directory.name, 1, directory.name, file_digest(weights))
 
 
 def adapter_dir(path: str | None) -> Path:

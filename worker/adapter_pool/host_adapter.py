@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
+from shared.adapter_digest import SCHEME
 from shared.adapter_format import AdapterManifest, read_adapter
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import EXPERT_PROJECTIONS, PROJECTIONS, ModelInfo
@@ -134,7 +135,7 @@ def read_host_adapter(
     pin: bool,
 ) -> HostAdapter:
     """Read `ref`'s files once (shared/adapter_format.read_adapter: confined to the root, validated
-    against the base model, hashed), check them against the registered sha256, and hold them in
+    against the base model, hashed), check them against the registered digest, and hold them in
     `dtype`. Raises LorafleetError(ADAPTER_LOAD_FAILED) naming the problem. Thread-safe: the pool
     runs it on its loader threads (file reads and hashing release the GIL)."""
     raw: list[torch.Tensor] = []
@@ -147,7 +148,14 @@ def read_host_adapter(
         files = read_adapter(adapter_root, ref.path, info, max_rank=max_rank, max_bytes=max_bytes, allocate=allocate)
     except LorafleetError as exc:
         raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, exc.message) from exc
-    if files.manifest.sha256 != ref.sha256:
+    scheme = ref.digest.partition(":")[0]
+    if scheme != SCHEME:
+        raise LorafleetError(
+            ErrorCode.ADAPTER_LOAD_FAILED,
+            f"adapter registered with identity scheme {scheme[:40]!r}, this worker checks {SCHEME!r}: "
+            "register it again",
+        )
+    if files.manifest.digest != ref.digest:
         # the registry names exact weights: never serve other bytes under this identity
         raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "adapter files changed since registration")
     manifest = files.manifest
