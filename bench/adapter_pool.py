@@ -2,6 +2,7 @@
 
     python -m bench.adapter_pool [--requests 512] [--concurrency 32 64] [--backlogs 0 32]
                                  [--adapter-host-cache-gb G] [--cycles 10000] [--out FILE]
+    python -m bench.adapter_pool --device cpu --model small [--layers 16]   # part 2 alone, on a CPU
 
 1. Load latency of one adapter, rank 16 and 64 on all seven projections (PEFT files written here):
    pinned host -> GPU pages (SlotWriter: one H2D copy, device scatters, event) beside the floor
@@ -26,6 +27,9 @@
    disk); "pool steady" runs it again right after, host tier warm (if --adapter-host-cache-gb holds
    the working set; a worker's default holds ~250 rank-16 8B adapters) and GPU pages as the cold
    pass left them: the pool's serving, what the 0.9x-of-all-resident target is about.
+   On a CPU (--device cpu, --model small: Llama-3-8B's widths cut down, --layers of them) only this
+   part runs: it measures the pool's scheduling and loader threads against an engine thread that
+   holds the GIL, not a GPU's pages or copies.
 3. --cycles load/evict cycles through the pool (small model, two max-rank adapters' pages, a new
    identity per cycle, ranks 8/16/24 so adapters of one and two pages take each other's pages):
    device memory allocated/reserved, host RSS and pinned host memory before and after.
@@ -169,6 +173,11 @@ class ZipfRow:
     host_evictions: int
 
 
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -183,7 +192,7 @@ class ZipfEngine:
     def __init__(self, runner: ModelRunner, root: Path, refs: list[AdapterRef], args: argparse.Namespace,
                  *, all_resident: bool) -> None:  # fmt: skip
         info = runner.model.info
-        self.metrics = WorkerMetrics(device="cuda")
+        self.metrics = WorkerMetrics(device=runner.config.device)
         tokenizer = word_tokenizer(info.vocab_size)
         self.engine = LLMEngine(runner, tokenizer, runner.config, root, self.metrics.engine(info.name))
         self.refs, self.args, self.all_resident = refs, args, all_resident
@@ -237,7 +246,7 @@ class ZipfEngine:
             next_request += 1
 
         before = self.counters()
-        torch.cuda.synchronize()
+        synchronize(engine.config.device)
         start = time.perf_counter()
         while next_request < min(concurrency + backlog, len(order)):
             add_one()
@@ -286,9 +295,10 @@ def zipf_bench(info: ModelInfo, root: Path, args: argparse.Namespace) -> list[Zi
     rows = []
     context = args.prompt + args.new_tokens
     for concurrency in args.concurrency:
-        config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=concurrency, max_num_batched_tokens=8192,
-                              num_kv_blocks=concurrency * -(-context // 16) + 64, block_size=16, max_loras=MAX_LORAS,
-                              max_lora_rank=MAX_RANK, adapter_host_cache_gb=args.adapter_host_cache_gb,
+        config = EngineConfig(device=args.device, dtype="bfloat16", max_num_seqs=concurrency,
+                              max_num_batched_tokens=8192, num_kv_blocks=concurrency * -(-context // 16) + 64,
+                              block_size=16, max_loras=MAX_LORAS, max_lora_rank=MAX_RANK,
+                              adapter_host_cache_gb=args.adapter_host_cache_gb,
                               adapter_eviction=args.adapter_eviction)  # fmt: skip
         runner = random_runner(info, config)  # decode graphs captured once per batch size
         warm_up = ZipfEngine(runner, root, refs, args, all_resident=True)
@@ -306,7 +316,8 @@ def zipf_bench(info: ModelInfo, root: Path, args: argparse.Namespace) -> list[Zi
             pool.close()
         del runner, warm_up, resident, pool
         gc.collect()  # the runner's KV cache and decode graphs, the pool's pinned host tier
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -370,12 +381,18 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=10_000)
     parser.add_argument("--skip", nargs="*", default=[], choices=["latency", "zipf", "churn"])
     parser.add_argument("--out", help="write every row as JSON lines here")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the Zipf part alone")
+    parser.add_argument("--model", choices=("8b", "small"), default="8b", help="the Zipf part's model shapes")
+    parser.add_argument("--layers", type=int, default=SMALL.num_layers, help="--model small's layers")
     args = parser.parse_args()
+    if args.device == "cpu":
+        args.skip = ["latency", "churn"]  # they measure GPU pages, copies and device memory
+    zipf_model = LLAMA3_8B if args.model == "8b" else dataclasses.replace(SMALL, num_layers=args.layers)
     root = Path(tempfile.mkdtemp(prefix="adapter-pool-bench-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None))
     out = open(args.out, "w") if args.out else None  # noqa: SIM115 - kept open for the whole run
-    bandwidth = pinned_h2d_bandwidth()
-    print(f"device {torch.cuda.get_device_name()}  pinned H2D {bandwidth / 1e9:.1f} GB/s  "
-          f"eviction {args.adapter_eviction}", flush=True)  # fmt: skip
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    bandwidth = pinned_h2d_bandwidth() if args.device == "cuda" else 0.0
+    print(f"device {device}  pinned H2D {bandwidth / 1e9:.1f} GB/s  eviction {args.adapter_eviction}", flush=True)
     latency: list[LatencyRow] = []
     zipf: list[ZipfRow] = []
     memory: dict[str, float] = {}
@@ -386,7 +403,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     if "zipf" not in args.skip:
-        zipf = zipf_bench(LLAMA3_8B, root, args)
+        zipf = zipf_bench(zipf_model, root, args)
     if "churn" not in args.skip:
         memory = churn(root, args.cycles)
         print(memory, flush=True)
@@ -396,7 +413,7 @@ def main() -> None:
     if out:
         out.write(json.dumps({"kind": "churn", **memory}) + "\n")
         out.close()
-    print(f"\npinned H2D bandwidth {bandwidth / 1e9:.1f} GB/s ({torch.cuda.get_device_name()})")
+    print(f"\npinned H2D bandwidth {bandwidth / 1e9:.1f} GB/s ({device})")
     print("rank  MB     floor ms  pinned->GPU ms (x floor)  host launch ms  (first into pages)  disk->GPU ms  "
           "of which read ms  disk floor ms  (x floor)  cache")  # fmt: skip
     for r in latency:

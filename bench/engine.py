@@ -67,7 +67,7 @@ from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
-from worker.memory_plan import DeviceMemory, plan_memory
+from worker.memory_plan import DeviceMemory, kv_storage_bytes, model_footprint, plan_memory
 from worker.metrics import WorkerMetrics
 from worker.model.lora_linear import LoRALinear
 from worker.model.model import CausalLM
@@ -202,7 +202,11 @@ def random_runner(info: ModelInfo, config: EngineConfig) -> ModelRunner:
     """A runner over random weights, built in the order a worker builds one
     (worker/switching/residency.py): the memory plan first, which fails naming the setting to change
     if the configuration cannot fit, then the model, the plan's KV storage and the runner (its decode
-    graphs captured)."""
+    graphs captured). On a CPU there is no device memory to plan: config.num_kv_blocks blocks."""
+    if torch.device(config.device).type == "cpu":
+        model = random_model(info, config)
+        nbytes = kv_storage_bytes(model_footprint(info, config), config.num_kv_blocks, config)
+        return ModelRunner(model, config, torch.zeros(nbytes, dtype=torch.uint8), config.num_kv_blocks)
     plan = plan_memory({info.name: info}, config, memory=DeviceMemory.measure(torch.device(config.device)))
     print(f"memory plan: {json.dumps(plan.summary())}", flush=True)
     model = random_model(info, config)
