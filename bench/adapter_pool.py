@@ -46,6 +46,7 @@ import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ import torch
 from bench.disk_floor import drop_page_cache, read_floor
 from bench.engine import LLAMA3_8B, load_adapters, prompts, random_engine, random_model, random_runner, word_tokenizer
 from bench.engine import write_adapter as write_bench_adapter
+from shared.adapter_digest import HASH_THREADS
 from shared.adapter_format import WEIGHTS_FILE
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
@@ -91,10 +93,10 @@ def pinned_h2d_bandwidth() -> float:
     return host.numel() * host.element_size() / statistics.median(times[2:])
 
 
-def read(ref: AdapterRef, model: CausalLM, root: Path) -> HostAdapter:
-    """Disk -> pinned host, as the pool's loader threads do it."""
+def read(ref: AdapterRef, model: CausalLM, root: Path, hasher: Executor) -> HostAdapter:
+    """Disk -> pinned host, as the pool's loader threads do it (pieces hashed on `hasher`, its threads)."""
     return read_host_adapter(ref, adapter_root=root, info=model.info, dtype=model.dtype, max_rank=MAX_RANK,
-                             max_bytes=2 << 30, pin=True)  # fmt: skip
+                             max_bytes=2 << 30, pin=True, hasher=hasher)  # fmt: skip
 
 
 @dataclass
@@ -113,13 +115,14 @@ class LatencyRow:
 
 def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyRow]:
     writer = SlotWriter(model)
+    hasher = ThreadPoolExecutor(HASH_THREADS)
     rows = []
     for rank in (16, 64):
         directory = root / f"latency-r{rank}"
         sha = write_adapter(directory, model.info, rank, seed=rank)
         ref = AdapterRef(f"latency-r{rank}", 1, directory.name, sha)
 
-        adapter = read(ref, model, root)
+        adapter = read(ref, model, root, hasher)
         size = model.pages_for_rank(rank)
         stretches = model.num_pages // size
         pages = [tuple(range(first, first + size)) for first in range(0, stretches * size, size)]
@@ -137,7 +140,7 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
             how = drop_page_cache([directory / WEIGHTS_FILE])
             torch.cuda.synchronize()
             start = time.perf_counter()
-            fresh = read(ref, model, root)
+            fresh = read(ref, model, root, hasher)
             reads.append(time.perf_counter() - start)
             writer.write(pages[i % stretches], fresh).wait()
             disk.append(time.perf_counter() - start)
@@ -149,6 +152,7 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
                                statistics.median(disk) * 1e3, statistics.median(reads) * 1e3, floor_s * 1e3,
                                how))  # fmt: skip
         print(rows[-1], flush=True)
+    hasher.shutdown()
     return rows
 
 

@@ -20,13 +20,13 @@ import dataclasses
 import os
 import re
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from shared.adapter_config import CONFIG_FILE, MAX_CONFIG_BYTES, AdapterConfig, parse_adapter_config
-from shared.adapter_digest import HASH_THREADS, combine, piece_digest, pieces
+from shared.adapter_digest import combine, piece_digest, pieces
 from shared.adapter_paths import adapter_relative_path, open_adapter_dir, open_adapter_file
 from shared.errors import ErrorCode, LorafleetError
 from shared.expert_adapter_keys import (
@@ -102,10 +102,13 @@ def read_adapter(
     max_rank: int,
     max_bytes: int,
     allocate: Callable[[int], memoryview] | None = None,
+    hasher: Executor | None = None,
 ) -> AdapterFiles:
     """Validate the adapter at `path` (relative to the root, or absolute inside it) against `model`;
     raise LorafleetError naming the first problem. The data section (everything after the header)
-    goes into `allocate(n)`, a writable n-byte buffer, when given."""
+    goes into `allocate(n)`, a writable n-byte buffer, when given; its pieces are hashed on
+    `hasher`'s threads (a worker's few, shared by its loads: shared/adapter_digest.HASH_THREADS)
+    while the next is read, or in turn without one."""
     relative = adapter_relative_path(adapter_root, path)
     dir_fd = open_adapter_dir(adapter_root, relative)
     try:
@@ -127,7 +130,7 @@ def read_adapter(
         header = prefix + _read_exact(f, header_length(prefix, stat.st_size, WEIGHTS_FILE))
         tensors = parse_table(header[8:], stat.st_size - len(header), WEIGHTS_FILE)
         manifest = _manifest(config, tensors, model, size=stat.st_size)  # before the data: fail fast
-        data, digest = _read_data(f, header, stat.st_size - len(header), allocate)
+        data, digest = _read_data(f, header, stat.st_size - len(header), allocate, hasher)
     manifest = dataclasses.replace(manifest, digest=digest)
     return AdapterFiles(relative, config, manifest, tensors, header, data)
 
@@ -157,12 +160,12 @@ def _read_exact(f: BinaryIO, n: int) -> bytes:
 
 
 def _read_data(
-    f: BinaryIO, header: bytes, n: int, allocate: Callable[[int], memoryview] | None
+    f: BinaryIO, header: bytes, n: int, allocate: Callable[[int], memoryview] | None, hasher: Executor | None
 ) -> tuple[memoryview | None, str]:
     """The file's next `n` bytes (and no more: the file must end there) into `allocate(n)`, or only
     through the hash without a buffer, with the identity of the whole file (`header` + those bytes).
-    Into a buffer, each piece is hashed on one of HASH_THREADS threads while the next is read, so a
-    load takes about as long as its read; without one (registration), pieces are hashed in turn."""
+    Into a buffer with a `hasher`, each piece is hashed on its threads while the next is read, so a
+    load takes about as long as its read; otherwise (registration) pieces are hashed in turn."""
     if allocate is None:
         digests = [
             piece_digest(header[start:end], _read_exact(f, max(end - len(header), 0) - max(start - len(header), 0)))
@@ -171,15 +174,28 @@ def _read_data(
         _check_ended(f)
         return None, combine(digests)
     buffer = allocate(n)
-    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="adapter-hash") as hasher:
-        hashed = []
+    hashed: list[Future[bytes]] = []
+    try:
         for start, end in pieces(len(header) + n):
             # a piece is the header's bytes in [start, end), then the data's (data offset = file offset - header)
             low, high = max(start - len(header), 0), max(end - len(header), 0)
             _read_into(f, buffer[low:high])
-            hashed.append(hasher.submit(piece_digest, header[start:end], buffer[low:high]))
+            if hasher is None:
+                hashed.append(_done(piece_digest(header[start:end], buffer[low:high])))
+            else:
+                hashed.append(hasher.submit(piece_digest, header[start:end], buffer[low:high]))
         _check_ended(f)
-        return buffer, combine(piece.result() for piece in hashed)
+    except BaseException:
+        for piece in hashed:
+            piece.cancel()  # the load failed: its pieces not hashed yet are not worth a thread
+        raise
+    return buffer, combine(piece.result() for piece in hashed)
+
+
+def _done(digest: bytes) -> Future[bytes]:
+    future: Future[bytes] = Future()
+    future.set_result(digest)
+    return future
 
 
 def _read_into(f: BinaryIO, target: memoryview) -> None:

@@ -6,6 +6,7 @@ not even for identical bytes behind a symlink."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,10 +37,19 @@ def lab(tmp_path: Path) -> Lab:
 
 
 def load(lab: Lab, path: str, digest: str = "sha256-pieces-8MiB:" + "0" * 64):
+    """The worker's load, as its pool runs it: pieces hashed on threads of their own."""
     ref = AdapterRef("a", 1, path, digest)
-    return read_host_adapter(
-        ref, adapter_root=lab.root, info=MODEL, dtype=torch.float32, max_rank=8, max_bytes=1 << 22, pin=False
-    )
+    with ThreadPoolExecutor(2) as hasher:
+        return read_host_adapter(
+            ref,
+            adapter_root=lab.root,
+            info=MODEL,
+            dtype=torch.float32,
+            max_rank=8,
+            max_bytes=1 << 22,
+            pin=False,
+            hasher=hasher,
+        )
 
 
 def digest_of(directory: Path, piece_bytes: int = 8 << 20) -> str:

@@ -10,6 +10,7 @@ are packed tensor by tensor from the bytes read (`_pack`), never read again."""
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,11 +134,13 @@ def read_host_adapter(
     max_rank: int,
     max_bytes: int,
     pin: bool,
+    hasher: Executor | None = None,
 ) -> HostAdapter:
     """Read `ref`'s files once (shared/adapter_format.read_adapter: confined to the root, validated
     against the base model, hashed), check them against the registered digest, and hold them in
     `dtype`. Raises LorafleetError(ADAPTER_LOAD_FAILED) naming the problem. Thread-safe: the pool
-    runs it on its loader threads (file reads and hashing release the GIL)."""
+    runs it on its loader threads (file reads and hashing release the GIL), the pieces' hashes on
+    `hasher` (in turn without one)."""
     raw: list[torch.Tensor] = []
 
     def allocate(nbytes: int) -> memoryview:
@@ -145,7 +148,9 @@ def read_host_adapter(
         return memoryview(raw[0].numpy())
 
     try:
-        files = read_adapter(adapter_root, ref.path, info, max_rank=max_rank, max_bytes=max_bytes, allocate=allocate)
+        files = read_adapter(
+            adapter_root, ref.path, info, max_rank=max_rank, max_bytes=max_bytes, allocate=allocate, hasher=hasher
+        )
     except LorafleetError as exc:
         raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, exc.message) from exc
     scheme = ref.digest.partition(":")[0]
