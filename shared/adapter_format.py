@@ -126,11 +126,16 @@ def read_adapter(
             raise LorafleetError(
                 ErrorCode.ADAPTER_TOO_LARGE, f"{WEIGHTS_FILE} is {stat.st_size} bytes, over the limit of {max_bytes}"
             )
-        prefix = _read_exact(f, 8)
-        header = prefix + _read_exact(f, header_length(prefix, stat.st_size, WEIGHTS_FILE))
-        tensors = parse_table(header[8:], stat.st_size - len(header), WEIGHTS_FILE)
-        manifest = _manifest(config, tensors, model, size=stat.st_size)  # before the data: fail fast
-        data, digest = _read_data(f, header, stat.st_size - len(header), allocate, hasher)
+        try:
+            prefix = _read_exact(f, 8)
+            header = prefix + _read_exact(f, header_length(prefix, stat.st_size, WEIGHTS_FILE))
+            tensors = parse_table(header[8:], stat.st_size - len(header), WEIGHTS_FILE)
+            manifest = _manifest(config, tensors, model, size=stat.st_size)  # before the data: fail fast
+            data, digest = _read_data(f, header, stat.st_size - len(header), allocate, hasher)
+        except OSError as exc:  # the disk's fault, not the adapter's: this read fails, nothing else
+            raise LorafleetError(
+                ErrorCode.INTERNAL_ERROR, f"{WEIGHTS_FILE}: read failed at byte {f.tell()} ({exc.strerror or exc})"
+            ) from exc
     manifest = dataclasses.replace(manifest, digest=digest)
     return AdapterFiles(relative, config, manifest, tensors, header, data)
 
