@@ -19,7 +19,9 @@
    when one finishes, so nothing can be prefetched): GPU and host hit rates per request, time a
    request waits for its adapter (add -> READY) p50/p99, all and cold (not READY when added), TTFT
    p50 of requests whose adapter was READY when added and of the others (the issue's "a cold
-   adapter's first request waits <= 50 ms more"), and output tok/s beside the same request stream
+   adapter's first request waits <= 50 ms more"), the mean time of one disk read on its loader
+   thread (beside part 1's disk -> GPU of one adapter alone: how much the engine running beside
+   slows a read) and the most loads the pool had under way at once, and output tok/s beside the same request stream
    with every adapter resident (adapter i mapped onto preloaded adapter i mod 128: the same batch
    shapes, no loads).
    The pool runs the stream twice through one engine: "pool cold" starts from an empty host tier (in
@@ -173,6 +175,8 @@ class ZipfRow:
     warm_ttft_p50_ms: float  # requests whose adapter was READY when added
     cold_ttft_p50_ms: float  # the others
     disk_loads: int
+    disk_load_ms_mean: float  # one disk -> host read on a loader thread, timed there: beside the latency part's
+    loads_in_flight_max: int  # reads and copies the pool had under way at once (sampled each step)
     gpu_evictions: int
     host_evictions: int
 
@@ -212,7 +216,7 @@ class ZipfEngine:
         """The pool's cumulative counters, as "{tier}_{count}" (a pass reports their differences)."""
         registry, model = self.metrics.registry, self.engine.runner.model.info.name
         counts = {"hits": "hits_total", "misses": "misses_total", "evictions": "evictions_total",
-                  "loads": "load_seconds_count"}  # fmt: skip
+                  "loads": "load_seconds_count", "load_seconds": "load_seconds_sum"}  # fmt: skip
         sample = registry.get_sample_value
         return {
             f"{tier}_{count}": sample(f"lorafleet_worker_adapter_{name}", {"model": model, "tier": tier}) or 0.0
@@ -231,7 +235,7 @@ class ZipfEngine:
         added_ms: dict[str, float] = {}  # job → unix ms it was added
         ttft_ms: dict[str, float] = {}
         waiting: dict[str, tuple[float, str]] = {}  # job → (time added, adapter uid), until its adapter is READY
-        next_request, done, tokens = 0, 0, 0
+        next_request, done, tokens, in_flight_max = 0, 0, 0, 0
 
         def add_one() -> None:
             nonlocal next_request
@@ -256,6 +260,8 @@ class ZipfEngine:
             add_one()
         while done < len(order):
             results = engine.step()
+            if engine.adapter_pool is not None:
+                in_flight_max = max(in_flight_max, engine.adapter_pool.loads_in_flight)
             now = time.perf_counter()
             for job, (at, uid) in list(waiting.items()):
                 if engine.adapter_slots.slot_of(uid) is not None:
@@ -281,7 +287,8 @@ class ZipfEngine:
                        tokens / wall, count["gpu_hits"] / max(gpu_lookups, 1), count["cpu_hits"] / max(host_lookups, 1),
                        percentile(every, 0.5), percentile(every, 0.99), percentile(cold, 0.5), percentile(cold, 0.99),
                        percentile(warm_ttft, 0.5), percentile(cold_ttft, 0.5),
-                       int(count["disk_loads"]), int(count["gpu_evictions"]), int(count["cpu_evictions"]))  # fmt: skip
+                       int(count["disk_loads"]), count["disk_load_seconds"] * 1e3 / max(count["disk_loads"], 1),
+                       in_flight_max, int(count["gpu_evictions"]), int(count["cpu_evictions"]))  # fmt: skip
 
     def close(self) -> None:
         self.engine.adapter_pool.close()
@@ -426,7 +433,8 @@ def main() -> None:
               f"{r.pinned_host_ms:<15.2f} {r.first_host_ms:<20.2f} {r.disk_ms:<13.1f} {r.disk_read_ms:<17.1f} "
               f"{r.disk_floor_ms:<14.1f} ({r.disk_ms / r.disk_floor_ms:.2f}x)  {r.cache_drop}")  # fmt: skip
     print("mode          conc  backlog  req   host GB  tok/s    x resident  gpu hit  host hit  wait p50/p99 ms  "
-          "cold wait p50/p99 ms  TTFT p50 warm/cold ms  disk loads  gpu evict  host evict")  # fmt: skip
+          "cold wait p50/p99 ms  TTFT p50 warm/cold ms  disk loads  load ms  in flight  "
+          "gpu evict  host evict")  # fmt: skip
     resident_tok_s = {(z.concurrency, z.backlog): z.tok_s for z in zipf if z.mode == "all-resident"}
     for z in zipf:
         pooled = z.mode != "all-resident"
@@ -435,7 +443,8 @@ def main() -> None:
               f"{z.tok_s / resident_tok_s[(z.concurrency, z.backlog)]:<11.3f} {z.gpu_hit_rate:<8.3f} {host_hit:<9} "
               f"{z.wait_p50_ms:.1f}/{z.wait_p99_ms:<10.1f} {z.cold_wait_p50_ms:.1f}/{z.cold_wait_p99_ms:<16.1f} "
               f"{z.warm_ttft_p50_ms:.1f}/{z.cold_ttft_p50_ms:<17.1f} "
-              f"{z.disk_loads:<11} {z.gpu_evictions:<10} {z.host_evictions}")  # fmt: skip
+              f"{z.disk_loads:<11} {z.disk_load_ms_mean:<8.1f} {z.loads_in_flight_max:<10} "
+              f"{z.gpu_evictions:<10} {z.host_evictions}")  # fmt: skip
     if memory:
         print(json.dumps(memory))
 
