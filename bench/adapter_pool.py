@@ -21,7 +21,8 @@
    p50 of requests whose adapter was READY when added and of the others (the issue's "a cold
    adapter's first request waits <= 50 ms more"), the mean time of one disk read on its loader
    thread (beside part 1's disk -> GPU of one adapter alone: how much the engine running beside
-   slows a read) and the most loads the pool had under way at once, and output tok/s beside the same request stream
+   slows a read), the most loads the pool had under way at once and the time torch's host allocator
+   spent page-locking new memory for them, and output tok/s beside the same request stream
    with every adapter resident (adapter i mapped onto preloaded adapter i mod 128: the same batch
    shapes, no loads).
    The pool runs the stream twice through one engine: "pool cold" starts from an empty host tier (in
@@ -177,8 +178,16 @@ class ZipfRow:
     disk_loads: int
     disk_load_ms_mean: float  # one disk -> host read on a loader thread, timed there: beside the latency part's
     loads_in_flight_max: int  # reads and copies the pool had under way at once (sampled each step)
+    pinned_alloc_ms: float  # in CUDA's page-locked allocations of torch's host allocator (a lock other calls wait on)
     gpu_evictions: int
     host_evictions: int
+
+
+def pinned_alloc_ms(device: str) -> float:
+    """Milliseconds torch's caching host allocator has spent in CUDA allocations so far (0 on a CPU)."""
+    if torch.device(device).type != "cuda":
+        return 0.0
+    return torch.cuda.host_memory_stats().get("host_alloc_time.total", 0) / 1e3
 
 
 def synchronize(device: str) -> None:
@@ -254,6 +263,7 @@ class ZipfEngine:
             next_request += 1
 
         before = self.counters()
+        pinned_before = pinned_alloc_ms(engine.config.device)
         synchronize(engine.config.device)
         start = time.perf_counter()
         while next_request < min(concurrency + backlog, len(order)):
@@ -288,7 +298,8 @@ class ZipfEngine:
                        percentile(every, 0.5), percentile(every, 0.99), percentile(cold, 0.5), percentile(cold, 0.99),
                        percentile(warm_ttft, 0.5), percentile(cold_ttft, 0.5),
                        int(count["disk_loads"]), count["disk_load_seconds"] * 1e3 / max(count["disk_loads"], 1),
-                       in_flight_max, int(count["gpu_evictions"]), int(count["cpu_evictions"]))  # fmt: skip
+                       in_flight_max, pinned_alloc_ms(engine.config.device) - pinned_before,
+                       int(count["gpu_evictions"]), int(count["cpu_evictions"]))  # fmt: skip
 
     def close(self) -> None:
         self.engine.adapter_pool.close()
@@ -434,7 +445,7 @@ def main() -> None:
               f"{r.disk_floor_ms:<14.1f} ({r.disk_ms / r.disk_floor_ms:.2f}x)  {r.cache_drop}")  # fmt: skip
     print("mode          conc  backlog  req   host GB  tok/s    x resident  gpu hit  host hit  wait p50/p99 ms  "
           "cold wait p50/p99 ms  TTFT p50 warm/cold ms  disk loads  load ms  in flight  "
-          "gpu evict  host evict")  # fmt: skip
+          "pin alloc ms  gpu evict  host evict")  # fmt: skip
     resident_tok_s = {(z.concurrency, z.backlog): z.tok_s for z in zipf if z.mode == "all-resident"}
     for z in zipf:
         pooled = z.mode != "all-resident"
@@ -443,7 +454,7 @@ def main() -> None:
               f"{z.tok_s / resident_tok_s[(z.concurrency, z.backlog)]:<11.3f} {z.gpu_hit_rate:<8.3f} {host_hit:<9} "
               f"{z.wait_p50_ms:.1f}/{z.wait_p99_ms:<10.1f} {z.cold_wait_p50_ms:.1f}/{z.cold_wait_p99_ms:<16.1f} "
               f"{z.warm_ttft_p50_ms:.1f}/{z.cold_ttft_p50_ms:<17.1f} "
-              f"{z.disk_loads:<11} {z.disk_load_ms_mean:<8.1f} {z.loads_in_flight_max:<10} "
+              f"{z.disk_loads:<11} {z.disk_load_ms_mean:<8.1f} {z.loads_in_flight_max:<10} {z.pinned_alloc_ms:<13.0f} "
               f"{z.gpu_evictions:<10} {z.host_evictions}")  # fmt: skip
     if memory:
         print(json.dumps(memory))
