@@ -132,10 +132,8 @@ def read_adapter(
             tensors = parse_table(header[8:], stat.st_size - len(header), WEIGHTS_FILE)
             manifest = _manifest(config, tensors, model, size=stat.st_size)  # before the data: fail fast
             data, digest = _read_data(f, header, stat.st_size - len(header), allocate, hasher)
-        except OSError as exc:  # the disk's fault, not the adapter's: this read fails, nothing else
-            raise LorafleetError(
-                ErrorCode.INTERNAL_ERROR, f"{WEIGHTS_FILE}: read failed at byte {f.tell()} ({exc.strerror or exc})"
-            ) from exc
+        except OSError as exc:
+            raise _read_failed(WEIGHTS_FILE, f, exc) from exc
     manifest = dataclasses.replace(manifest, digest=digest)
     return AdapterFiles(relative, config, manifest, tensors, header, data)
 
@@ -147,10 +145,18 @@ def _read_config(dir_fd: int) -> bytes:
             raise LorafleetError(
                 ErrorCode.INVALID_ADAPTER_CONFIG, f"{CONFIG_FILE} is over the limit of {MAX_CONFIG_BYTES} bytes"
             )
-        raw = f.read(MAX_CONFIG_BYTES + 1)
+        try:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise _read_failed(CONFIG_FILE, f, exc) from exc
     if len(raw) > MAX_CONFIG_BYTES:  # grown since the size check
         raise LorafleetError(ErrorCode.INVALID_ADAPTER_CONFIG, f"{CONFIG_FILE} changed while it was read")
     return raw
+
+
+def _read_failed(name: str, f: BinaryIO, exc: OSError) -> LorafleetError:
+    """A disk error reading `name`: the disk's fault, not the adapter's; this read fails, nothing else."""
+    return LorafleetError(ErrorCode.INTERNAL_ERROR, f"{name}: read failed at byte {f.tell()} ({exc.strerror or exc})")
 
 
 def _read_exact(f: BinaryIO, n: int) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from shared import adapter_digest
-from shared.adapter_format import WEIGHTS_FILE
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.errors import ErrorCode, LorafleetError
 from shared.schema import AdapterRef
 from tests.gateway.fleet import tiny_model
@@ -27,8 +28,8 @@ PIECE = 64  # bytes: the test adapter's file (~330 bytes) is read in several pie
 
 
 class WeightsFile:
-    """The weights file as the reader sees it, with `before_read(call)` run before each of its
-    `readinto` calls (0, 1, …): the reads the test interferes with."""
+    """An adapter's file as the reader sees it, with `before_read(call)` run before each of its
+    `readinto` or `read` calls (0, 1, …): the reads the test interferes with."""
 
     def __init__(self, file, before_read: Callable[[int], None], max_bytes: int | None) -> None:
         self._file, self._before_read, self._max_bytes = file, before_read, max_bytes
@@ -38,6 +39,11 @@ class WeightsFile:
         self._before_read(self.calls)
         self.calls += 1
         return self._file.readinto(buffer if self._max_bytes is None else buffer[: self._max_bytes])
+
+    def read(self, size: int = -1) -> bytes:
+        self._before_read(self.calls)
+        self.calls += 1
+        return self._file.read(size)
 
     def __getattr__(self, name: str):
         return getattr(self._file, name)
@@ -56,15 +62,19 @@ def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Lab:
 
 
 def interfere(
-    monkeypatch: pytest.MonkeyPatch, before_read: Callable[[int], None] = lambda call: None, *, max_bytes=None
+    monkeypatch: pytest.MonkeyPatch,
+    before_read: Callable[[int], None] = lambda call: None,
+    *,
+    max_bytes=None,
+    name: str = WEIGHTS_FILE,
 ) -> list[WeightsFile]:
-    """From now on, the weights file opens through WeightsFile; returns those opened."""
+    """From now on, the adapter's file `name` opens through WeightsFile; returns those opened."""
     real_fdopen = os.fdopen
     opened: list[WeightsFile] = []
 
     def fdopen(fd: int, *args, **kwargs):
         file = real_fdopen(fd, *args, **kwargs)
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(WEIGHTS_FILE):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(name):
             opened.append(WeightsFile(file, before_read, max_bytes))
             return opened[-1]
         return file
@@ -140,16 +150,19 @@ def test_a_file_changed_under_the_reader_fails_that_load(lab: Lab, monkeypatch: 
     assert load(lab, directory, digest).buffer.numpy().tobytes() == data_of(content)
 
 
-def test_a_disk_error_mid_read_fails_that_load_naming_the_file_and_the_error(lab: Lab, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize(("name", "failing_read"), [(WEIGHTS_FILE, 2), (CONFIG_FILE, 0)])
+def test_a_disk_error_mid_read_fails_that_load_naming_the_file_and_the_error(
+    lab: Lab, monkeypatch: pytest.MonkeyPatch, name: str, failing_read: int
+):
     directory, digest, content = registered(lab)
 
-    def third_read_fails(call: int) -> None:
-        if call == 2:
+    def read_fails(call: int) -> None:
+        if call == failing_read:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    interfere(monkeypatch, third_read_fails)
+    interfere(monkeypatch, read_fails, name=name)
     with pytest.raises(
-        LorafleetError, match=r"adapter_model\.safetensors: read failed at byte \d+ \(Input/output error\)"
+        LorafleetError, match=rf"{re.escape(name)}: read failed at byte \d+ \(Input/output error\)"
     ) as failed:
         load(lab, directory, digest)
     assert failed.value.code is ErrorCode.ADAPTER_LOAD_FAILED
