@@ -20,8 +20,8 @@ class Clock:
         self.now += seconds
 
 
-def pacer_on(clock: Clock, busy_fraction: float) -> CapturePacer:
-    return CapturePacer(busy_fraction, clock=clock, sleep=clock.sleep)
+def pacer_on(clock: Clock, busy_fraction: float, serving=lambda: True) -> CapturePacer:
+    return CapturePacer(serving, busy_fraction, clock=clock, sleep=clock.sleep)
 
 
 def test_each_unit_is_followed_by_a_rest_that_holds_the_work_to_its_fraction():
@@ -66,4 +66,18 @@ def test_a_fraction_of_one_never_sleeps():
 @pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
 def test_a_fraction_outside_zero_to_one_is_refused(fraction: float):
     with pytest.raises(ValueError, match="busy_fraction"):
-        CapturePacer(fraction)
+        CapturePacer(lambda: True, fraction)
+
+
+def test_no_rest_follows_a_unit_while_nothing_beside_the_capture_has_requests():
+    clock = Clock()
+    requests = [True]
+    pacer = pacer_on(clock, 0.25, serving=lambda: requests[0])
+    pacer.pause()
+    clock.now += 0.010
+    requests[0] = False  # the serving model ran out of work
+    pacer.pause()
+    clock.now += 0.010
+    requests[0] = True
+    pacer.pause()  # paces the unit since the last pause, not the unrested one before it
+    assert clock.slept == pytest.approx([0.030])

@@ -12,7 +12,8 @@ took, handing the GIL and the GPU back to the serving model. If the serving mode
 fraction s of its throughput while a unit runs (0.34 measured), it keeps 1 - f·(1 - s) overall:
 0.84 at f = 0.25, the issue's ≤ 20 % cost; the capture takes 1/f times as long (it happens before
 the hand-over, while the serving model goes on). With nothing serving beside it (a worker's first
-model) there is nobody to yield to and the capture is not paced. The rests fall inside the capture
+model) there is nobody to yield to and the capture is not paced; a unit that starts while the
+models beside it have no request (`serving()` false) gets no rest either. The rests fall inside the capture
 session, so the process's cyclic garbage collector stays off for the whole, longer capture
 (cuda_graphs.capture_session says why); reference counting frees everything else meanwhile.
 """
@@ -28,6 +29,7 @@ BUSY_FRACTION = 0.25
 class CapturePacer:
     def __init__(
         self,
+        serving: Callable[[], bool],
         busy_fraction: float = BUSY_FRACTION,
         *,
         clock: Callable[[], float] = time.perf_counter,
@@ -36,16 +38,18 @@ class CapturePacer:
         if not 0.0 < busy_fraction <= 1.0:
             raise ValueError(f"busy_fraction must be in (0, 1], got {busy_fraction}")
         self.busy_fraction = busy_fraction
+        self._serving = serving  # whether a model beside the capture has requests now (any thread may ask)
         self._clock = clock
         self._sleep = sleep
         self._resumed: float | None = None  # when the unit of work now running began
         self.slept_s = 0.0  # in total, for the runner's log line
 
     def pause(self) -> None:
-        """Call before each unit of work: sleeps long enough that the work since the last call took
-        at most `busy_fraction` of the time (the first call only starts the clock)."""
+        """Call before each unit of work: while a model beside it serves, sleeps long enough that the
+        work since the last call took at most `busy_fraction` of the time (the first call only
+        starts the clock)."""
         now = self._clock()
-        if self._resumed is not None:
+        if self._resumed is not None and self._serving():
             rest = (now - self._resumed) * (1.0 - self.busy_fraction) / self.busy_fraction
             if rest > 0.0:
                 self._sleep(rest)

@@ -164,7 +164,7 @@ class ModelResidency:
         build_started = time.perf_counter()
         storage = self._kv_storage[replacing] if replacing is not None else self._storage_for_free_slot()
         # beside a serving model the captures yield to it (capture_pacer.py); alone they go flat out
-        pacer = CapturePacer() if self._resident_names else None
+        pacer = CapturePacer(self._serving) if self._resident_names else None
         runner = ModelRunner(model, self.config.engine, storage, self.plan.kv_blocks(name), pacer)
         tokenizer = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
         build_s = time.perf_counter() - build_started
@@ -178,6 +178,12 @@ class ModelResidency:
             build_s=round(build_s, 3),
         )
         return PreparedModel(spec, runner, tokenizer, storage, read_s, copy_s, build_s, nbytes)
+
+    def _serving(self) -> bool:
+        """Whether a resident model has requests now: read from the loader thread (a snapshot of the
+        names, then each engine's count of unfinished requests, a length read under the GIL)."""
+        engines = [self.engines.get(name) for name in self._resident_names]
+        return any(engine is not None and engine.num_unfinished for engine in engines)
 
     def _cache(self, host: HostWeights, read_s: float) -> None:
         with self._lock:
