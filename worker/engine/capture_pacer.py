@@ -12,8 +12,8 @@ took, handing the GIL and the GPU back to the serving model. If the serving mode
 fraction s of its throughput while a unit runs (0.34 measured), it keeps 1 - f·(1 - s) overall:
 0.84 at f = 0.25, the issue's ≤ 20 % cost; the capture takes 1/f times as long (it happens before
 the hand-over, while the serving model goes on). With nothing serving beside it (a worker's first
-model) there is nobody to yield to and the capture is not paced; a unit that starts while the
-models beside it have no request (`serving()` false) gets no rest either. The rests fall inside the capture
+model) there is nobody to yield to and the capture is not paced, and while the models beside it
+have no request (`serving()` false) no rest is taken either. The rests fall inside the capture
 session, so the process's cyclic garbage collector stays off for the whole, longer capture
 (cuda_graphs.capture_session says why); reference counting frees everything else meanwhile.
 """
