@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -42,8 +42,9 @@ from shared.errors import ErrorCode, LorafleetError
 from shared.schema import AdapterRef
 from worker.adapter_pool.eviction import make_policy
 from worker.adapter_pool.gpu_slots import GpuSlots
-from worker.adapter_pool.host_adapter import HostAdapter, max_adapter_bytes, read_host_adapter
+from worker.adapter_pool.host_adapter import HostAdapter, max_adapter_bytes
 from worker.adapter_pool.host_tier import HostTier
+from worker.adapter_pool.rank_adapter import read_for_model
 from worker.adapter_pool.slot_writer import SlotWriter, Upload
 from worker.metrics import AdapterMetrics, AdapterTier
 from worker.model.model import CausalLM
@@ -75,10 +76,17 @@ class _Copy:
 
 class AdapterPool:
     def __init__(
-        self, model: CausalLM, config: EngineConfig, adapter_root: Path | None, metrics: AdapterMetrics
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        adapter_root: Path | None,
+        metrics: AdapterMetrics,
+        on_write: Callable[[AdapterRef, tuple[int, ...]], None] | None = None,
     ) -> None:
-        self._info = model.info
-        self._dtype = model.dtype
+        """`on_write(ref, pages)`: told of every adapter queued into pages (a tensor-parallel rank 0
+        tells its followers, which write their parts of it into the same pages)."""
+        self._on_write = on_write
+        self._model = model
         self._config = config
         self._adapter_root = adapter_root
         self._metrics = metrics
@@ -208,6 +216,8 @@ class AdapterPool:
                 failures.append(LoadFailure(uid, f"{type(exc).__name__}: {exc}"))
                 continue
             self._copies[uid] = _Copy(upload, time.perf_counter())
+            if self._on_write is not None:
+                self._on_write(self._refs[uid], reservation.pages)
         self.resident = (tuple(self.gpu.resident), tuple(self.host.resident))
         self._metrics.set_resident(AdapterTier.GPU, len(self.resident[0]))
         self._metrics.set_resident(AdapterTier.CPU, len(self.resident[1]))
@@ -291,13 +301,5 @@ class AdapterPool:
         started = time.perf_counter()
         if self._adapter_root is None:
             raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "this engine has no adapter root")
-        adapter = read_host_adapter(
-            ref,
-            adapter_root=self._adapter_root,
-            info=self._info,
-            dtype=self._dtype,
-            max_rank=self._config.max_lora_rank,
-            max_bytes=self._config.max_adapter_bytes,
-            pin=self._pin,
-        )
+        adapter = read_for_model(ref, self._model, self._config, self._adapter_root, pin=self._pin)
         return adapter, time.perf_counter() - started

@@ -1,0 +1,96 @@
+"""A tensor-parallel engine (2 ranks: this process and a follower it starts, gloo on CPU) against the
+one-process engine: the same logits, fp32, for a mixed batch of the base model and adapters over a
+prefill, a decode step, and a step mixing a new prompt's prefill with decodes; dense and MoE models,
+adapters loaded through rank 0's pool and written by every rank into the pages it chose."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.schema import SamplingParams
+from tests.engine.engines import load_engine, tensor_parallel_engine
+from tests.engine.tiny_hf import TinyCheckpoint, saved_adapter_ref
+from tests.engine.tiny_moe import MOE_FAMILIES, TinyMoE, build_tiny_moe
+from worker.engine.engine import LLMEngine
+from worker.engine.scheduler import ScheduledSequence
+from worker.engine.sequence import Sequence
+
+TOLERANCE = 1e-4
+ENGINE = {"dtype": "float32", "max_loras": 4, "max_lora_rank": 8, "max_num_seqs": 8, "num_kv_blocks": 64}
+BLOCKS_PER_SEQ = 8  # of 16 tokens: each sequence its own blocks, far apart
+
+
+def bring_adapters(engine: LLMEngine, adapters: dict[str, Path]) -> dict[str | None, str | None]:
+    """Every adapter into the engine's device pages, through its pool (as a request for it would);
+    name → uid (None → None: the base model)."""
+    pool = engine.adapter_pool
+    refs = [saved_adapter_ref(name, directory) for name, directory in adapters.items()]
+    for ref in refs:
+        pool.request(ref)
+    for _ in range(200):
+        failures = pool.poll()
+        assert not failures
+        if all(engine.adapter_slots.slot_of(ref.uid) is not None for ref in refs):
+            return {None: None} | {ref.name: ref.uid for ref in refs}
+        pool.wait(0.05)
+    raise AssertionError("adapters did not land in the pool")
+
+
+def run_steps(
+    engine: LLMEngine,
+    uids: dict[str | None, str | None],
+    prompts: dict[str | None, list[int]],
+    late: tuple[str | None, list[int]],
+) -> list[torch.Tensor]:
+    """Logits float32 [B, V] of three steps: every prompt's prefill (adapter name → prompt; None:
+    the base model); a decode of each; a decode of each beside the prefill of `late`. Greedy tokens
+    are fed back as the engine feeds them."""
+    greedy = SamplingParams(temperature=0.0)
+
+    def sequence(index: int, name: str | None, prompt: list[int]) -> Sequence:
+        blocks = list(range(index * BLOCKS_PER_SEQ, (index + 1) * BLOCKS_PER_SEQ))
+        return Sequence(f"s{index}", list(prompt), greedy, seed=index, adapter_uid=uids[name], block_table=blocks)
+
+    seqs = [sequence(index, name, prompt) for index, (name, prompt) in enumerate(prompts.items())]
+    newcomer = sequence(len(seqs), *late)
+    steps = [
+        [ScheduledSequence(seq, seq.num_tokens) for seq in seqs],
+        [ScheduledSequence(seq, 1) for seq in seqs],
+        [ScheduledSequence(seq, 1) for seq in seqs] + [ScheduledSequence(newcomer, newcomer.num_tokens)],
+    ]
+    runner, logits = engine.runner, []
+    for scheduled in steps:
+        step_logits = runner.execute(scheduled, engine.adapter_slots.slot_of, engine.blocks.block_size)
+        logits.append(step_logits.clone())
+        tokens, _ = runner.sample(step_logits, scheduled).wait()
+        for item, token in zip(scheduled, tokens, strict=True):
+            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.output_token_ids.append(token)
+    return logits
+
+
+def assert_tensor_parallel_matches(model_dir: Path, adapters: dict[str, Path], names: list[str]) -> None:
+    root = next(iter(adapters.values())).parent
+    prompts = {None: [5, 17, 42, 7, 99, 3], names[0]: [8, 9, 10, 11, 12], names[1]: [200, 3, 77, 150, 21, 9, 9]}
+    late = (names[2], [1, 2, 3, 250])
+    wanted = {name: adapters[name] for name in names}
+    single = load_engine(model_dir, root, **ENGINE)
+    expected = run_steps(single, bring_adapters(single, wanted), prompts, late)
+    with tensor_parallel_engine(model_dir, root, tensor_parallel=2, **ENGINE) as parallel:
+        assert parallel.runner.model.local_info.num_heads == single.info.num_heads // 2
+        got = run_steps(parallel, bring_adapters(parallel, wanted), prompts, late)
+    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
+        torch.testing.assert_close(have, want, atol=TOLERANCE, rtol=0, msg=lambda m, step=step: f"step {step}: {m}")
+
+
+def test_dense_tensor_parallel_logits_equal_one_process(llama: TinyCheckpoint) -> None:
+    assert_tensor_parallel_matches(llama.model_dir, llama.adapters, ["all_r8", "attn_r4_rslora", "mlp_k_r4"])
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_moe_tensor_parallel_logits_equal_one_process(family: str, tmp_path: Path) -> None:
+    moe: TinyMoE = build_tiny_moe(family, tmp_path)
+    assert_tensor_parallel_matches(moe.model_dir, moe.adapters, ["experts_r8", "attn_r4", "fused_r4_rslora"])
