@@ -47,6 +47,7 @@ from worker.routed_streams import RoutedStreams
 from worker.running_jobs import RunningJob, RunningJobs
 from worker.switching.residency import ModelResidency
 from worker.switching.switcher import ModelSwitcher
+from worker.tensor_parallel import Followers
 
 log = structlog.get_logger(__name__)
 
@@ -82,12 +83,18 @@ class Worker:
         self._crash: BaseException | None = None
         self._engine_thread: EngineThread | None = None
         self.metrics = WorkerMetrics(config.engine.device)
-        self._residency = ModelResidency(config, self.metrics)  # plans the device's memory: fails early
+        # a model over several GPUs: the other ranks' processes, started and joined before anything loads
+        self._followers = Followers(config) if config.engine.tensor_parallel > 1 else None
+        channel = self._followers.channel if self._followers is not None else None
+        self._residency = ModelResidency(config, self.metrics, channel)  # plans the device's memory: fails early
         self._heartbeat = Heartbeat(self._redis, config, self._running, self._residency, self.metrics)
         self._switcher: ModelSwitcher | None = None
 
     async def run(self) -> int:
         """Serve until `stop()`; returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        if self._followers is not None:  # a rank that dies crashes the worker, loading or serving
+            self._followers.watch(lambda exc: loop.call_soon_threadsafe(self._engine_crashed, exc))
         metrics_server = None
         if self.config.metrics_port:  # before the model loads: a taken port fails in seconds, not minutes
             metrics_server = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
@@ -98,7 +105,6 @@ class Worker:
         engines = await asyncio.to_thread(self._load_engines)
         if self.config.preload_adapters:  # before the engine thread steps: the pools are still this thread's
             await preload_adapters(self._redis, self.config.preload_adapters, engines)
-        loop = asyncio.get_running_loop()
         results = self._results.queue
         self._engine_thread = EngineThread(
             engines,
@@ -145,6 +151,9 @@ class Worker:
         await self._stopping.wait()
         await self._stop_within_grace(loops)
         await self._redis.aclose()
+        if self._followers is not None:  # told to stop only if no engine step can still be talking to them
+            engine_ended = self._engine_thread is None or not self._engine_thread.alive
+            await asyncio.to_thread(self._followers.stop, tell=engine_ended)
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.shutdown)  # waits out its poll interval (0.5 s)
             metrics_server.server_close()

@@ -28,8 +28,10 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from kernels.lora.configs import set_plan_cache_dir
 from shared.config import WorkerConfig
 from shared.log import configure_logging
+from worker.device_share import apply_device_share
 from worker.engine.step_channel import StepChannel
 from worker.metrics import WorkerMetrics
 from worker.model.parallel.group import TensorParallel
@@ -48,10 +50,12 @@ _STOP_S = 10.0  # followers' own exit after rank 0 says stop
 
 
 def rank_config(config: WorkerConfig, rank: int) -> WorkerConfig:
-    """`config` as rank `rank` runs it: on CUDA the rank's own GPU."""
-    if not config.engine.device.startswith("cuda"):
+    """`config` as rank `rank` runs it: on CUDA its own GPU, the rank-th from the configured one."""
+    device = config.engine.device
+    if not device.startswith("cuda"):
         return config
-    return replace(config, engine=replace(config.engine, device=f"cuda:{rank}"))
+    first = int(device.partition(":")[2] or 0)
+    return replace(config, engine=replace(config.engine, device=f"cuda:{first + rank}"))
 
 
 class Followers:
@@ -132,6 +136,8 @@ def _follow(rank: int, size: int, port: int, config: WorkerConfig) -> None:
     configure_logging(f"worker-rank{rank}")
     _exit_with_parent()
     config = rank_config(config, rank)
+    apply_device_share(config.engine)
+    set_plan_cache_dir(config.kernel_plans_dir)  # the LoRA plans rank 0 tuned or found, where it found them
     channel = join_group(rank, size, port, torch.device(config.engine.device))
     residency = ModelResidency(config, WorkerMetrics(config.engine.device), channel)
     prepared = residency.prepare(config.models[0].name)
