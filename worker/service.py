@@ -41,6 +41,7 @@ from worker.intake import Intake
 from worker.job_stream import dead_letter, requeue
 from worker.kernel_plans import tune_at_start
 from worker.metrics import WorkerMetrics
+from worker.model.parallel.sharding import shard_info
 from worker.redis_retry import retrying
 from worker.results import CancelWatch, ResultPublisher
 from worker.routed_streams import RoutedStreams
@@ -99,9 +100,10 @@ class Worker:
         if self.config.metrics_port:  # before the model loads: a taken port fails in seconds, not minutes
             metrics_server = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
             log.info("metrics_serving", host=self.config.metrics_host, port=self.config.metrics_port)
-        await asyncio.to_thread(
-            tune_at_start, self._residency.infos.values(), self.config.engine, self.config.kernel_plans_dir
-        )
+        # the shapes this process runs: a tensor-parallel rank's share of each projection
+        size = self.config.engine.tensor_parallel
+        infos = [info if size == 1 else shard_info(info, size) for info in self._residency.infos.values()]
+        await asyncio.to_thread(tune_at_start, infos, self.config.engine, self.config.kernel_plans_dir)
         engines = await asyncio.to_thread(self._load_engines)
         if self.config.preload_adapters:  # before the engine thread steps: the pools are still this thread's
             await preload_adapters(self._redis, self.config.preload_adapters, engines)

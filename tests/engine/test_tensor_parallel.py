@@ -19,7 +19,7 @@ from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
 
 TOLERANCE = 1e-4
-ENGINE = {"dtype": "float32", "max_loras": 4, "max_lora_rank": 8, "max_num_seqs": 8, "num_kv_blocks": 64}
+ENGINE = {"max_loras": 4, "max_lora_rank": 8, "max_num_seqs": 8, "num_kv_blocks": 64}
 BLOCKS_PER_SEQ = 8  # of 16 tokens: each sequence its own blocks, far apart
 
 
@@ -72,25 +72,38 @@ def run_steps(
     return logits
 
 
-def assert_tensor_parallel_matches(model_dir: Path, adapters: dict[str, Path], names: list[str]) -> None:
+def one_and_two_ranks(
+    model_dir: Path, adapters: dict[str, Path], names: list[str], **engine: object
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """run_steps' logits of a one-process engine and of a two-rank engine (EngineConfig(**engine)),
+    the base model beside three of `adapters` (`names`)."""
     root = next(iter(adapters.values())).parent
     prompts = {None: [5, 17, 42, 7, 99, 3], names[0]: [8, 9, 10, 11, 12], names[1]: [200, 3, 77, 150, 21, 9, 9]}
     late = (names[2], [1, 2, 3, 250])
     wanted = {name: adapters[name] for name in names}
-    single = load_engine(model_dir, root, **ENGINE)
+    single = load_engine(model_dir, root, **ENGINE, **engine)
     expected = run_steps(single, bring_adapters(single, wanted), prompts, late)
-    with tensor_parallel_engine(model_dir, root, tensor_parallel=2, **ENGINE) as parallel:
+    with tensor_parallel_engine(model_dir, root, tensor_parallel=2, **ENGINE, **engine) as parallel:
         assert parallel.runner.model.local_info.num_heads == single.info.num_heads // 2
         got = run_steps(parallel, bring_adapters(parallel, wanted), prompts, late)
+    return expected, got
+
+
+def assert_tensor_parallel_matches(model_dir: Path, adapters: dict[str, Path], names: list[str]) -> None:
+    expected, got = one_and_two_ranks(model_dir, adapters, names, device="cpu", dtype="float32")
     for step, (want, have) in enumerate(zip(expected, got, strict=True)):
         torch.testing.assert_close(have, want, atol=TOLERANCE, rtol=0, msg=lambda m, step=step: f"step {step}: {m}")
 
 
+DENSE_ADAPTERS = ["all_r8", "attn_r4_rslora", "mlp_k_r4"]
+MOE_ADAPTERS = ["experts_r8", "attn_r4", "fused_r4_rslora"]
+
+
 def test_dense_tensor_parallel_logits_equal_one_process(llama: TinyCheckpoint) -> None:
-    assert_tensor_parallel_matches(llama.model_dir, llama.adapters, ["all_r8", "attn_r4_rslora", "mlp_k_r4"])
+    assert_tensor_parallel_matches(llama.model_dir, llama.adapters, DENSE_ADAPTERS)
 
 
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
 def test_moe_tensor_parallel_logits_equal_one_process(family: str, tmp_path: Path) -> None:
     moe: TinyMoE = build_tiny_moe(family, tmp_path)
-    assert_tensor_parallel_matches(moe.model_dir, moe.adapters, ["experts_r8", "attn_r4", "fused_r4_rslora"])
+    assert_tensor_parallel_matches(moe.model_dir, moe.adapters, MOE_ADAPTERS)

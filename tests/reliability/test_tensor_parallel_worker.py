@@ -23,9 +23,7 @@ EXIT_BOUND_S = 15.0  # worker/tensor_parallel.py: exits within 10 s of a rank's 
 
 def follower_of(worker_pid: int) -> psutil.Process:
     """The worker's rank-1 process (spawned by multiprocessing, beside its resource tracker)."""
-    followers = [
-        child for child in psutil.Process(worker_pid).children() if "spawn_main" in " ".join(child.cmdline())
-    ]
+    followers = [child for child in psutil.Process(worker_pid).children() if "spawn_main" in " ".join(child.cmdline())]
     assert len(followers) == 1, followers
     return followers[0]
 
