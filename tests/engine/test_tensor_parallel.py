@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from shared.schema import SamplingParams
-from tests.engine.engines import load_engine, tensor_parallel_engine
-from tests.engine.tiny_hf import TinyCheckpoint, saved_adapter_ref
+from tests.engine.engines import host_adapter, load_engine, load_model, tensor_parallel_engine
+from tests.engine.tiny_hf import ADAPTERS, TinyCheckpoint, save_lora_adapter, save_tiny_model, saved_adapter_ref
 from tests.engine.tiny_moe import MOE_FAMILIES, TinyMoE, build_tiny_moe
+from worker.adapter_pool.rank_adapter import shard_adapter
 from worker.engine.engine import LLMEngine
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
+from worker.model.parallel.group import TensorParallel
+from worker.model.parallel.sharding import ModelShard
 
 TOLERANCE = 1e-4
 ENGINE = {"max_loras": 4, "max_lora_rank": 8, "max_num_seqs": 8, "num_kv_blocks": 64}
@@ -72,6 +75,21 @@ def run_steps(
     return logits
 
 
+def test_an_adapters_rank_parts_tile_it(llama: TinyCheckpoint):
+    model = load_model(llama.model_dir, llama.info)
+    whole = host_adapter(llama.adapters["all_r8"], model)
+    parts = [shard_adapter(whole, ModelShard.of(llama.info, TensorParallel(rank, 2)), pin=False) for rank in range(2)]
+    for index, part in enumerate(whole.parts):
+        a = [p.a(p.parts[index]) for p in parts]  # [r, in_rank]
+        b = [p.b(p.parts[index]) for p in parts]  # [out_rank, r]
+        if part.projection in ("o_proj", "down_proj"):  # row-parallel: A split by input, B whole
+            torch.testing.assert_close(torch.cat(a, dim=1), whole.a(part), rtol=0, atol=0)
+            assert all(torch.equal(x, whole.b(part)) for x in b)
+        else:  # column-parallel: A whole, B split by output (k and v: each rank its KV head)
+            assert all(torch.equal(x, whole.a(part)) for x in a)
+            torch.testing.assert_close(torch.cat(b, dim=0), whole.b(part), rtol=0, atol=0)
+
+
 def one_and_two_ranks(
     model_dir: Path, adapters: dict[str, Path], names: list[str], **engine: object
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -107,3 +125,20 @@ def test_dense_tensor_parallel_logits_equal_one_process(llama: TinyCheckpoint) -
 def test_moe_tensor_parallel_logits_equal_one_process(family: str, tmp_path: Path) -> None:
     moe: TinyMoE = build_tiny_moe(family, tmp_path)
     assert_tensor_parallel_matches(moe.model_dir, moe.adapters, MOE_ADAPTERS)
+
+
+@pytest.mark.parametrize(
+    ("family", "shape"),
+    [
+        ("qwen2", {}),  # q/k/v biases, split with their rows; a tied embedding and head
+        ("llama", {"attention_bias": True, "vocab_size": 301}),  # o's bias once, not per rank; a padded vocab share
+    ],
+)
+def test_one_kv_head_for_two_ranks_is_replicated(family: str, shape: dict, tmp_path: Path) -> None:
+    """Multi-query attention: each rank holds a copy of the one KV head its query heads read."""
+    base = save_tiny_model(family, tmp_path / "model", seed=3, num_key_value_heads=1, **shape)
+    adapters = {}
+    for seed, (name, spec) in enumerate(ADAPTERS.items(), start=1):
+        adapters[name] = tmp_path / name
+        save_lora_adapter(base, adapters[name], seed=seed, **spec)
+    assert_tensor_parallel_matches(tmp_path / "model", adapters, DENSE_ADAPTERS)
