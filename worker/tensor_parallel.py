@@ -39,6 +39,8 @@ from worker.switching.residency import ModelResidency
 
 log = structlog.get_logger(__name__)
 
+FollowerBody = Callable[[int, int, int, WorkerConfig], None]  # (rank, size, port, config)
+
 # NVLink multicast (NVLS) off in every rank: a program using it can put a host's shared GPUs out of service
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # a step's collectives wait this long for a rank that stopped answering (the watchdogs act sooner on one that died)
@@ -61,9 +63,11 @@ def rank_config(config: WorkerConfig, rank: int) -> WorkerConfig:
 class Followers:
     """Rank 0's side of a tensor-parallel worker: the follower processes, and the channel to them."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, follow: FollowerBody | None = None) -> None:
         """Start ranks 1 … N-1 of config.engine.tensor_parallel and join the group as rank 0 (blocks
-        until every rank has joined). The worker's residency then takes `channel`."""
+        until every rank has joined). The worker's residency then takes `channel`. `follow`: what a
+        follower process runs, follow(rank, size, port, config) (default: a worker's follower, its
+        model from the checkpoint; the engine benchmark's has random weights)."""
         size = config.engine.tensor_parallel
         if size < 2:
             raise ValueError("a tensor-parallel worker needs tensor_parallel >= 2")
@@ -73,7 +77,9 @@ class Followers:
         port = _free_port()
         context = mp.get_context("spawn")
         self._processes = [
-            context.Process(target=_follow, args=(rank, size, port, config), name=f"tp-rank-{rank}", daemon=True)
+            context.Process(
+                target=follow or follow_checkpoint, args=(rank, size, port, config), name=f"tp-rank-{rank}", daemon=True
+            )
             for rank in range(1, size)
         ]
         for process in self._processes:
@@ -130,20 +136,26 @@ def join_group(rank: int, size: int, port: int, device: torch.device) -> StepCha
     return StepChannel(tp, control)
 
 
-def _follow(rank: int, size: int, port: int, config: WorkerConfig) -> None:
-    """A follower process: its share of the model, then rank 0's steps until it says stop."""
+def follow_checkpoint(rank: int, size: int, port: int, config: WorkerConfig) -> None:
+    """A worker's follower process: its share of the model from the checkpoint, then rank 0's steps
+    until it says stop."""
+    config, channel = start_follower(rank, size, port, config)
+    residency = ModelResidency(config, WorkerMetrics(config.engine.device), channel)
+    prepared = residency.prepare(config.models[0].name)
+    log.info("tensor_parallel_follower_ready", rank=rank, model=config.models[0].name)
+    prepared.runner.follow(config.adapter_root)
+    dist.destroy_process_group()
+
+
+def start_follower(rank: int, size: int, port: int, config: WorkerConfig) -> tuple[WorkerConfig, StepChannel]:
+    """A follower process's start, before it builds its model: (its config, its channel to rank 0)."""
     os.environ.update(NVLS_OFF)
     configure_logging(f"worker-rank{rank}")
     _exit_with_parent()
     config = rank_config(config, rank)
     apply_device_share(config.engine)
     set_plan_cache_dir(config.kernel_plans_dir)  # the LoRA plans rank 0 tuned or found, where it found them
-    channel = join_group(rank, size, port, torch.device(config.engine.device))
-    residency = ModelResidency(config, WorkerMetrics(config.engine.device), channel)
-    prepared = residency.prepare(config.models[0].name)
-    log.info("tensor_parallel_follower_ready", rank=rank, model=config.models[0].name)
-    prepared.runner.follow(config.adapter_root)
-    dist.destroy_process_group()
+    return config, join_group(rank, size, port, torch.device(config.engine.device))
 
 
 def _exit_with_parent() -> None:
