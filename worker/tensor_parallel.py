@@ -85,12 +85,15 @@ class Followers:
         for process in self._processes:
             process.start()
         self._stopping = threading.Event()
+        self._on_death: Callable[[BaseException], None] | None = None
+        # from the start: a follower that dies before it joins would leave rank 0 waiting in the rendezvous
+        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
         self.channel = join_group(0, size, port, torch.device(rank_config(config, 0).engine.device))
 
     def watch(self, on_death: Callable[[BaseException], None]) -> None:
         """From now on, a follower's exit calls `on_death` (the worker's crash), then ends this process
-        within _EXIT_BOUND_S."""
-        threading.Thread(target=self._watch, args=(on_death,), name="tp-watchdog", daemon=True).start()
+        within _EXIT_BOUND_S; until this is called, it ends this process at once (nothing is served yet)."""
+        self._on_death = on_death
 
     def stop(self, *, tell: bool) -> None:
         """End the followers: `tell` them to stop (only once rank 0's engine thread has ended: the
@@ -105,14 +108,16 @@ class Followers:
                 process.join()
         dist.destroy_process_group()
 
-    def _watch(self, on_death: Callable[[BaseException], None]) -> None:
+    def _watch(self) -> None:
         wait_for_exit([process.sentinel for process in self._processes])
         if self._stopping.is_set():
             return
         dead = {process.name: process.exitcode for process in self._processes if not process.is_alive()}
-        log.error("tensor_parallel_rank_died", ranks=dead, exit_within_s=_EXIT_BOUND_S)
-        on_death(RuntimeError(f"tensor-parallel rank process ended: {dead}"))
-        if not self._stopping.wait(_EXIT_BOUND_S):
+        on_death = self._on_death
+        log.error("tensor_parallel_rank_died", ranks=dead, exit_within_s=_EXIT_BOUND_S if on_death else 0)
+        if on_death is not None:
+            on_death(RuntimeError(f"tensor-parallel rank process ended: {dead}"))
+        if not self._stopping.wait(_EXIT_BOUND_S if on_death is not None else 0):
             log.error("tensor_parallel_exit_forced")
             os._exit(1)
 
