@@ -3,16 +3,21 @@ forward: the step's inputs, the adapters rank 0 wrote into which pages since the
 pool decides every load and eviction; the followers copy into the pages it names), and the tokens
 rank 0 sampled (the next step's inputs may take them from the device).
 
-Inputs and loads are small host objects and go over a gloo group (pickled, like vLLM's CPU group);
-the sampled tokens stay on the device and go over the model's own group (NCCL on GPUs). A follower
-waits for rank 0 between steps without a timeout (a worker may idle for hours): it watches its parent
-instead (worker/tensor_parallel/), and rank 0 watches its followers.
+Inputs and loads are small host objects: msgpack (plain data, nothing a peer sends can run code as
+pickle's could) in one fixed frame of a gloo group, one broadcast per step (torch's
+broadcast_object_list pickles and takes two: a decode step of 64 sequences cost 1.0 ms
+against 0.34 ms this way on a 2-core CPU machine); a message past the frame sends its
+rest in a second. The sampled tokens stay on the device and go over the model's own group (NCCL on
+GPUs). A follower waits for rank 0 between steps without a timeout (a worker may idle for hours): it
+watches its parent instead (worker/tensor_parallel.py), and rank 0 watches its followers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+import msgpack
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -39,11 +44,17 @@ class StepMessage:
     loads: tuple[AdapterLoad, ...] = ()  # to write before the step runs
 
 
+# bytes of the frame every step's message goes in (a decode step of 64 sequences takes a few KB)
+FRAME_BYTES = 1 << 16
+_LENGTH_BYTES = 8  # the frame starts with the message's length
+
+
 @dataclass(slots=True)
 class StepChannel:
     tp: TensorParallel
     control: dist.ProcessGroup  # gloo, over every rank of `tp`
     _loads: list[AdapterLoad] = field(default_factory=list)  # rank 0: written since the last step
+    _frame: torch.Tensor = field(default_factory=lambda: torch.zeros(FRAME_BYTES, dtype=torch.uint8))
 
     # -- rank 0 ---------------------------------------------------------------------------------
 
@@ -53,19 +64,36 @@ class StepChannel:
 
     def send(self, inputs: StepInputs | None) -> None:
         """The next step (None: stop) to every follower, with the adapter loads queued before it."""
-        message = StepMessage(inputs, tuple(self._loads))
+        loads = [[*_values(load.ref), list(load.pages)] for load in self._loads]
         self._loads.clear()
-        dist.broadcast_object_list([message], src=0, group=self.control)
+        payload = msgpack.packb([None if inputs is None else _values(inputs), loads])
+        room = FRAME_BYTES - _LENGTH_BYTES
+        frame = self._frame.numpy()
+        frame[:_LENGTH_BYTES] = np.frombuffer(len(payload).to_bytes(_LENGTH_BYTES, "little"), dtype=np.uint8)
+        head = payload[:room]
+        frame[_LENGTH_BYTES : _LENGTH_BYTES + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        dist.broadcast(self._frame, src=0, group=self.control)
+        if len(payload) > room:
+            rest = torch.frombuffer(bytearray(payload[room:]), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.control)
 
     # -- followers ------------------------------------------------------------------------------
 
     def receive(self) -> StepMessage:
-        box: list[object] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        message = box[0]
-        if not isinstance(message, StepMessage):
-            raise TypeError(f"rank {self.tp.rank} received {type(message).__name__}, not a StepMessage")
-        return message
+        dist.broadcast(self._frame, src=0, group=self.control)
+        frame = self._frame.numpy()
+        length = int.from_bytes(frame[:_LENGTH_BYTES].tobytes(), "little")
+        room = FRAME_BYTES - _LENGTH_BYTES
+        payload = frame[_LENGTH_BYTES : _LENGTH_BYTES + min(length, room)].tobytes()
+        if length > room:
+            rest = torch.empty(length - room, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.control)
+            payload += rest.numpy().tobytes()
+        inputs, loads = msgpack.unpackb(payload)
+        return StepMessage(
+            None if inputs is None else StepInputs(*inputs),
+            tuple(AdapterLoad(AdapterRef(*ref), tuple(pages)) for *ref, pages in loads),
+        )
 
     # -- every rank -----------------------------------------------------------------------------
 
@@ -80,3 +108,8 @@ class StepChannel:
         of the same shape on its device, which is filled."""
         dist.broadcast(tokens, src=0, group=self.tp.group)
         return tokens
+
+
+def _values(item: StepInputs | AdapterRef) -> list:
+    """A dataclass's field values in order, the lists themselves (dataclasses.astuple deep-copies them)."""
+    return [getattr(item, f.name) for f in fields(item)]
