@@ -24,12 +24,14 @@ class StepInputs:
     slot_mapping: list[int]  # [T] flat KV cache slot of each token
     token_slots: list[int]  # [T] adapter slot of each token, -1: the base model
     query_start: list[int]  # [B + 1] cumulative new-token counts per sequence
-    block_tables: list[list[int]]  # [B] each sequence's KV blocks (unpadded)
+    block_tables: list[list[int]]  # [B] each sequence's KV blocks (unpadded; its own list: read, never kept)
 
     @classmethod
     def of(
         cls, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int
     ) -> StepInputs:
+        if all(item.num_new_tokens == 1 for item in scheduled):
+            return cls._decode(scheduled, slot_of, block_size)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -38,17 +40,33 @@ class StepInputs:
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
-            if item.num_new_tokens == 1:  # a decode: no copy of the sequence's tokens
-                input_ids.append(_token_at(seq, start))
-            else:
-                input_ids += seq.token_ids(start, end)
+            input_ids += [_token_at(seq, start)] if item.num_new_tokens == 1 else seq.token_ids(start, end)
             positions += range(start, end)
             slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             adapter_slot = -1 if seq.adapter_uid is None else slot_of(seq.adapter_uid)
             token_slots += [adapter_slot] * item.num_new_tokens
             query_start.append(query_start[-1] + item.num_new_tokens)
-        tables = [list(item.seq.block_table) for item in scheduled]
+        tables = [item.seq.block_table for item in scheduled]
         return cls(input_ids, positions, slots, token_slots, query_start, tables)
+
+    @classmethod
+    def _decode(
+        cls, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int
+    ) -> StepInputs:
+        """`of` for a step of one token per sequence, the engine's most frequent: a few comprehensions."""
+        seqs = [item.seq for item in scheduled]
+        positions = [seq.num_computed_tokens for seq in seqs]
+        return cls(
+            input_ids=[_token_at(seq, p) for seq, p in zip(seqs, positions, strict=True)],
+            positions=positions,
+            slot_mapping=[
+                seq.block_table[p // block_size] * block_size + p % block_size
+                for seq, p in zip(seqs, positions, strict=True)
+            ],
+            token_slots=[-1 if seq.adapter_uid is None else slot_of(seq.adapter_uid) for seq in seqs],
+            query_start=list(range(len(seqs) + 1)),
+            block_tables=[seq.block_table for seq in seqs],
+        )
 
     @property
     def num_seqs(self) -> int:
