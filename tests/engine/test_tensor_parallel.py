@@ -5,6 +5,7 @@ adapters loaded through rank 0's pool and written by every rank into the pages i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -90,25 +91,40 @@ def test_an_adapters_rank_parts_tile_it(llama: TinyCheckpoint):
             torch.testing.assert_close(torch.cat(b, dim=0), whole.b(part), rtol=0, atol=0)
 
 
+PROMPTS = ([5, 17, 42, 7, 99, 3], [8, 9, 10, 11, 12], [200, 3, 77, 150, 21, 9, 9])
+LATE_PROMPT = [1, 2, 3, 250]
+
+
+def mixed_batch(engine: LLMEngine, adapters: dict[str, Path], names: list[str]) -> list[torch.Tensor]:
+    """run_steps' logits: the base model beside names[0] and names[1], names[2] joining late."""
+    uids = bring_adapters(engine, {name: adapters[name] for name in names})
+    prompts = dict(zip((None, *names[:2]), PROMPTS, strict=True))
+    return run_steps(engine, uids, prompts, (names[2], LATE_PROMPT))
+
+
 def one_and_two_ranks(
-    model_dir: Path, adapters: dict[str, Path], names: list[str], **engine: object
+    model_dir: Path,
+    adapters: dict[str, Path],
+    names: list[str],
+    scenario: Callable[[LLMEngine, dict[str, Path], list[str]], list[torch.Tensor]] = mixed_batch,
+    **engine: object,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """run_steps' logits of a one-process engine and of a two-rank engine (EngineConfig(**engine)),
-    the base model beside three of `adapters` (`names`)."""
+    """scenario(engine, adapters, names)'s logits on a one-process engine and on a two-rank engine
+    (EngineConfig(**engine)), in that order."""
     root = next(iter(adapters.values())).parent
-    prompts = {None: [5, 17, 42, 7, 99, 3], names[0]: [8, 9, 10, 11, 12], names[1]: [200, 3, 77, 150, 21, 9, 9]}
-    late = (names[2], [1, 2, 3, 250])
-    wanted = {name: adapters[name] for name in names}
-    single = load_engine(model_dir, root, **ENGINE, **engine)
-    expected = run_steps(single, bring_adapters(single, wanted), prompts, late)
-    with tensor_parallel_engine(model_dir, root, tensor_parallel=2, **ENGINE, **engine) as parallel:
+    settings = ENGINE | engine
+    single = load_engine(model_dir, root, **settings)
+    expected = scenario(single, adapters, names)
+    with tensor_parallel_engine(model_dir, root, tensor_parallel=2, **settings) as parallel:
         assert parallel.runner.model.local_info.num_heads == single.info.num_heads // 2
-        got = run_steps(parallel, bring_adapters(parallel, wanted), prompts, late)
+        got = scenario(parallel, adapters, names)
     return expected, got
 
 
-def assert_tensor_parallel_matches(model_dir: Path, adapters: dict[str, Path], names: list[str]) -> None:
-    expected, got = one_and_two_ranks(model_dir, adapters, names, device="cpu", dtype="float32")
+def assert_tensor_parallel_matches(
+    model_dir: Path, adapters: dict[str, Path], names: list[str], scenario=mixed_batch, **engine: object
+) -> None:
+    expected, got = one_and_two_ranks(model_dir, adapters, names, scenario, device="cpu", dtype="float32", **engine)
     for step, (want, have) in enumerate(zip(expected, got, strict=True)):
         torch.testing.assert_close(have, want, atol=TOLERANCE, rtol=0, msg=lambda m, step=step: f"step {step}: {m}")
 
@@ -142,3 +158,22 @@ def test_one_kv_head_for_two_ranks_is_replicated(family: str, shape: dict, tmp_p
         adapters[name] = tmp_path / name
         save_lora_adapter(base, adapters[name], seed=seed, **spec)
     assert_tensor_parallel_matches(tmp_path / "model", adapters, DENSE_ADAPTERS)
+
+
+def evict_then_mix(engine: LLMEngine, adapters: dict[str, Path], names: list[str]) -> list[torch.Tensor]:
+    """A pool of two: names[0] and names[1] serve, are released, and names[2] is loaded over the
+    pages rank 0's pool evicts for it; then the base, names[2] and the adapter left serve together."""
+    before = mixed_batch(engine, adapters, [names[0], names[1], names[1]])
+    pool = engine.adapter_pool
+    for name in names[:2]:
+        pool.drop(saved_adapter_ref(name, adapters[name]).uid)
+    uids = bring_adapters(engine, {names[2]: adapters[names[2]]})
+    kept = [name for name in names[:2] if engine.adapter_slots.slot_of(saved_adapter_ref(name, adapters[name]).uid)]
+    assert len(kept) == 1, "the pool of two evicted neither adapter"
+    uids |= bring_adapters(engine, {kept[0]: adapters[kept[0]]})
+    prompts = dict(zip((None, names[2]), PROMPTS, strict=False))
+    return before + run_steps(engine, uids, prompts, (kept[0], LATE_PROMPT))
+
+
+def test_an_adapter_loaded_over_an_evicted_one_lands_in_the_same_pages_on_every_rank(llama: TinyCheckpoint) -> None:
+    assert_tensor_parallel_matches(llama.model_dir, llama.adapters, DENSE_ADAPTERS, evict_then_mix, max_loras=2)
