@@ -52,10 +52,9 @@ def test_a_tensor_parallel_worker_serves_adapter_jobs_with_one_process_tokens(fl
 def test_a_dead_rank_takes_its_worker_down_and_another_worker_takes_its_jobs(fleet: Fleet):
     fleet.start_gateway()
     parallel = fleet.start_worker("tp", "--tensor-parallel", "2", *FP32)
-    jobs = jobs_for(24, max_tokens=96)
-    job_ids = fleet.submit(jobs)
-    wait_until(lambda: fleet.running_on("tp", job_ids) >= 2, timeout_s=60, what="the two-rank worker to run jobs")
     fleet.start_worker("survivor", *FP32)
+    job_ids = fleet.submit(jobs_for(24, max_tokens=96))
+    wait_until(lambda: fleet.running_on("tp", job_ids) >= 2, timeout_s=60, what="the two-rank worker to run jobs")
 
     follower_of(parallel.pid).kill()
     killed = time.monotonic()
@@ -66,3 +65,4 @@ def test_a_dead_rank_takes_its_worker_down_and_another_worker_takes_its_jobs(fle
     assert "tensor_parallel_rank_died" in fleet.log_of("tp").read_text()
     records = fleet.wait_finished(job_ids, timeout_s=120)
     fleet.assert_nothing_lost(job_ids, records)
+    assert any(r.attempts == 2 and r.worker == "survivor" for r in records), "no job of the dead worker was re-run"
