@@ -34,9 +34,11 @@ def test_fp32_greedy_tokens_at_two_ranks_equal_one_gpu_and_the_oracle(llama: Tin
     def requests() -> list:
         return [greedy_request(llama, job, adapter) for job, adapter in jobs.items()]
 
-    single = run_to_completion(make_engine(llama, device="cuda", dtype="float32"), requests())
-    root = next(iter(llama.adapters.values())).parent
+    # make_engine's settings, with few decode graphs to capture (two ranks capture them at once)
     settings = {"max_lora_rank": 8, "num_kv_blocks": 64, "block_size": 4, "device": "cuda", "dtype": "float32"}
+    settings["max_num_seqs"] = 8
+    single = run_to_completion(make_engine(llama, **settings), requests())
+    root = next(iter(llama.adapters.values())).parent
     with tensor_parallel_engine(llama.model_dir, root, name=llama.family, tensor_parallel=2, **settings) as engine:
         parallel = run_to_completion(engine, requests())
     assert {job: r.output.token_ids for job, r in parallel.items()} == {
