@@ -1,5 +1,5 @@
 """Rank 0's per-step messages reach a follower whole (two CPU processes over gloo): a decode step in
-one frame with the adapter loads queued before it, a long prefill past the frame in two broadcasts."""
+one frame with the adapter reads and loads queued before it, a long prefill past the frame in two broadcasts."""
 
 from __future__ import annotations
 
@@ -47,10 +47,11 @@ def test_a_decode_step_and_a_prefill_past_the_frame_arrive_whole():
     follower.start()
     channel = join_group(0, 2, port, torch.device("cpu"))
     try:
-        channel.adapter_written(REF, (5, 9))
+        channel.reading(REF)
+        channel.written(REF, (5, 9))
         channel.send(decode_step(64))
         channel.send(prefill)
-        assert received.get(timeout=60) == StepMessage(decode_step(64), (AdapterLoad(REF, (5, 9)),))
+        assert received.get(timeout=60) == StepMessage(decode_step(64), (AdapterLoad(REF, (5, 9)),), (REF,))
         assert received.get(timeout=60) == StepMessage(prefill, ())
     finally:
         follower.join(30)

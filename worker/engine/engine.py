@@ -118,8 +118,8 @@ class LLMEngine:
                 config,
                 adapter_root,
                 self.metrics.adapters,
-                # rank 0 of a tensor-parallel group: the followers write what its pool writes, where it writes it
-                on_write=runner.channel.adapter_written if runner.channel is not None else None,
+                # rank 0 of a tensor-parallel group: the followers read what its pool reads, write it where it does
+                mirror=runner.channel,
             )
             if config.lora_enabled
             else None

@@ -21,7 +21,7 @@ import torch
 
 from kernels.lora import LoRABatch
 from shared.config import EngineConfig
-from worker.adapter_pool.rank_adapter import read_for_model
+from worker.adapter_pool.follower_tier import FollowerAdapters
 from worker.adapter_pool.slot_writer import SlotWriter, Upload
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.piecewise_graphs import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
@@ -133,32 +133,34 @@ class ModelRunner:
         return sampled
 
     def follow(self, adapter_root: Path | None) -> None:
-        """A follower rank's life: write the adapters rank 0 loaded into the pages it chose, and run
-        the steps it sends, until it says stop. Adapters are read from `adapter_root` as rank 0's
-        pool reads them (a file that fails here fails the rank, and with it the worker)."""
+        """A follower rank's life: read ahead the adapters rank 0 reads, write them into the pages it
+        chose, and run the steps it sends, until it says stop. Adapters are read from `adapter_root`
+        as rank 0's pool reads them (a file that fails here fails the rank, and with it the worker)."""
         if self.channel is None or self.channel.tp.rank == 0:
             raise RuntimeError("only a tensor-parallel follower's runner follows")
         writer = SlotWriter(self.model)
-        pin = self.device.type == "cuda"
+        adapters = FollowerAdapters(self.model, self.config, adapter_root, pin=self.device.type == "cuda")
         uploads: list[Upload] = []  # in flight: each holds its host buffer until it has landed
-        while True:
-            message = self.channel.receive()
-            uploads = [upload for upload in uploads if not upload.done()]
-            for load in message.loads:
-                if adapter_root is None:
-                    raise RuntimeError("rank 0 loaded an adapter, and this follower has no adapter root")
-                adapter = read_for_model(load.ref, self.model, self.config, adapter_root, pin=pin)
-                # after the steps queued so far (they may read the pages' previous adapter), before the next
-                marker = writer.read_marker()
-                upload = writer.write(load.pages, adapter, after=[marker] if marker is not None else [])
-                if upload.event is not None:
-                    torch.cuda.current_stream(self.device).wait_event(upload.event)
-                uploads.append(upload)
-            if message.inputs is None:
-                return
-            self.run(message.inputs)
-            tokens = torch.empty(message.inputs.num_seqs, dtype=torch.int64, device=self.device)
-            self._last_sampled = self.channel.share_tokens(tokens)
+        try:
+            while True:
+                message = self.channel.receive()
+                for ref in message.reads:
+                    adapters.read_ahead(ref)
+                uploads = [upload for upload in uploads if not upload.done()]
+                for load in message.loads:
+                    # after the steps queued so far (they may read the pages' previous adapter), before the next
+                    marker = writer.read_marker()
+                    upload = writer.write(load.pages, adapters.take(load.ref), after=[marker] if marker else [])
+                    if upload.event is not None:
+                        torch.cuda.current_stream(self.device).wait_event(upload.event)
+                    uploads.append(upload)
+                if message.inputs is None:
+                    return
+                self.run(message.inputs)
+                tokens = torch.empty(message.inputs.num_seqs, dtype=torch.int64, device=self.device)
+                self._last_sampled = self.channel.share_tokens(tokens)
+        finally:
+            adapters.close()
 
     def _build_batch(self, inputs: StepInputs) -> tuple[ForwardBatch, torch.Tensor | None]:
         """The step's batch without LoRA metadata, and int32 [T] token slots (-1: base model) when

@@ -1,7 +1,8 @@
 """What a tensor-parallel rank 0 tells its followers each step, so that every rank runs the same
-forward: the step's inputs, the adapters rank 0 wrote into which pages since the last step (rank 0's
-pool decides every load and eviction; the followers copy into the pages it names), and the tokens
-rank 0 sampled (the next step's inputs may take them from the device).
+forward: the step's inputs, the adapters rank 0's pool started reading (the followers read their
+parts meanwhile) and wrote into which pages since the last step (rank 0's pool decides every load and
+eviction; the followers copy into the pages it names), and the tokens rank 0 sampled (the next
+step's inputs may take them from the device).
 
 Inputs and loads are small host objects: msgpack (plain data, nothing a peer sends can run code as
 pickle's could) in one fixed frame of a gloo group, one broadcast per step (torch's
@@ -42,6 +43,7 @@ class AdapterLoad:
 class StepMessage:
     inputs: StepInputs | None  # None: stop serving
     loads: tuple[AdapterLoad, ...] = ()  # to write before the step runs
+    reads: tuple[AdapterRef, ...] = ()  # to read ahead: rank 0 started reading them from disk
 
 
 # bytes of the frame every step's message goes in (a decode step of 64 sequences takes a few KB)
@@ -54,19 +56,26 @@ class StepChannel:
     tp: TensorParallel
     control: dist.ProcessGroup  # gloo, over every rank of `tp`
     _loads: list[AdapterLoad] = field(default_factory=list)  # rank 0: written since the last step
+    _reads: list[AdapterRef] = field(default_factory=list)  # rank 0: read since the last step
     _frame: torch.Tensor = field(default_factory=lambda: torch.zeros(FRAME_BYTES, dtype=torch.uint8))
 
     # -- rank 0 ---------------------------------------------------------------------------------
 
-    def adapter_written(self, ref: AdapterRef, pages: tuple[int, ...]) -> None:
+    def reading(self, ref: AdapterRef) -> None:
+        """Rank 0's pool started reading `ref` from disk: the followers read their parts meanwhile."""
+        self._reads.append(ref)
+
+    def written(self, ref: AdapterRef, pages: tuple[int, ...]) -> None:
         """Rank 0's pool queued `ref` into `pages`: the followers write their parts before the next step."""
         self._loads.append(AdapterLoad(ref, pages))
 
     def send(self, inputs: StepInputs | None) -> None:
         """The next step (None: stop) to every follower, with the adapter loads queued before it."""
         loads = [[*_values(load.ref), list(load.pages)] for load in self._loads]
+        reads = [_values(ref) for ref in self._reads]
         self._loads.clear()
-        payload = msgpack.packb([None if inputs is None else _values(inputs), loads])
+        self._reads.clear()
+        payload = msgpack.packb([None if inputs is None else _values(inputs), loads, reads])
         room = FRAME_BYTES - _LENGTH_BYTES
         frame = self._frame.numpy()
         frame[:_LENGTH_BYTES] = np.frombuffer(len(payload).to_bytes(_LENGTH_BYTES, "little"), dtype=np.uint8)
@@ -89,10 +98,11 @@ class StepChannel:
             rest = torch.empty(length - room, dtype=torch.uint8)
             dist.broadcast(rest, src=0, group=self.control)
             payload += rest.numpy().tobytes()
-        inputs, loads = msgpack.unpackb(payload)
+        inputs, loads, reads = msgpack.unpackb(payload)
         return StepMessage(
             None if inputs is None else StepInputs(*inputs),
             tuple(AdapterLoad(AdapterRef(*ref), tuple(pages)) for *ref, pages in loads),
+            tuple(AdapterRef(*ref) for ref in reads),
         )
 
     # -- every rank -----------------------------------------------------------------------------
