@@ -5,11 +5,11 @@ time) while another worker takes over its jobs."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.e2e.processes import wait_until
@@ -21,11 +21,21 @@ FP32 = ("--dtype", "float32")  # one-process and two-rank workers may differ onl
 EXIT_BOUND_S = 15.0  # worker/tensor_parallel.py: exits within 10 s of a rank's death
 
 
-def follower_of(worker_pid: int) -> psutil.Process:
-    """The worker's rank-1 process (spawned by multiprocessing, beside its resource tracker)."""
-    followers = [child for child in psutil.Process(worker_pid).children() if "spawn_main" in " ".join(child.cmdline())]
+def follower_of(worker_pid: int) -> int:
+    """The pid of the worker's rank-1 process (spawned by multiprocessing, beside its resource tracker)."""
+    tasks = Path(f"/proc/{worker_pid}/task")
+    children = {int(pid) for task in tasks.iterdir() for pid in (task / "children").read_text().split()}
+    followers = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(followers) == 1, followers
     return followers[0]
+
+
+def exited(pid: int) -> bool:
+    """Whether `pid` is gone (or a zombie: its parent, the worker, has not reaped it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except FileNotFoundError:
+        return True
 
 
 def outputs(fleet: Fleet, jobs: list[dict]) -> list[tuple[int, ...]]:
@@ -43,7 +53,7 @@ def test_a_tensor_parallel_worker_serves_adapter_jobs_with_one_process_tokens(fl
 
     parallel.send_signal(signal.SIGTERM)
     assert parallel.wait(30) == 0
-    follower.wait(10)  # told to stop, it ends with rank 0
+    wait_until(lambda: exited(follower), timeout_s=10, what="the follower to end with rank 0")
 
     fleet.start_worker("single", *FP32)
     assert outputs(fleet, jobs) == from_two_ranks
@@ -56,7 +66,7 @@ def test_a_dead_rank_takes_its_worker_down_and_another_worker_takes_its_jobs(fle
     job_ids = fleet.submit(jobs_for(24, max_tokens=96))
     wait_until(lambda: fleet.running_on("tp", job_ids) >= 2, timeout_s=60, what="the two-rank worker to run jobs")
 
-    follower_of(parallel.pid).kill()
+    os.kill(follower_of(parallel.pid), signal.SIGKILL)
     killed = time.monotonic()
     exit_code = parallel.wait(EXIT_BOUND_S + 5)
 
