@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.e2e.processes import wait_until
 from tests.fleet import Fleet, jobs_for
@@ -44,10 +45,10 @@ def outputs(fleet: Fleet, jobs: list[dict]) -> list[tuple[int, ...]]:
     return [r.output.token_ids for r in records]
 
 
-def test_a_tensor_parallel_worker_serves_adapter_jobs_with_one_process_tokens(fleet: Fleet, tmp_path: Path):
+def assert_two_ranks_serve_one_process_tokens(fleet: Fleet, *device: str) -> None:
     fleet.start_gateway()
     jobs = jobs_for(8, max_tokens=12)  # half through the tenant's adapter
-    parallel = fleet.start_worker("tp", "--tensor-parallel", "2", *FP32)
+    parallel = fleet.start_worker("tp", "--tensor-parallel", "2", *FP32, *device)
     follower = follower_of(parallel.pid)
     from_two_ranks = outputs(fleet, jobs)
 
@@ -55,8 +56,19 @@ def test_a_tensor_parallel_worker_serves_adapter_jobs_with_one_process_tokens(fl
     assert parallel.wait(30) == 0
     wait_until(lambda: exited(follower), timeout_s=10, what="the follower to end with rank 0")
 
-    fleet.start_worker("single", *FP32)
+    fleet.start_worker("single", *FP32, *device)
     assert outputs(fleet, jobs) == from_two_ranks
+
+
+def test_a_tensor_parallel_worker_serves_adapter_jobs_with_one_process_tokens(fleet: Fleet):
+    assert_two_ranks_serve_one_process_tokens(fleet)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)  # three GPU processes start, each capturing its decode graphs
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_worker_over_two_gpus_serves_adapter_jobs_with_one_gpus_tokens(fleet: Fleet):
+    assert_two_ranks_serve_one_process_tokens(fleet, "--device", "cuda", "--kernel-tune-budget-s", "0")
 
 
 def test_a_dead_rank_takes_its_worker_down_and_another_worker_takes_its_jobs(fleet: Fleet):
