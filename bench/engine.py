@@ -70,10 +70,13 @@ from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
+from worker.engine.step_channel import StepChannel
 from worker.memory_plan import DeviceMemory, kv_storage_bytes, model_footprint, plan_memory
 from worker.metrics import WorkerMetrics
 from worker.model.lora_linear import LoRALinear
 from worker.model.model import CausalLM
+from worker.model.parallel.group import TensorParallel
+from worker.tensor_parallel import Followers
 
 LLAMA3_8B = ModelInfo(
     name="llama-3-8b-random",
@@ -97,6 +100,7 @@ LLAMA3_8B = ModelInfo(
 )
 RANK = 16
 PREFILL_TOKENS_PER_STEP = 16384  # longer prefills are chunked (the engine's max_num_batched_tokens)
+TP_DEFAULTS = {"batches": [1, 32, 64], "prompts": [128], "adapters": [0, 8]}  # bench/tensor_parallel.py's grid
 LORAFLEET, NO_LORA = "lorafleet", "lorafleet no-LoRA"  # engine rows' systems: LoRA enabled, --max-loras 0
 # issue 20: base-only requests on an engine with LoRA enabled keep this share of one started without LoRA
 BASE_WITH_LORA_TARGET = 0.98
@@ -177,12 +181,17 @@ def roofline(info: ModelInfo, batch: int, context: float, bandwidth: float) -> f
     return batch / ((weight_bytes(info) + kv) / bandwidth)
 
 
-def random_model(info: ModelInfo, config: EngineConfig) -> CausalLM:
-    """`info`'s model on config.device in bf16 with random weights (N(0, 0.02), norms 1): a checkpoint
-    of this size is not written to disk for a benchmark."""
+def random_model(info: ModelInfo, config: EngineConfig, tp: TensorParallel | None = None) -> CausalLM:
+    """`info`'s model (a tensor-parallel rank's share with `tp`) on config.device in bf16 with random
+    weights (N(0, 0.02), norms 1): a checkpoint of this size is not written to disk for a benchmark."""
     torch.manual_seed(0)
     model = CausalLM(
-        info, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, dtype=torch.bfloat16, device=config.device
+        info,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        dtype=torch.bfloat16,
+        device=config.device,
+        tp=tp,
     )
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -206,28 +215,35 @@ def word_tokenizer(vocab_size: int) -> Tokenizer:
     return Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
 
 
-def random_runner(info: ModelInfo, config: EngineConfig) -> ModelRunner:
+def random_runner(info: ModelInfo, config: EngineConfig, channel: StepChannel | None = None) -> ModelRunner:
     """A runner over random weights, built in the order a worker builds one
     (worker/switching/residency.py): the memory plan first, which fails naming the setting to change
     if the configuration cannot fit, then the model, the plan's KV storage and the runner (its decode
-    graphs captured). On a CPU there is no device memory to plan: config.num_kv_blocks blocks."""
+    graphs captured). On a CPU there is no device memory to plan: config.num_kv_blocks blocks.
+    `channel`: a tensor-parallel rank's (bench/tensor_parallel.py)."""
     if torch.device(config.device).type == "cpu":
-        model = random_model(info, config)
+        model = random_model(info, config, channel.tp if channel is not None else None)
         nbytes = kv_storage_bytes(model_footprint(info, config), config.num_kv_blocks, config)
-        return ModelRunner(model, config, torch.zeros(nbytes, dtype=torch.uint8), config.num_kv_blocks)
+        return ModelRunner(
+            model, config, torch.zeros(nbytes, dtype=torch.uint8), config.num_kv_blocks, channel=channel
+        )
     plan = plan_memory({info.name: info}, config, memory=DeviceMemory.measure(torch.device(config.device)))
     print(f"memory plan: {json.dumps(plan.summary())}", flush=True)
-    model = random_model(info, config)
+    model = random_model(info, config, channel.tp if channel is not None else None)
     storage = torch.zeros(plan.kv_storage_bytes, dtype=torch.uint8, device=config.device)
-    return ModelRunner(model, config, storage, plan.kv_blocks(info.name))
+    return ModelRunner(model, config, storage, plan.kv_blocks(info.name), channel=channel)
 
 
 def random_engine(
-    info: ModelInfo, config: EngineConfig, adapter_root: Path, metrics: WorkerMetrics | None = None
+    info: ModelInfo,
+    config: EngineConfig,
+    adapter_root: Path,
+    metrics: WorkerMetrics | None = None,
+    channel: StepChannel | None = None,
 ) -> LLMEngine:
-    """The engine around random_runner(info, config); adapters reach it through its adapter pool, from
-    PEFT files under `adapter_root`."""
-    runner = random_runner(info, config)
+    """The engine around random_runner(info, config, channel); adapters reach it through its adapter
+    pool, from PEFT files under `adapter_root`."""
+    runner = random_runner(info, config, channel)
     metrics = metrics or WorkerMetrics(config.device)
     return LLMEngine(runner, word_tokenizer(info.vocab_size), config, adapter_root, metrics.engine(info.name))
 
@@ -283,6 +299,35 @@ def prompts(batch: int, length: int, vocab: int) -> list[tuple[int, ...]]:
     return [tuple(torch.randint(0, vocab, (length,), generator=gen).tolist()) for _ in range(batch)]
 
 
+def engine_config(
+    info: ModelInfo,
+    max_adapters: int,
+    max_seqs: int,
+    max_context: int,
+    *,
+    rank: int = RANK,
+    lora: bool = True,
+    tensor_parallel: int = 1,
+) -> EngineConfig:
+    """The bench engine's settings: bf16, KV cache for max_seqs sequences of max_context tokens (block
+    size 16), a pool of max_adapters adapters of `rank` (lora False: none, --max-loras 0)."""
+    return EngineConfig(
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=PREFILL_TOKENS_PER_STEP,
+        num_kv_blocks=max_seqs * -(-max_context // 16),
+        block_size=16,
+        max_loras=max(max_adapters, 1) if lora else 0,
+        max_lora_rank=rank,
+        # a max-rank adapter's file (an MoE one's experts: GBs), with room for its header
+        max_adapter_bytes=max(
+            EngineConfig().max_adapter_bytes, 2 * max_adapter_bytes(info, max_rank=rank, dtype=torch.bfloat16)
+        ),
+        tensor_parallel=tensor_parallel,
+    )
+
+
 class EngineBench:
     def __init__(
         self,
@@ -295,30 +340,27 @@ class EngineBench:
         rank: int = RANK,
         make_adapter: Callable[[Path, ModelInfo, int, int], AdapterRef] = write_adapter,
         lora: bool = True,
+        followers: Followers | None = None,
     ) -> None:
         """KV cache sized for max_seqs sequences of max_context tokens (block size 16); the pool holds
         max_adapters adapters of rank `rank`, make_adapter(adapter_root / f"bench{i}", info, rank, i),
         loaded before any run. lora False: the engine of a worker started with --max-loras 0 (no
-        adapters)."""
+        adapters). `followers`: this process is rank 0 of their tensor-parallel group (bench/tensor_parallel.py)."""
         if not lora and max_adapters:
             raise ValueError("an engine without LoRA takes no adapters")
         self.info = info
-        self.config = EngineConfig(
-            device="cuda",
-            dtype="bfloat16",
-            max_num_seqs=max_seqs,
-            max_num_batched_tokens=PREFILL_TOKENS_PER_STEP,
-            num_kv_blocks=max_seqs * -(-max_context // 16),
-            block_size=16,
-            max_loras=max(max_adapters, 1) if lora else 0,
-            max_lora_rank=rank,
-            # a max-rank adapter's file (an MoE one's experts: GBs), with room for its header
-            max_adapter_bytes=max(
-                EngineConfig().max_adapter_bytes, 2 * max_adapter_bytes(info, max_rank=rank, dtype=torch.bfloat16)
-            ),
+        channel = followers.channel if followers is not None else None
+        self.config = engine_config(
+            info,
+            max_adapters,
+            max_seqs,
+            max_context,
+            rank=rank,
+            lora=lora,
+            tensor_parallel=channel.tp.size if channel else 1,
         )
         start = time.perf_counter()
-        self.engine = random_engine(info, self.config, adapter_root)  # first: it says if the sizes fit
+        self.engine = random_engine(info, self.config, adapter_root, channel=channel)  # first: it says if sizes fit
         self.runner = self.engine.runner
         self.setup_s = time.perf_counter() - start  # memory plan, weights, KV cache, decode graph capture
         self.refs = [make_adapter(adapter_root / f"bench{i}", info, rank, i) for i in range(max_adapters)]
@@ -539,10 +581,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
-    parser.add_argument("--prompts", type=int, nargs="+", default=[128, 1024])
+    # defaults by mode (parse_args): one GPU's grid, or the tensor-parallel rows' (bench/tensor_parallel.py)
+    parser.add_argument("--batches", type=int, nargs="+", help="default: 1 8 32 64 128; with --tensor-parallel 1 32 64")
+    parser.add_argument("--prompts", type=int, nargs="+", help="default: 128 1024; with --tensor-parallel 128")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--adapters", type=int, nargs="+", default=[0, 8, 32])
+    parser.add_argument("--adapters", type=int, nargs="+", help="default: 0 8 32; with --tensor-parallel 0 8")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="instead, the tensor-parallel rows on this many GPUs: Llama-3-8B at TP 1 and N, "
+                        "a 70B shape at TP N (bench/tensor_parallel.py)")  # fmt: skip
     parser.add_argument("--hf-batch", type=int, default=32)
     parser.add_argument("--hf-prompt", type=int, default=128)
     parser.add_argument("--hf-new-tokens", type=int, help="default: --new-tokens, the engine rows' workload")
@@ -560,8 +606,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, each grid flag not given taking its mode's default."""
     args = build_parser().parse_args(argv)
+    one_gpu = {"batches": [1, 8, 32, 64, 128], "prompts": [128, 1024], "adapters": [0, 8, 32]}
+    defaults = one_gpu if args.tensor_parallel == 1 else TP_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.tensor_parallel > 1:
+        from bench.tensor_parallel import run  # imports this module: loaded only when asked for
+
+        run(args)
+        return
     variants = [
         served(LLAMA3_8B, weights, kv_cache) for weights in args.quantization for kv_cache in args.kv_cache_dtype
     ]

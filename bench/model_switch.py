@@ -238,7 +238,7 @@ def new_runner(
     if kv_storage is None:
         nbytes = kv_storage_bytes(model_footprint(model.info, config), config.num_kv_blocks, config)
         kv_storage = torch.zeros(nbytes, dtype=torch.uint8, device=config.device)
-    return ModelRunner(model, config, kv_storage, config.num_kv_blocks, pacer)
+    return ModelRunner(model, config, kv_storage, config.num_kv_blocks, pacer=pacer)
 
 
 def new_engine(model: CausalLM, config: EngineConfig, kv_storage: torch.Tensor | None = None) -> LLMEngine:

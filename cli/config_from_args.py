@@ -281,6 +281,19 @@ def _worker_device(flag_value: str) -> str:
     return flag_value
 
 
+def _check_tensor_parallel(size: int, device: str, models: tuple[ModelSpec, ...]) -> None:
+    if size == 1:
+        return
+    if len(models) != 1:
+        raise ConfigError("--tensor-parallel", "a tensor-parallel worker serves one --model")
+    if device.startswith("cuda"):
+        first = int(device.partition(":")[2] or 0)
+        if first + size > len(visible_gpus()):
+            raise ConfigError(
+                "--tensor-parallel", f"{size} ranks from {device} need GPUs up to cuda:{first + size - 1}"
+            )
+
+
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     if args.model:
         models = tuple(args.model)
@@ -295,8 +308,11 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         raise ConfigError("--adapter-root", f"{root} is not a directory")
     if args.preload_adapters and not args.max_loras:
         raise ConfigError("--preload-adapters", "needs LoRA, which --max-loras 0 turns off")
+    device = _worker_device(args.device)
+    _check_tensor_parallel(args.tensor_parallel, device, models)
     engine = EngineConfig(
-        device=_worker_device(args.device),
+        device=device,
+        tensor_parallel=args.tensor_parallel,
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,

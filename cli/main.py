@@ -205,6 +205,13 @@ def _add_worker(commands: argparse._SubParsersAction) -> None:
     )
     engine = worker.add_argument_group("engine sizes")
     engine.add_argument(
+        "--tensor-parallel",
+        type=cfa.positive_int,
+        default=_ENGINE.tensor_parallel,
+        help="split one model over this many GPUs (from --device's on), one process each; this process is "
+        "rank 0 and starts the others (default: %(default)s)",
+    )
+    engine.add_argument(
         "--dtype", choices=("float32", "float16", "bfloat16"), help="weights' dtype (default: the checkpoint's)"
     )
     engine.add_argument(

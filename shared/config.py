@@ -178,8 +178,12 @@ class EngineConfig:
     # seconds a worker may spend at start tuning the LoRA plans its GPU lacks for a model (0: none);
     # what the budget does not reach is tuned at the next start (worker/kernel_plans.py)
     kernel_tune_budget_s: float = 120.0
+    # processes (one per GPU) one model is split over by tensor parallelism; rank 0 is the worker
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel < 1:
+            raise ValueError("tensor_parallel must be >= 1")
         if self.kernel_tune_budget_s < 0:
             raise ValueError("kernel_tune_budget_s must be >= 0")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

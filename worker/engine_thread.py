@@ -77,6 +77,10 @@ class EngineThread:
         self._inbox.put(_Call(fn, future))
         return future
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._inbox.put(_Stop())
         self._thread.join(timeout_s)

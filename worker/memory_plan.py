@@ -37,6 +37,7 @@ from worker.model.kv_cache import KVLayout
 from worker.model.lora_linear import LoRALinear, LoRAPages
 from worker.model.model import CausalLM, model_dtype
 from worker.model.moe import MoEBlock
+from worker.model.parallel.group import TensorParallel
 
 # Without --max-resident-models, resident models (and the prefetch reserve) take at most this share of
 # the usable memory, so that KV caches keep the rest.
@@ -96,9 +97,14 @@ class ModelFootprint:
 
 
 def model_footprint(info: ModelInfo, config: EngineConfig) -> ModelFootprint:
-    """`info`'s footprint on config.device: its tensors counted on the meta device (allocating nothing)."""
+    """`info`'s footprint on config.device: its tensors counted on the meta device (allocating nothing).
+    Under tensor parallelism, one rank's: rank 0's, which holds the largest share of the vocabulary."""
     dtype = model_dtype(config.dtype, info, config.device)
-    model = CausalLM(info, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, dtype=dtype, device="meta")
+    tp = TensorParallel(0, config.tensor_parallel) if config.tensor_parallel > 1 else None
+    model = CausalLM(
+        info, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, dtype=dtype, device="meta", tp=tp
+    )
+    whole, info = info, model.local_info  # the rank's heads and widths from here on
     dense_lora = sum(buffer.nbytes for name, buffer in model.named_buffers() if name.startswith("slot_"))
     expert_lora = 0
     for module in model.modules():
@@ -114,7 +120,7 @@ def model_footprint(info: ModelInfo, config: EngineConfig) -> ModelFootprint:
         dense_lora=dense_lora,
         expert_lora=expert_lora,
         # without LoRA (--max-loras 0) there is no slot writer
-        lora_staging=buffer_bytes(info, pages, max_lora_rank=config.max_lora_rank, dtype=dtype)
+        lora_staging=buffer_bytes(whole, pages, max_lora_rank=config.max_lora_rank, dtype=dtype)
         if config.lora_enabled
         else 0,
         activations=activation_bytes(info, config, dtype),

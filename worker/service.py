@@ -41,12 +41,14 @@ from worker.intake import Intake
 from worker.job_stream import dead_letter, requeue
 from worker.kernel_plans import tune_at_start
 from worker.metrics import WorkerMetrics
+from worker.model.parallel.sharding import shard_info
 from worker.redis_retry import retrying
 from worker.results import CancelWatch, ResultPublisher
 from worker.routed_streams import RoutedStreams
 from worker.running_jobs import RunningJob, RunningJobs
 from worker.switching.residency import ModelResidency
 from worker.switching.switcher import ModelSwitcher
+from worker.tensor_parallel import Followers
 
 log = structlog.get_logger(__name__)
 
@@ -82,23 +84,29 @@ class Worker:
         self._crash: BaseException | None = None
         self._engine_thread: EngineThread | None = None
         self.metrics = WorkerMetrics(config.engine.device)
-        self._residency = ModelResidency(config, self.metrics)  # plans the device's memory: fails early
+        # a model over several GPUs: the other ranks' processes, started and joined before anything loads
+        self._followers = Followers(config) if config.engine.tensor_parallel > 1 else None
+        channel = self._followers.channel if self._followers is not None else None
+        self._residency = ModelResidency(config, self.metrics, channel)  # plans the device's memory: fails early
         self._heartbeat = Heartbeat(self._redis, config, self._running, self._residency, self.metrics)
         self._switcher: ModelSwitcher | None = None
 
     async def run(self) -> int:
         """Serve until `stop()`; returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        if self._followers is not None:  # a rank that dies crashes the worker, loading or serving
+            self._followers.watch(lambda exc: loop.call_soon_threadsafe(self._engine_crashed, exc))
         metrics_server = None
         if self.config.metrics_port:  # before the model loads: a taken port fails in seconds, not minutes
             metrics_server = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
             log.info("metrics_serving", host=self.config.metrics_host, port=self.config.metrics_port)
-        await asyncio.to_thread(
-            tune_at_start, self._residency.infos.values(), self.config.engine, self.config.kernel_plans_dir
-        )
+        # the shapes this process runs: a tensor-parallel rank's share of each projection
+        size = self.config.engine.tensor_parallel
+        infos = [info if size == 1 else shard_info(info, size) for info in self._residency.infos.values()]
+        await asyncio.to_thread(tune_at_start, infos, self.config.engine, self.config.kernel_plans_dir)
         engines = await asyncio.to_thread(self._load_engines)
         if self.config.preload_adapters:  # before the engine thread steps: the pools are still this thread's
             await preload_adapters(self._redis, self.config.preload_adapters, engines)
-        loop = asyncio.get_running_loop()
         results = self._results.queue
         self._engine_thread = EngineThread(
             engines,
@@ -145,6 +153,9 @@ class Worker:
         await self._stopping.wait()
         await self._stop_within_grace(loops)
         await self._redis.aclose()
+        if self._followers is not None:  # told to stop only if no engine step can still be talking to them
+            engine_ended = self._engine_thread is None or not self._engine_thread.alive
+            await asyncio.to_thread(self._followers.stop, tell=engine_ended)
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.shutdown)  # waits out its poll interval (0.5 s)
             metrics_server.server_close()

@@ -10,7 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine import LLAMA3_8B, LORAFLEET, NO_LORA, EngineBench, Row, build_parser, lora_off_ratios
+from bench.engine import (
+    LLAMA3_8B,
+    LORAFLEET,
+    NO_LORA,
+    EngineBench,
+    Row,
+    build_parser,
+    lora_off_ratios,
+    parse_args,
+    weight_bytes,
+)
+from bench.tensor_parallel import LLAMA_70B, rank_roofline, rank_weight_bytes
 
 
 def row(system: str, batch: int, adapters: int, tok_s: float, decode: float, ttft_ms: float) -> Row:
@@ -24,9 +35,15 @@ def test_help_runs_as_a_module_and_tells_of_the_lora_off_rows():
 
 
 def test_the_grid_flags_parse_into_their_lists():
-    args = build_parser().parse_args(["--batches", "8", "32", "--prompts", "128", "--adapters", "0", "8"])
+    args = parse_args(["--batches", "8", "32", "--prompts", "128", "--adapters", "0", "8"])
     assert (args.batches, args.prompts, args.adapters, args.new_tokens) == ([8, 32], [128], [0, 8], 128)
-    assert build_parser().parse_args([]).adapters == [0, 8, 32]  # 0 by default: the LoRA-off rows run
+    assert parse_args([]).adapters == [0, 8, 32]  # 0 by default: the LoRA-off rows run
+
+
+def test_the_tensor_parallel_rows_take_their_own_grid_unless_given_one():
+    args = parse_args(["--tensor-parallel", "2"])
+    assert (args.batches, args.prompts, args.adapters) == ([1, 32, 64], [128], [0, 8])
+    assert parse_args(["--tensor-parallel", "2", "--batches", "8"]).batches == [8]
 
 
 def test_a_malformed_flag_exits_2():
@@ -56,3 +73,10 @@ def test_base_rows_of_the_lora_engine_are_compared_with_the_engine_without_lora_
 def test_an_engine_without_lora_takes_no_adapters(tmp_path: Path):
     with pytest.raises(ValueError, match="without LoRA takes no adapters"):
         EngineBench(LLAMA3_8B, 8, 8, 256, tmp_path, lora=False)
+
+
+def test_a_ranks_roofline_reads_its_share_of_the_weights():
+    assert rank_weight_bytes(LLAMA3_8B, 1) == weight_bytes(LLAMA3_8B)
+    assert 0.49 < rank_weight_bytes(LLAMA3_8B, 2) / weight_bytes(LLAMA3_8B) < 0.51
+    assert 69e9 < rank_weight_bytes(LLAMA_70B, 2) < 70e9  # bf16, half of 70B parameters
+    assert rank_roofline(LLAMA3_8B, 2, 1, 192, 3e12) > 1.9 * rank_roofline(LLAMA3_8B, 1, 1, 192, 3e12)

@@ -4,6 +4,8 @@ model alone by the same loader, and adapters by the adapter pool's own reader an
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from worker.model.model import CausalLM
 from worker.switching.loader import new_model, stream_to_model
 from worker.switching.residency import ModelResidency
 from worker.switching.shard_reader import StagingRing
+from worker.tensor_parallel import Followers
 
 
 def load_engine(
@@ -34,6 +37,26 @@ def load_engine(
     )
     residency = ModelResidency(config, metrics or WorkerMetrics(config.engine.device))
     return residency.activate(residency.prepare(name))
+
+
+@contextlib.contextmanager
+def tensor_parallel_engine(
+    model_dir: Path, adapter_root: Path, *, name: str = "tiny", **engine: object
+) -> Iterator[LLMEngine]:
+    """`load_engine` of a tensor-parallel worker (EngineConfig(**engine).tensor_parallel ranks):
+    this process is rank 0, the followers are started as a worker starts them, and stopped after."""
+    config = WorkerConfig(
+        redis_url="redis://unused",
+        models=(ModelSpec(name, model_dir),),
+        adapter_root=adapter_root,
+        engine=EngineConfig(**engine),
+    )
+    followers = Followers(config)
+    try:
+        residency = ModelResidency(config, WorkerMetrics(config.engine.device), followers.channel)
+        yield residency.activate(residency.prepare(name))
+    finally:
+        followers.stop(tell=True)
 
 
 def load_model(

@@ -26,7 +26,7 @@ from tests.engine.test_engine_generation import (
     run_to_completion,
 )
 from tests.engine.tiny_hf import TinyCheckpoint, saved_adapter_ref
-from worker.adapter_pool import pool as pool_module
+from worker.adapter_pool import rank_adapter
 from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.block_manager import BlockManager
@@ -127,7 +127,7 @@ def test_steps_run_other_requests_while_an_adapter_is_still_on_disk(llama: TinyC
         disk.wait(30)
         return read_host_adapter(*args, **kwargs)
 
-    monkeypatch.setattr(pool_module, "read_host_adapter", slow_disk)
+    monkeypatch.setattr(rank_adapter, "read_host_adapter", slow_disk)  # the pool reads through rank_adapter
     engine = make_engine(llama)
     base, adapted = greedy_request(llama, "base", None), greedy_request(llama, "adapted", "all_r8")
     for request in (adapted, base):

@@ -33,6 +33,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 import torch
@@ -43,8 +44,9 @@ from shared.errors import ErrorCode, LorafleetError
 from shared.schema import AdapterRef
 from worker.adapter_pool.eviction import make_policy
 from worker.adapter_pool.gpu_slots import GpuSlots
-from worker.adapter_pool.host_adapter import HostAdapter, max_adapter_bytes, read_host_adapter
+from worker.adapter_pool.host_adapter import HostAdapter, max_adapter_bytes
 from worker.adapter_pool.host_tier import HostTier
+from worker.adapter_pool.rank_adapter import read_for_model
 from worker.adapter_pool.slot_writer import SlotWriter, Upload
 from worker.metrics import AdapterMetrics, AdapterTier
 from worker.model.model import CausalLM
@@ -57,6 +59,34 @@ _LOADER_THREADS = 4
 # with the disk, and however many loads run, the engine thread keeps the other cores.
 # Default host budget, in GPU pools' worth of bytes (max_loras largest adapters), when the config leaves it open.
 _DEFAULT_HOST_ADAPTERS_PER_SLOT = 2
+
+
+def host_budget_bytes(model: CausalLM, config: EngineConfig) -> int:
+    """The pinned host tier's bytes: config.adapter_host_cache_gb, else room for
+    _DEFAULT_HOST_ADAPTERS_PER_SLOT max-rank adapters per device slot. Raises ValueError for a tier
+    smaller than max_loras max-rank adapters."""
+    largest = max_adapter_bytes(model.info, max_rank=config.max_lora_rank, dtype=model.dtype)
+    needed = config.max_loras * largest
+    if config.adapter_host_cache_gb is None:
+        return _DEFAULT_HOST_ADAPTERS_PER_SLOT * needed
+    budget = int(config.adapter_host_cache_gb * (1 << 30))
+    if budget < needed:
+        raise ValueError(
+            f"adapter_host_cache_gb={config.adapter_host_cache_gb} holds fewer adapters than max_loras="
+            f"{config.max_loras}: at max_lora_rank={config.max_lora_rank} it needs >= {needed / (1 << 30):.2f}"
+        )
+    return budget
+
+
+class PoolMirror(Protocol):
+    """Another process's copy of this pool's device pages, kept the same: a tensor-parallel rank 0's
+    followers (worker/engine/step_channel.py)."""
+
+    def reading(self, ref: AdapterRef) -> None:
+        """The pool started reading `ref` from disk."""
+
+    def written(self, ref: AdapterRef, pages: tuple[int, ...]) -> None:
+        """The pool queued `ref` into `pages` (its own, in rank order)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,24 +108,22 @@ class _Copy:
 
 class AdapterPool:
     def __init__(
-        self, model: CausalLM, config: EngineConfig, adapter_root: Path | None, metrics: AdapterMetrics
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        adapter_root: Path | None,
+        metrics: AdapterMetrics,
+        mirror: PoolMirror | None = None,
     ) -> None:
-        self._info = model.info
-        self._dtype = model.dtype
+        """`mirror`: told of every disk read and every write into pages this pool starts (a
+        tensor-parallel rank 0's followers, which read their parts and write them into the same pages)."""
+        self._mirror = mirror
+        self._model = model
         self._config = config
         self._adapter_root = adapter_root
         self._metrics = metrics
         largest = max_adapter_bytes(model.info, max_rank=config.max_lora_rank, dtype=model.dtype)
-        needed = config.max_loras * largest
-        if config.adapter_host_cache_gb is None:
-            budget = _DEFAULT_HOST_ADAPTERS_PER_SLOT * needed
-        else:
-            budget = int(config.adapter_host_cache_gb * (1 << 30))
-            if budget < needed:
-                raise ValueError(
-                    f"adapter_host_cache_gb={config.adapter_host_cache_gb} holds fewer adapters than max_loras="
-                    f"{config.max_loras}: at max_lora_rank={config.max_lora_rank} it needs >= {needed / (1 << 30):.2f}"
-                )
+        budget = host_budget_bytes(model, config)
         self.gpu = GpuSlots(model.num_pages, make_policy(config.adapter_eviction))
         self._pages_for_rank = model.pages_for_rank
         self.host: HostTier[HostAdapter] = HostTier(budget, make_policy(config.adapter_eviction))
@@ -138,6 +166,9 @@ class AdapterPool:
         thread steps: call it before), in parallel, in order, as many as the tier holds, with a log
         line each. A read that fails is logged and skipped. Returns how many are now on the host."""
         reads = [(ref, self._executor.submit(self._read, ref)) for ref in refs if ref.uid not in self.host]
+        if self._mirror is not None:
+            for ref, _ in reads:
+                self._mirror.reading(ref)
         preloaded = len(refs) - len(reads)
         for index, (ref, read) in enumerate(reads, 1):
             try:
@@ -190,6 +221,8 @@ class AdapterPool:
                 continue
             if uid not in self.host:
                 self._reads[uid] = _Read(self._executor.submit(self._read, self._refs[uid]))
+                if self._mirror is not None:
+                    self._mirror.reading(self._refs[uid])
                 continue
             if pages_short:
                 continue  # reads for the rest of the window still go on
@@ -212,6 +245,8 @@ class AdapterPool:
                 failures.append(LoadFailure(uid, f"{type(exc).__name__}: {exc}"))
                 continue
             self._copies[uid] = _Copy(upload, time.perf_counter())
+            if self._mirror is not None:
+                self._mirror.written(self._refs[uid], reservation.pages)
         self.resident = (tuple(self.gpu.resident), tuple(self.host.resident))
         self._metrics.set_resident(AdapterTier.GPU, len(self.resident[0]))
         self._metrics.set_resident(AdapterTier.CPU, len(self.resident[1]))
@@ -296,14 +331,7 @@ class AdapterPool:
         started = time.perf_counter()
         if self._adapter_root is None:
             raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "this engine has no adapter root")
-        adapter = read_host_adapter(
-            ref,
-            adapter_root=self._adapter_root,
-            info=self._info,
-            dtype=self._dtype,
-            max_rank=self._config.max_lora_rank,
-            max_bytes=self._config.max_adapter_bytes,
-            pin=self._pin,
-            hasher=self._hasher,
+        adapter = read_for_model(
+            ref, self._model, self._config, self._adapter_root, pin=self._pin, hasher=self._hasher
         )
         return adapter, time.perf_counter() - started

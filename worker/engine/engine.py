@@ -38,6 +38,7 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.sampled_tokens import SampledTokens
 from worker.engine.scheduler import ScheduledSequence, Scheduler
 from worker.engine.sequence import Sequence
+from worker.engine.step_channel import RanksOutOfStep
 from worker.metrics import EngineLoad, EngineMetrics, StepStats
 
 log = structlog.get_logger(__name__)
@@ -112,7 +113,16 @@ class LLMEngine:
         # None without LoRA (--max-loras 0): no host tier, no loader threads. `add` refuses requests naming
         # an adapter there, so a sequence with an adapter implies a pool
         self.adapter_pool = (
-            AdapterPool(runner.model, config, adapter_root, self.metrics.adapters) if config.lora_enabled else None
+            AdapterPool(
+                runner.model,
+                config,
+                adapter_root,
+                self.metrics.adapters,
+                # rank 0 of a tensor-parallel group: the followers read what its pool reads, write it where it does
+                mirror=runner.channel,
+            )
+            if config.lora_enabled
+            else None
         )
         # which adapter sits in which device slot (none without LoRA)
         self.adapter_slots = self.adapter_pool.gpu if self.adapter_pool else GpuSlots(0, make_policy("lru"))
@@ -266,8 +276,10 @@ class LLMEngine:
             try:
                 logits = self.runner.execute(scheduled, self.adapter_slots.slot_of, self.blocks.block_size)
                 return scheduled, self.runner.sample(logits, scheduled)
-            except torch.OutOfMemoryError:
-                if len(scheduled) == 1:
+            except Exception as exc:
+                if self.runner.channel is not None:  # the followers ran this step, or wait inside it
+                    raise RanksOutOfStep(f"a step failed on rank 0: {type(exc).__name__}: {exc}") from exc
+                if not isinstance(exc, torch.OutOfMemoryError) or len(scheduled) == 1:
                     raise
                 keep = len(scheduled) // 2
                 log.warning("step_out_of_memory", num_seqs=len(scheduled), retrying_with=keep)

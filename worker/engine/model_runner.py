@@ -4,35 +4,38 @@ Owns the model, its KV cache and the LoRA slot tensors; knows nothing about requ
 the scheduler hands it. On CUDA, pure-decode steps replay captured graphs (cuda_graphs.py), and
 steps with prefill chunks replay graphs of everything but attention (piecewise_graphs.py); every
 step on CPU runs the model eagerly.
+
+Under tensor parallelism every rank has a runner over its share of the model. Rank 0's (`channel`
+given) is the engine's: each step it sends the step's inputs to the followers before running it, and
+its sampled tokens after; a follower's runner runs the steps it receives (`follow`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import pairwise
+from pathlib import Path
 
 import structlog
 import torch
 
 from kernels.lora import LoRABatch
 from shared.config import EngineConfig
+from worker.adapter_pool.follower_tier import FollowerAdapters
+from worker.adapter_pool.slot_writer import SlotWriter, Upload
 from worker.engine.capture_pacer import CapturePacer
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.piecewise_graphs import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from worker.engine.sampled_tokens import SampledTokens
 from worker.engine.sampler import sample
 from worker.engine.scheduler import ScheduledSequence
-from worker.engine.sequence import Sequence as SequenceState
+from worker.engine.step_channel import StepChannel
+from worker.engine.step_inputs import StepInputs
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_cache import KVCache, KVLayout
 from worker.model.model import CausalLM
 
 log = structlog.get_logger(__name__)
-
-
-def _token_at(seq: SequenceState, position: int) -> int:
-    """The token at `position` of prompt + output, without concatenating the two lists."""
-    prompt_len = len(seq.prompt_token_ids)
-    return seq.prompt_token_ids[position] if position < prompt_len else seq.output_token_ids[position - prompt_len]
 
 
 class ModelRunner:
@@ -42,13 +45,17 @@ class ModelRunner:
         config: EngineConfig,
         kv_storage: torch.Tensor,
         num_blocks: int,
+        *,
         pacer: CapturePacer | None = None,
+        channel: StepChannel | None = None,
     ) -> None:
         """The runner of `model` (built on config.device, its weights filled: worker/switching/
         residency.py does both). Its KV cache is `num_blocks` blocks, as the memory plan sized them
         (worker/memory_plan.py), carved from the flat uint8 `kv_storage`, which on CUDA also holds one
         scratch block past them for the decode graphs' padding rows; on CUDA the graphs are captured
-        here, paced by `pacer` while another model serves beside (capture_pacer.py)."""
+        here, paced by `pacer` while another model serves beside (capture_pacer.py), and on every rank
+        of a tensor-parallel group at once (their collectives are captured too). `channel`: this
+        runner is a tensor-parallel rank's (the model's shard says which)."""
         if (model.max_loras, model.max_lora_rank) != (config.max_loras, config.max_lora_rank):
             raise ValueError("the model's adapter slots differ from config.max_loras / max_lora_rank")
         self.info = model.info
@@ -56,8 +63,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = model.dtype
         self.model = model
+        self.channel = channel
         on_cuda = self.device.type == "cuda"
-        layout = KVLayout.of(self.info, config.block_size, self.dtype)
+        layout = KVLayout.of(model.local_info, config.block_size, self.dtype)  # a tensor-parallel rank's KV heads
+        if channel is not None:  # every rank's cache holds every block rank 0's block manager hands out
+            num_blocks = channel.smallest(num_blocks)
         self.num_blocks = num_blocks
         self.kv_cache = KVCache.carve(layout, num_blocks + int(on_cuda), kv_storage)
         # None: those steps run eagerly (CPU; tests compare graphs against eager by clearing them)
@@ -91,11 +101,26 @@ class ModelRunner:
         self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int
     ) -> torch.Tensor:
         """Run one step; returns float32 logits [B, V], one row per scheduled sequence. A token id
-        -(r + 1) in a sequence's tokens stands for row r of what the previous step sampled."""
+        -(r + 1) in a sequence's tokens stands for row r of what the previous step sampled. Rank 0
+        of a tensor-parallel group sends the step to its followers first."""
+        inputs = StepInputs.of(scheduled, slot_of, block_size)
+        if self.channel is not None:
+            self.channel.send(inputs)
+        return self.run(inputs)
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The step of `inputs`: float32 logits [B, V] (see execute)."""
         graphs = self.graphs
-        if graphs is not None and len(scheduled) <= graphs.max_batch and all(s.num_new_tokens == 1 for s in scheduled):
-            return self._replay_decode(graphs, scheduled, slot_of, block_size, self._last_sampled)
-        batch, token_slots = self._build_batch(scheduled, slot_of, block_size)
+        if graphs is not None and inputs.is_decode and inputs.num_seqs <= graphs.max_batch:
+            return graphs.run(
+                token_ids=inputs.input_ids,
+                positions=inputs.positions,
+                slots=inputs.slot_mapping,
+                adapter_slots=inputs.token_slots,
+                block_tables=inputs.block_tables,
+                last_sampled=self._last_sampled,
+            )
+        batch, token_slots = self._build_batch(inputs)
         if self.piecewise is not None and batch.num_tokens <= self.piecewise.max_tokens:
             return self.piecewise.run(batch, token_slots)
         if token_slots is not None:
@@ -111,76 +136,68 @@ class ModelRunner:
         tokens = sample(
             logits, [s.sampling for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]
         )
+        if self.channel is not None:
+            self.channel.share_tokens(tokens)
         sampled = SampledTokens(tokens, logits.isfinite().all(dim=-1))
         self._last_sampled = tokens  # only once nothing here can fail: an out-of-memory retry still reads the old
         return sampled
 
-    @staticmethod
-    def _replay_decode(
-        graphs: DecodeGraphs,
-        scheduled: Sequence[ScheduledSequence],
-        slot_of: Callable[[str], int | None],
-        block_size: int,
-        last_sampled: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """A step where each sequence brings one token (at position num_computed_tokens), by graph."""
-        seqs = [item.seq for item in scheduled]
-        positions = [seq.num_computed_tokens for seq in seqs]
-        return graphs.run(
-            token_ids=[_token_at(seq, p) for seq, p in zip(seqs, positions, strict=True)],
-            positions=positions,
-            slots=[
-                seq.block_table[p // block_size] * block_size + p % block_size
-                for seq, p in zip(seqs, positions, strict=True)
-            ],
-            adapter_slots=[-1 if seq.adapter_uid is None else slot_of(seq.adapter_uid) for seq in seqs],
-            block_tables=[seq.block_table for seq in seqs],
-            last_sampled=last_sampled,
-        )
+    def follow(self, adapter_root: Path | None) -> None:
+        """A follower rank's life: read ahead the adapters rank 0 reads, write them into the pages it
+        chose, and run the steps it sends, until it says stop. Adapters are read from `adapter_root`
+        as rank 0's pool reads them (a file that fails here fails the rank, and with it the worker)."""
+        if self.channel is None or self.channel.tp.rank == 0:
+            raise RuntimeError("only a tensor-parallel follower's runner follows")
+        writer = SlotWriter(self.model)
+        adapters = FollowerAdapters(self.model, self.config, adapter_root, pin=self.device.type == "cuda")
+        uploads: list[Upload] = []  # in flight: each holds its host buffer until it has landed
+        try:
+            while True:
+                message = self.channel.receive()
+                for ref in message.reads:
+                    adapters.read_ahead(ref)
+                uploads = [upload for upload in uploads if not upload.done()]
+                for load in message.loads:
+                    # after the steps queued so far (they may read the pages' previous adapter), before the next
+                    marker = writer.read_marker()
+                    upload = writer.write(load.pages, adapters.take(load.ref), after=[marker] if marker else [])
+                    if upload.event is not None:
+                        torch.cuda.current_stream(self.device).wait_event(upload.event)
+                    uploads.append(upload)
+                if message.inputs is None:
+                    return
+                self.run(message.inputs)
+                tokens = torch.empty(message.inputs.num_seqs, dtype=torch.int64, device=self.device)
+                self._last_sampled = self.channel.share_tokens(tokens)
+        finally:
+            adapters.close()
 
-    def _build_batch(
-        self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int
-    ) -> tuple[ForwardBatch, torch.Tensor | None]:
+    def _build_batch(self, inputs: StepInputs) -> tuple[ForwardBatch, torch.Tensor | None]:
         """The step's batch without LoRA metadata, and int32 [T] token slots (-1: base model) when
         any token has an adapter: a graph builds the metadata itself, an eager step from these."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        context_lens: list[int] = []
-        logits_indices: list[int] = []
-        token_slots: list[int] = []
-        for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            input_ids += seq.token_ids(start, end)
-            positions += range(start, end)
-            slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            query_start.append(query_start[-1] + item.num_new_tokens)
-            context_lens.append(end)
-            logits_indices.append(query_start[-1] - 1)
-            adapter_slot = -1 if seq.adapter_uid is None else slot_of(seq.adapter_uid)
-            token_slots += [adapter_slot] * item.num_new_tokens
-        max_blocks = max(len(item.seq.block_table) for item in scheduled)
-        tables = [item.seq.block_table + [-1] * (max_blocks - len(item.seq.block_table)) for item in scheduled]
+        max_blocks = max(len(table) for table in inputs.block_tables)
+        tables = [table + [-1] * (max_blocks - len(table)) for table in inputs.block_tables]
+        context_lens = inputs.context_lens
+        query_start = inputs.query_start
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             # pinned host memory lets the copy overlap with the previous step's GPU work
             pin = self.device.type == "cuda"
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
-        token_ids = tensor(input_ids, torch.int64)
-        if min(input_ids) < 0:  # tokens the previous step sampled: read where they are, on the device
+        token_ids = tensor(inputs.input_ids, torch.int64)
+        if min(inputs.input_ids) < 0:  # tokens the previous step sampled: read where they are, on the device
             token_ids = torch.where(token_ids < 0, self._last_sampled[(-token_ids - 1).clamp(min=0)], token_ids)
         batch = ForwardBatch(
             input_ids=token_ids,
-            positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64),
+            positions=tensor(inputs.positions, torch.int64),
+            slot_mapping=tensor(inputs.slot_mapping, torch.int64),
             query_start_loc=tensor(query_start, torch.int32),
             context_lens=tensor(context_lens, torch.int32),
             block_tables=tensor(tables, torch.int32),
-            logits_indices=tensor(logits_indices, torch.int64),
-            max_query_len=max(item.num_new_tokens for item in scheduled),
+            logits_indices=tensor([end - 1 for end in query_start[1:]], torch.int64),
+            max_query_len=max(end - start for start, end in pairwise(query_start)),
             max_context_len=max(context_lens),
         )
+        token_slots = inputs.token_slots
         return batch, tensor(token_slots, torch.int32) if any(s >= 0 for s in token_slots) else None

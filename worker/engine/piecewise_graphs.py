@@ -78,7 +78,7 @@ class StepPieces:
     def __init__(self, model: CausalLM, max_tokens: int, scratch_slot: int) -> None:
         """Static buffers for up to `max_tokens` tokens on the model's device; padding rows write
         their K/V at `scratch_slot` (a flat cache slot no sequence owns)."""
-        info, stack = model.info, model.model
+        info, stack = model.local_info, model.model  # a tensor-parallel rank's heads
         self.model = model
         self.num_layers = info.num_layers
         self.max_tokens = max_tokens

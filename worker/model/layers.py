@@ -3,6 +3,9 @@ paged cache, SwiGLU MLP. Every projection is a `LoRALinear`; q/k/v and gate/up a
 and Mixtral swap the MLP for moe.MoEBlock (Qwen3 adds a per-head q/k RMSNorm).
 
 Activations are flat over the step's tokens: [T, features], no batch or padding axis.
+
+Under tensor parallelism a layer is built from the rank's ModelInfo (its share of the heads and
+widths: parallel/sharding.py) and its `shard`; without, `shard` is None and nothing changes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from worker.model.attention import paged_attention
 from worker.model.forward_batch import ForwardBatch
 from worker.model.lora_linear import LoRALinear, LoRAPages
 from worker.model.moe import MoEBlock
+from worker.model.parallel.sharding import ModelShard
 
 
 class RMSNorm(nn.Module):
@@ -60,7 +64,15 @@ class VocabEmbedding(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        info: ModelInfo,
+        *,
+        pages: LoRAPages,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shard: ModelShard | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = info.num_heads
         self.num_kv_heads = info.num_kv_heads
@@ -77,6 +89,7 @@ class SelfAttention(nn.Module):
             device=device,
             quantization=info.quantization,
             group_size=info.weight_group_size,
+            shard=shard.linear("q_proj", "k_proj", "v_proj") if shard else None,
         )
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v
         o_bias = info.attention_bias and info.architecture != "Qwen2ForCausalLM"
@@ -89,6 +102,7 @@ class SelfAttention(nn.Module):
             device=device,
             quantization=info.quantization,
             group_size=info.weight_group_size,
+            shard=shard.linear("o_proj") if shard else None,
         )
         # Qwen3 RMS-normalises every q and k head before RoPE
         self.q_norm = RMSNorm(info.head_dim, info.rms_norm_eps, dtype=dtype, device=device) if info.qk_norm else None
@@ -131,7 +145,15 @@ class SelfAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        info: ModelInfo,
+        *,
+        pages: LoRAPages,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shard: ModelShard | None = None,
+    ) -> None:
         super().__init__()
         width = info.intermediate_size
         self.gate_up_proj = LoRALinear(
@@ -143,6 +165,7 @@ class GatedMLP(nn.Module):
             device=device,
             quantization=info.quantization,
             group_size=info.weight_group_size,
+            shard=shard.linear("gate_proj", "up_proj") if shard else None,
         )
         self.down_proj = LoRALinear(
             width,
@@ -153,6 +176,7 @@ class GatedMLP(nn.Module):
             device=device,
             quantization=info.quantization,
             group_size=info.weight_group_size,
+            shard=shard.linear("down_proj") if shard else None,
         )
 
     def forward(self, hidden: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor) -> torch.Tensor:
@@ -170,15 +194,16 @@ class DecoderLayer(nn.Module):
         pages: LoRAPages,
         dtype: torch.dtype,
         device: torch.device | str,
+        shard: ModelShard | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = SelfAttention(info, pages=pages, dtype=dtype, device=device)
+        self.self_attn = SelfAttention(info, pages=pages, dtype=dtype, device=device, shard=shard)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype=dtype, device=device)
         self.mlp: GatedMLP | MoEBlock = (
-            MoEBlock(info, pages=pages, dtype=dtype, device=device)
+            MoEBlock(info, pages=pages, dtype=dtype, device=device, shard=shard)
             if layer_index in info.moe_layers
-            else GatedMLP(info, pages=pages, dtype=dtype, device=device)
+            else GatedMLP(info, pages=pages, dtype=dtype, device=device, shard=shard)
         )
 
     def lora_linears(self) -> tuple[LoRALinear, ...]:

@@ -22,7 +22,8 @@ from shared.int4_quantization import INT4_FORMATS
 from shared.model_info import ModelInfo
 from worker.model import int4_weights
 from worker.model.fp8_weights import copy_fp8, copy_scale, quantize_into
-from worker.model.weights import copy_weight
+from worker.model.parallel.sharding import LinearShard, Split
+from worker.model.weights import TensorLoader, copy_weight
 
 # Rank rows per page of a paged pool: tl.dot's minimum tile, and the LoRA kernels' vector width.
 PAGE_RANK = 16
@@ -63,6 +64,10 @@ class LoRALinear(nn.Module):
     lora_a[i] [num_pages, page_rank, K]; lora_b[i] [num_pages, N_i, page_rank]. Rank row r of an
     adapter lives in its page r // page_rank, at row (of A) / column (of B) r % page_rank; the rows
     past its rank in its last page stay zero, so padding adds nothing.
+
+    Under tensor parallelism (`shard`) the widths are the rank's: a column-parallel layer holds its
+    slices' output rows (and their LoRA B rows), a row-parallel one its input columns (and LoRA A
+    columns) and sums its partial output, LoRA delta included, with one all-reduce.
     """
 
     def __init__(
@@ -76,12 +81,16 @@ class LoRALinear(nn.Module):
         device: torch.device | str,
         quantization: str = "none",
         group_size: int = 0,
+        shard: LinearShard | None = None,
     ) -> None:
         """`projections`: name → output width of each packed slice, in output order; `dtype`: the
         activations' (and adapters'); `quantization` "fp8": the weight is held in fp8; "int4", "awq"
         or "gptq": in 4 bits, in groups of `group_size` inputs (the name says where it came from:
-        quantized at load, or which checkpoint format the loaders read)."""
+        quantized at load, or which checkpoint format the loaders read); `shard`: this
+        tensor-parallel rank's part (widths already the rank's), None without tensor parallelism
+        (4-bit weights are never sharded: shared/config.py refuses the pair)."""
         super().__init__()
+        self.shard = shard
         self.in_features = in_features
         self.projections = tuple(projections)
         self.out_features = tuple(projections.values())
@@ -127,6 +136,12 @@ class LoRALinear(nn.Module):
         addresses this layer's pages). `residual` [T, sum out_features]: the stream
         the caller adds the result to next, which may take the LoRA delta instead (at decode sizes
         on CUDA, where the delta is computed beside the base GEMM)."""
+        if self.shard is not None and self.shard.row_parallel:
+            # a partial sum: the delta goes into it (never into the replicated residual) before the all-reduce
+            y = lora_linear(
+                x, self.base_weight, self.bias, self.lora_a, self.lora_b, lora, weight_scale=self.weight_scale
+            )
+            return self.shard.tp.all_reduce(y)
         return lora_linear(
             x,
             self.base_weight,
@@ -160,11 +175,14 @@ class LoRALinear(nn.Module):
         quantizes a plain checkpoint's weight as it loads, or (`prequantized`) takes the checkpoint's
         fp8 weight and its `weight_scale` as they are. A 4-bit layer quantizes a plain checkpoint's
         weight, or (`prequantized`) reads an AWQ or GPTQ checkpoint's `qweight`, `qzeros` and
-        `scales` (worker/model/int4_weights.py)."""
+        `scales` (worker/model/int4_weights.py). A tensor-parallel rank's loaders take its part of
+        each whole checkpoint tensor."""
         loaders: dict[str, Callable[[torch.Tensor], None]] = {}
         prefix = f"{parent}." if parent else ""
         offset = 0
-        for name, width in zip(self.projections, self.out_features, strict=True):
+        splits = self.shard.splits if self.shard is not None else (None,) * len(self.projections)
+        first_rank = self.shard is None or self.shard.tp.rank == 0
+        for name, width, split in zip(self.projections, self.out_features, splits, strict=True):
             rows = slice(offset, offset + width)
             key = f"{prefix}{name}"
             if self.weight is None:
@@ -182,6 +200,10 @@ class LoRALinear(nn.Module):
                 )
             if self.bias is not None:
                 loaders[f"{key}.bias"] = partial(copy_weight, self.bias[rows], name=f"{key}.bias")
+            if split is not None:
+                for tensor_name in [n for n in loaders if n.startswith(f"{key}.")]:
+                    kind = tensor_name.rpartition(".")[2]
+                    loaders[tensor_name] = _rank_part(loaders[tensor_name], split, kind, first_rank=first_rank)
             offset += width
         return loaders
 
@@ -202,3 +224,13 @@ class LoRALinear(nn.Module):
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
+
+
+def _rank_part(loader: TensorLoader, split: Split, kind: str, *, first_rank: bool) -> TensorLoader:
+    """`loader` fed with a rank's part of the whole checkpoint tensor. A row-parallel bias is added
+    by rank 0 alone: the ranks' partial outputs are summed, so it must count once."""
+    if kind == "weight":
+        return lambda tensor: loader(split.take(tensor))
+    if kind == "bias" and split.row_parallel:
+        return lambda tensor: loader(tensor if first_rank else torch.zeros_like(tensor))
+    return lambda tensor: loader(split.take_vector(tensor))

@@ -20,6 +20,9 @@ from worker.model.kv_cache import KVCache
 from worker.model.layers import DecoderLayer, RMSNorm, VocabEmbedding
 from worker.model.lora_linear import LoRALinear, LoRAPages
 from worker.model.moe import MoEBlock
+from worker.model.parallel.group import TensorParallel
+from worker.model.parallel.sharding import ModelShard
+from worker.model.parallel.vocab import VocabParallelEmbedding
 from worker.model.rope import RotaryEmbedding
 from worker.model.weights import TensorLoader, copy_weight, load_tensors
 
@@ -45,15 +48,32 @@ def model_dtype(name: str | None, info: ModelInfo, device: torch.device | str) -
     return torch.float32 if torch.device(device).type == "cpu" and dtype is torch.float16 else dtype
 
 
+def _embedding(
+    info: ModelInfo, shard: ModelShard | None, dtype: torch.dtype, device: torch.device | str
+) -> VocabEmbedding:
+    if shard is None:
+        return VocabEmbedding(info.vocab_size, info.hidden_size, dtype=dtype, device=device)
+    return VocabParallelEmbedding(info.vocab_size, info.hidden_size, shard.tp, dtype=dtype, device=device)
+
+
 class DecoderStack(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.*`)."""
 
-    def __init__(self, info: ModelInfo, *, pages: LoRAPages, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        info: ModelInfo,
+        *,
+        pages: LoRAPages,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shard: ModelShard | None = None,
+    ) -> None:
+        """`info`: the network this process builds (a tensor-parallel rank's share: `shard`)."""
         super().__init__()
-        self.embed_tokens = VocabEmbedding(info.vocab_size, info.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = _embedding(info, shard, dtype, device)
         self.rotary_emb = RotaryEmbedding(info.head_dim, info.rope_theta, info.rope_scaling, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(info, layer_index=index, pages=pages, dtype=dtype, device=device)
+            DecoderLayer(info, layer_index=index, pages=pages, dtype=dtype, device=device, shard=shard)
             for index in range(info.num_layers)
         )
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype=dtype, device=device)
@@ -79,6 +99,7 @@ class CausalLM(nn.Module):
         max_lora_rank: int,
         dtype: torch.dtype | str | None = None,
         device: torch.device | str = "cpu",
+        tp: TensorParallel | None = None,
     ) -> None:
         """Allocate the model with uninitialised weights (filled by `load_tensors`) and an empty
         LoRA pool as large as `max_loras` adapters of rank `max_lora_rank`. dtype None: the checkpoint's.
@@ -88,9 +109,14 @@ class CausalLM(nn.Module):
         projection of every layer, so adapters of lower rank take fewer pages and more of them fit,
         up to one per page. An adapter's slot (its index into the per-slot tensors below) is the
         index of its first page (LoRAPages.for_pool says when slots are pages). max_loras 0: LoRA
-        off, every LoRA tensor empty; only base-model batches (`lora` None) may run."""
+        off, every LoRA tensor empty; only base-model batches (`lora` None) may run.
+
+        `tp`: this process is one rank of a tensor-parallel group and builds its share of the network
+        (parallel/sharding.py); `info` stays the whole model's, `local_info` is the share's."""
         super().__init__()
         self.info = info
+        self.shard = ModelShard.of(info, tp) if tp is not None else None
+        self.local_info = self.shard.local if self.shard is not None else info
         self.dtype = resolve_dtype(dtype, info)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -99,11 +125,9 @@ class CausalLM(nn.Module):
         self.pages_per_slot = pages.pages_per_slot
         self.num_pages = pages.num_pages
         self.num_slots = self.num_pages
-        self.model = DecoderStack(info, pages=pages, dtype=self.dtype, device=device)
+        self.model = DecoderStack(self.local_info, pages=pages, dtype=self.dtype, device=device, shard=self.shard)
         self.lm_head = (
-            self.model.embed_tokens
-            if info.tie_word_embeddings
-            else VocabEmbedding(info.vocab_size, info.hidden_size, dtype=self.dtype, device=device)
+            self.model.embed_tokens if info.tie_word_embeddings else _embedding(info, self.shard, self.dtype, device)
         )
         # per-slot adapter metadata for LoRABatch.build: rank 0 / scale 0 mark an empty slot; a slot's
         # row of slot_pages lists its pages in rank order (entries past its last page: 0, never read)
@@ -190,6 +214,9 @@ class CausalLM(nn.Module):
                 continue
             if isinstance(module, MoEBlock):
                 loaders.update(module.checkpoint_loaders(module_name.rpartition(".")[0]))
+                continue
+            if isinstance(module, VocabParallelEmbedding):
+                loaders[f"{module_name}.weight"] = partial(module.load, name=f"{module_name}.weight")
                 continue
             for param_name, param in module.named_parameters(prefix=module_name, recurse=False):
                 loaders[param_name] = partial(copy_weight, param, name=param_name)

@@ -26,6 +26,7 @@ from shared.int4_quantization import INT4_METHODS
 from shared.int4_tensors import check_int4_tensors
 from shared.model_info import ModelInfo
 from worker.model.model import CausalLM, model_dtype
+from worker.model.parallel.group import TensorParallel
 from worker.model.weights import checkpoint_files, paced_copies
 from worker.switching.checkpoint_cache import HostWeights
 from worker.switching.shard_reader import KeptBuffers, StagingRing, read_tensors
@@ -70,15 +71,17 @@ def served_info(spec: ModelSpec, config: EngineConfig) -> ModelInfo:
     return info
 
 
-def new_model(info: ModelInfo, config: EngineConfig) -> CausalLM:
+def new_model(info: ModelInfo, config: EngineConfig, tp: TensorParallel | None = None) -> CausalLM:
     """`info`'s model on config.device with LoRA slots for config.max_loras adapters of
-    config.max_lora_rank, its weights uninitialised until `copy_to_model` fills them."""
+    config.max_lora_rank, its weights uninitialised until `copy_to_model` fills them; `tp`: this
+    process's rank of a tensor-parallel group (it builds and loads its share of the model)."""
     return CausalLM(
         info,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
         dtype=model_dtype(config.dtype, info, config.device),
         device=config.device,
+        tp=tp,
     )
 
 

@@ -40,6 +40,7 @@ from shared.config import ModelSpec, WorkerConfig
 from worker.engine.capture_pacer import BUSY_FRACTION, CapturePacer
 from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
+from worker.engine.step_channel import StepChannel
 from worker.memory_plan import DeviceMemory, plan_memory
 from worker.metrics import WorkerMetrics
 from worker.switching.checkpoint_cache import CheckpointCache, HostWeights
@@ -76,10 +77,15 @@ class PreparedModel:
 
 
 class ModelResidency:
-    def __init__(self, config: WorkerConfig, metrics: WorkerMetrics) -> None:
+    def __init__(self, config: WorkerConfig, metrics: WorkerMetrics, channel: StepChannel | None = None) -> None:
         """Plan the device's memory for `config.models` (raises MemoryPlanError if they cannot fit);
-        nothing is loaded until `prepare`. `metrics`: where the engines record their series."""
+        nothing is loaded until `prepare`. `metrics`: where the engines record their series.
+        `channel`: this process is a rank of a tensor-parallel group of config.engine.tensor_parallel
+        ranks (worker/tensor_parallel.py), and its models are its shares, run in step with the others."""
+        if (channel.tp.size if channel is not None else 1) != config.engine.tensor_parallel:
+            raise ValueError(f"a residency of tensor_parallel={config.engine.tensor_parallel} needs a group that size")
         self.config = config
+        self.channel = channel
         self._metrics = metrics
         self.specs = {spec.name: spec for spec in config.models}
         self.infos = {name: served_info(spec, config.engine) for name, spec in self.specs.items()}
@@ -145,7 +151,7 @@ class ModelResidency:
             host = read_to_host(name, spec.path, pin=pin)
             read_s = time.perf_counter() - started
             self._cache(host, read_s)
-        model = new_model(self.infos[name], self.config.engine)
+        model = new_model(self.infos[name], self.config.engine, self.channel.tp if self.channel is not None else None)
         copy_started = time.perf_counter()
         if host is None:  # disk to device, the reads overlapping the copies
             with self._staging_lock:
@@ -165,7 +171,9 @@ class ModelResidency:
         storage = self._kv_storage[replacing] if replacing is not None else self._storage_for_free_slot()
         # beside a serving model the captures yield to it (capture_pacer.py); alone they go flat out
         pacer = CapturePacer(self._serving) if self._resident_names else None
-        runner = ModelRunner(model, self.config.engine, storage, self.plan.kv_blocks(name), pacer)
+        runner = ModelRunner(
+            model, self.config.engine, storage, self.plan.kv_blocks(name), pacer=pacer, channel=self.channel
+        )
         tokenizer = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
         build_s = time.perf_counter() - build_started
         log.info(
