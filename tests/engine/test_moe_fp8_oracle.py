@@ -24,13 +24,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels.quant import FP8_DTYPE
 from shared.model_info import EXPERT_PROJECTIONS, MOE_BLOCK, ModelInfo
-from tests.engine.engine_driver import BlockPool, build_step, make_kv_cache, prefill
-from tests.engine.engines import load_model
+from shared.schema import JobStatus, SamplingParams
+from tests.engine.engine_driver import BlockPool, make_kv_cache, prefill
+from tests.engine.engines import load_engine, load_model
 from tests.engine.fp8_oracle import fp8_moe_oracle, fp8_oracle, save_fp8_checkpoint
-from tests.engine.test_moe_oracle import SLOTS, moe_sequences
-from tests.engine.tiny_hf import oracle_greedy, oracle_logits
+from tests.engine.test_engine_generation import run_to_completion
+from tests.engine.test_moe_oracle import NEW_TOKENS, SLOTS, moe_sequences
+from tests.engine.tiny_hf import oracle_greedy, oracle_logits, saved_adapter_ref
 from tests.engine.tiny_moe import MOE_FAMILIES, TinyMoE, build_tiny_moe
+from tests.kernels.moe_cases import rel_err
+from worker.engine.engine import EngineRequest, LLMEngine
 from worker.model.model import CausalLM
 from worker.model.moe import MoEBlock
 
@@ -60,7 +65,7 @@ def first_moe_block(model: CausalLM) -> MoEBlock:
 def test_fp8_moe_matches_the_quantized_oracle_in_a_mixed_batch(tiny_moe: TinyMoE, oracle) -> None:
     model = fp8_moe_model(tiny_moe.model_dir, tiny_moe.info, tiny_moe)
     block = first_moe_block(model)
-    assert block.w13.dtype == block.w2.dtype == torch.float8_e4m3fn
+    assert block.w13.dtype == block.w2.dtype == FP8_DTYPE
     dense_only = fp8_oracle(tiny_moe.oracle)  # attention and dense MLPs quantized, experts not
     seqs = moe_sequences()
     logits = prefill([seq for _, seq in seqs], model, make_kv_cache(model, num_blocks=64, block_size=4), BlockPool(64))
@@ -74,22 +79,54 @@ def test_fp8_moe_matches_the_quantized_oracle_in_a_mixed_batch(tiny_moe: TinyMoE
     assert max(from_dense_only) > 10 * TOLERANCE
 
 
-def test_fp8_moe_greedy_decode_matches_the_quantized_oracle(tiny_moe: TinyMoE, oracle) -> None:
-    steps = 4
-    model = fp8_moe_model(tiny_moe.model_dir, tiny_moe.info, tiny_moe)
-    kv_cache = make_kv_cache(model, num_blocks=64, block_size=4)
-    pool = BlockPool(64, seed=1)
-    seqs = moe_sequences()[:4]
-    prompts = [list(seq.token_ids) for _, seq in seqs]
-    tokens = prefill([seq for _, seq in seqs], model, kv_cache, pool).argmax(-1).tolist()
-    for _ in range(steps - 1):
-        for (_, seq), token in zip(seqs, tokens, strict=True):
-            seq.token_ids.append(token)
-        tokens = model(build_step([(seq, 1) for _, seq in seqs], model, kv_cache, pool), kv_cache).argmax(-1).tolist()
-    for (_, seq), token in zip(seqs, tokens, strict=True):
-        seq.token_ids.append(token)
-    for prompt, (adapter, seq) in zip(prompts, seqs, strict=True):
-        assert seq.token_ids[len(prompt) :] == oracle_greedy(oracle, prompt, adapter, steps)
+def fp8_moe_engine(tiny_moe: TinyMoE, **settings: object) -> LLMEngine:
+    """The engine a worker started with --quantization fp8 runs for `tiny_moe`, its adapters on disk."""
+    root = next(iter(tiny_moe.adapters.values())).parent
+    settings = {"device": "cpu", "dtype": "float32", "max_loras": 4, "max_lora_rank": 8, **settings}
+    return load_engine(tiny_moe.model_dir, root, name=tiny_moe.family, num_kv_blocks=64, block_size=4,
+                       quantization="fp8", **settings)  # fmt: skip
+
+
+def greedy_requests(tiny_moe: TinyMoE) -> tuple[list[EngineRequest], dict[str, tuple[str | None, list[int]]]]:
+    """A greedy request for every sequence of MIXED (every adapter and the base model), and job id →
+    (adapter, prompt)."""
+    requests, jobs = [], {}
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for index, (adapter, seq) in enumerate(moe_sequences()):
+        ref = None if adapter is None else saved_adapter_ref(adapter, tiny_moe.adapters[adapter])
+        requests.append(EngineRequest(f"job-{index}", tuple(seq.token_ids), sampling, adapter=ref))
+        jobs[f"job-{index}"] = (adapter, list(seq.token_ids))
+    return requests, jobs
+
+
+def test_the_fp8_moe_engine_generates_the_quantized_oracles_greedy_tokens(tiny_moe: TinyMoE, oracle) -> None:
+    """Built as a worker builds it (the residency's memory plan and loader), with expert adapters
+    brought in by the adapter pool."""
+    engine = fp8_moe_engine(tiny_moe)
+    assert first_moe_block(engine.runner.model).w13.dtype == FP8_DTYPE
+    requests, jobs = greedy_requests(tiny_moe)
+    results = run_to_completion(engine, requests)
+    for job_id, (adapter, prompt) in jobs.items():
+        assert results[job_id].status is JobStatus.SUCCEEDED, results[job_id].error
+        assert list(results[job_id].output.token_ids) == oracle_greedy(oracle, prompt, adapter, NEW_TOKENS), job_id
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_fp8_moe_model_on_the_gpu_matches_it_on_cpu(tiny_moe: TinyMoE) -> None:
+    """The fused grouped GEMM reading fp8 experts (widened to bf16 in registers), the expert LoRA
+    kernels beside it and the dense fp8 GEMMs, in bf16, against the CPU reference path in float32 on
+    a batch mixing every adapter and the base model: within the bf16 fp8 engine's tolerance of its
+    float32 run (2e-2, tests/engine/test_fp8_engine.py)."""
+
+    def prefill_logits(device: str, dtype: str) -> torch.Tensor:
+        served = tiny_moe.info.served(quantization="fp8", kv_cache_dtype="auto", source=tiny_moe.model_dir)
+        adapters = {slot: tiny_moe.adapters[name] for name, slot in SLOTS.items()}
+        model = load_model(tiny_moe.model_dir, served, adapters, dtype=dtype, device=device)
+        kv_cache = make_kv_cache(model, num_blocks=64, block_size=4)
+        return prefill([seq for _, seq in moe_sequences()], model, kv_cache, BlockPool(64)).float().cpu()
+
+    assert rel_err(prefill_logits("cuda", "bfloat16"), prefill_logits("cpu", "float32")) < 2e-2
 
 
 @pytest.mark.parametrize(("method", "scales"), [("fp8", "tensor"), ("compressed-tensors", "channel")])
