@@ -100,7 +100,8 @@ def moe_gemm(
         raise ValueError(f"a {tuple(a.shape)} and w {tuple(w.shape)} do not chain (or are not contiguous)")
     fp8 = w.dtype == FP8_DTYPE
     if fp8 != (scale is not None):
-        raise ValueError(f"w of {w.dtype} {'without' if scale is None else 'with'} scales: fp8 experts need them")
+        given = "no scale" if scale is None else "a scale"
+        raise ValueError(f"w of {w.dtype} with {given}: an fp8 w needs its scales, and only an fp8 w takes them")
     if scale is not None and (scale.shape != w.shape[:2] or scale.dtype != torch.float32 or not scale.is_contiguous()):
         raise ValueError(f"scale must be contiguous float32 {tuple(w.shape[:2])}, not {scale.dtype} {scale.shape}")
     out = torch.empty(blocks.num_pairs, n_size, dtype=a.dtype, device=a.device)

@@ -163,7 +163,7 @@ def test_fp8_grouped_gemm_refuses_fp8_weights_without_scales() -> None:
     _, ids = route_reference(case.x @ case.router.T, 2, True)
     w13, _ = quantize_experts(case.w13)
     blocks = expert_blocks(ids, SHAPE["num_experts"], 16)
-    with pytest.raises(ValueError, match="fp8 experts need them"):
+    with pytest.raises(ValueError, match="an fp8 w needs its scales"):
         moe_gemm(case.x, w13, blocks, 2, GemmConfig(block_m=16), scale=None)
 
 
