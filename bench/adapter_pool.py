@@ -2,12 +2,13 @@
 
     python -m bench.adapter_pool [--requests 512] [--concurrency 32 64] [--backlogs 0 32]
                                  [--adapter-host-cache-gb G] [--cycles 10000] [--out FILE]
+    python -m bench.adapter_pool --device cpu --model small [--layers 16]   # part 2 alone, on a CPU
 
 1. Load latency of one adapter, rank 16 and 64 on all seven projections (PEFT files written here):
    pinned host -> GPU pages (SlotWriter: one H2D copy, device scatters, event) beside the floor
    nbytes / measured pinned H2D bandwidth, and the engine-thread (host) time of a write, once the
    pages' views are built and on the pages' first write of that rank; and disk -> GPU with
-   the file's page cache dropped (read + sha256 + validation + packing on the host, then the same
+   the file's page cache dropped (read + piece digest + validation + packing on the host, then the same
    upload) beside the disk floor: a plain sequential read of the same file, cache dropped
    (bench/disk_floor.py).
 2. 1,000 registered adapters (rank 16; each its own identity, files shared by groups of them), Zipf(1.0)
@@ -18,7 +19,10 @@
    when one finishes, so nothing can be prefetched): GPU and host hit rates per request, time a
    request waits for its adapter (add -> READY) p50/p99, all and cold (not READY when added), TTFT
    p50 of requests whose adapter was READY when added and of the others (the issue's "a cold
-   adapter's first request waits <= 50 ms more"), and output tok/s beside the same request stream
+   adapter's first request waits <= 50 ms more"), the mean time of one disk read on its loader
+   thread (beside part 1's disk -> GPU of one adapter alone: how much the engine running beside
+   slows a read), the most loads the pool had under way at once and the time torch's host allocator
+   spent page-locking new memory for them, and output tok/s beside the same request stream
    with every adapter resident (adapter i mapped onto preloaded adapter i mod 128: the same batch
    shapes, no loads).
    The pool runs the stream twice through one engine: "pool cold" starts from an empty host tier (in
@@ -26,6 +30,9 @@
    disk); "pool steady" runs it again right after, host tier warm (if --adapter-host-cache-gb holds
    the working set; a worker's default holds ~250 rank-16 8B adapters) and GPU pages as the cold
    pass left them: the pool's serving, what the 0.9x-of-all-resident target is about.
+   On a CPU (--device cpu, --model small: Llama-3-8B's widths cut down, --layers of them) only this
+   part runs: it measures the pool's scheduling and loader threads against an engine thread that
+   holds the GIL, not a GPU's pages or copies.
 3. --cycles load/evict cycles through the pool (small model, two max-rank adapters' pages, a new
    identity per cycle, ranks 8/16/24 so adapters of one and two pages take each other's pages):
    device memory allocated/reserved, host RSS and pinned host memory before and after.
@@ -42,6 +49,7 @@ import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +58,7 @@ import torch
 from bench.disk_floor import drop_page_cache, read_floor
 from bench.engine import LLAMA3_8B, load_adapters, prompts, random_engine, random_model, random_runner, word_tokenizer
 from bench.engine import write_adapter as write_bench_adapter
+from shared.adapter_digest import HASH_THREADS
 from shared.adapter_format import WEIGHTS_FILE
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
@@ -68,8 +77,8 @@ SMALL = dataclasses.replace(LLAMA3_8B, name="small", hidden_size=1024, intermedi
 
 
 def write_adapter(directory: Path, info: ModelInfo, rank: int, seed: int) -> str:
-    """A PEFT adapter of `rank` on every projection (bf16); returns its sha256."""
-    return write_bench_adapter(directory, info, rank, seed).sha256
+    """A PEFT adapter of `rank` on every projection (bf16); returns its digest."""
+    return write_bench_adapter(directory, info, rank, seed).digest
 
 
 def pinned_h2d_bandwidth() -> float:
@@ -87,10 +96,10 @@ def pinned_h2d_bandwidth() -> float:
     return host.numel() * host.element_size() / statistics.median(times[2:])
 
 
-def read(ref: AdapterRef, model: CausalLM, root: Path) -> HostAdapter:
-    """Disk -> pinned host, as the pool's loader threads do it."""
+def read(ref: AdapterRef, model: CausalLM, root: Path, hasher: Executor) -> HostAdapter:
+    """Disk -> pinned host, as the pool's loader threads do it (pieces hashed on `hasher`, its threads)."""
     return read_host_adapter(ref, adapter_root=root, info=model.info, dtype=model.dtype, max_rank=MAX_RANK,
-                             max_bytes=2 << 30, pin=True)  # fmt: skip
+                             max_bytes=2 << 30, pin=True, hasher=hasher)  # fmt: skip
 
 
 @dataclass
@@ -109,13 +118,14 @@ class LatencyRow:
 
 def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyRow]:
     writer = SlotWriter(model)
+    hasher = ThreadPoolExecutor(HASH_THREADS)
     rows = []
     for rank in (16, 64):
         directory = root / f"latency-r{rank}"
         sha = write_adapter(directory, model.info, rank, seed=rank)
         ref = AdapterRef(f"latency-r{rank}", 1, directory.name, sha)
 
-        adapter = read(ref, model, root)
+        adapter = read(ref, model, root, hasher)
         size = model.pages_for_rank(rank)
         stretches = model.num_pages // size
         pages = [tuple(range(first, first + size)) for first in range(0, stretches * size, size)]
@@ -133,7 +143,7 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
             how = drop_page_cache([directory / WEIGHTS_FILE])
             torch.cuda.synchronize()
             start = time.perf_counter()
-            fresh = read(ref, model, root)
+            fresh = read(ref, model, root, hasher)
             reads.append(time.perf_counter() - start)
             writer.write(pages[i % stretches], fresh).wait()
             disk.append(time.perf_counter() - start)
@@ -145,6 +155,7 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
                                statistics.median(disk) * 1e3, statistics.median(reads) * 1e3, floor_s * 1e3,
                                how))  # fmt: skip
         print(rows[-1], flush=True)
+    hasher.shutdown()
     return rows
 
 
@@ -165,8 +176,23 @@ class ZipfRow:
     warm_ttft_p50_ms: float  # requests whose adapter was READY when added
     cold_ttft_p50_ms: float  # the others
     disk_loads: int
+    disk_load_ms_mean: float  # one disk -> host read on a loader thread, timed there: beside the latency part's
+    loads_in_flight_max: int  # reads and copies the pool had under way at once (sampled each step)
+    pinned_alloc_ms: float  # in CUDA's page-locked allocations of torch's host allocator (a lock other calls wait on)
     gpu_evictions: int
     host_evictions: int
+
+
+def pinned_alloc_ms(device: str) -> float:
+    """Milliseconds torch's caching host allocator has spent in CUDA allocations so far (0 on a CPU)."""
+    if torch.device(device).type != "cuda":
+        return 0.0
+    return torch.cuda.host_memory_stats().get("host_alloc_time.total", 0) / 1e3
+
+
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -183,7 +209,7 @@ class ZipfEngine:
     def __init__(self, runner: ModelRunner, root: Path, refs: list[AdapterRef], args: argparse.Namespace,
                  *, all_resident: bool) -> None:  # fmt: skip
         info = runner.model.info
-        self.metrics = WorkerMetrics(device="cuda")
+        self.metrics = WorkerMetrics(device=runner.config.device)
         tokenizer = word_tokenizer(info.vocab_size)
         self.engine = LLMEngine(runner, tokenizer, runner.config, root, self.metrics.engine(info.name))
         self.refs, self.args, self.all_resident = refs, args, all_resident
@@ -199,7 +225,7 @@ class ZipfEngine:
         """The pool's cumulative counters, as "{tier}_{count}" (a pass reports their differences)."""
         registry, model = self.metrics.registry, self.engine.runner.model.info.name
         counts = {"hits": "hits_total", "misses": "misses_total", "evictions": "evictions_total",
-                  "loads": "load_seconds_count"}  # fmt: skip
+                  "loads": "load_seconds_count", "load_seconds": "load_seconds_sum"}  # fmt: skip
         sample = registry.get_sample_value
         return {
             f"{tier}_{count}": sample(f"lorafleet_worker_adapter_{name}", {"model": model, "tier": tier}) or 0.0
@@ -218,7 +244,7 @@ class ZipfEngine:
         added_ms: dict[str, float] = {}  # job → unix ms it was added
         ttft_ms: dict[str, float] = {}
         waiting: dict[str, tuple[float, str]] = {}  # job → (time added, adapter uid), until its adapter is READY
-        next_request, done, tokens = 0, 0, 0
+        next_request, done, tokens, in_flight_max = 0, 0, 0, 0
 
         def add_one() -> None:
             nonlocal next_request
@@ -237,12 +263,15 @@ class ZipfEngine:
             next_request += 1
 
         before = self.counters()
-        torch.cuda.synchronize()
+        pinned_before = pinned_alloc_ms(engine.config.device)
+        synchronize(engine.config.device)
         start = time.perf_counter()
         while next_request < min(concurrency + backlog, len(order)):
             add_one()
         while done < len(order):
             results = engine.step()
+            if engine.adapter_pool is not None:
+                in_flight_max = max(in_flight_max, engine.adapter_pool.loads_in_flight)
             now = time.perf_counter()
             for job, (at, uid) in list(waiting.items()):
                 if engine.adapter_slots.slot_of(uid) is not None:
@@ -268,7 +297,9 @@ class ZipfEngine:
                        tokens / wall, count["gpu_hits"] / max(gpu_lookups, 1), count["cpu_hits"] / max(host_lookups, 1),
                        percentile(every, 0.5), percentile(every, 0.99), percentile(cold, 0.5), percentile(cold, 0.99),
                        percentile(warm_ttft, 0.5), percentile(cold_ttft, 0.5),
-                       int(count["disk_loads"]), int(count["gpu_evictions"]), int(count["cpu_evictions"]))  # fmt: skip
+                       int(count["disk_loads"]), count["disk_load_seconds"] * 1e3 / max(count["disk_loads"], 1),
+                       in_flight_max, pinned_alloc_ms(engine.config.device) - pinned_before,
+                       int(count["gpu_evictions"]), int(count["cpu_evictions"]))  # fmt: skip
 
     def close(self) -> None:
         self.engine.adapter_pool.close()
@@ -286,9 +317,10 @@ def zipf_bench(info: ModelInfo, root: Path, args: argparse.Namespace) -> list[Zi
     rows = []
     context = args.prompt + args.new_tokens
     for concurrency in args.concurrency:
-        config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=concurrency, max_num_batched_tokens=8192,
-                              num_kv_blocks=concurrency * -(-context // 16) + 64, block_size=16, max_loras=MAX_LORAS,
-                              max_lora_rank=MAX_RANK, adapter_host_cache_gb=args.adapter_host_cache_gb,
+        config = EngineConfig(device=args.device, dtype="bfloat16", max_num_seqs=concurrency,
+                              max_num_batched_tokens=8192, num_kv_blocks=concurrency * -(-context // 16) + 64,
+                              block_size=16, max_loras=MAX_LORAS, max_lora_rank=MAX_RANK,
+                              adapter_host_cache_gb=args.adapter_host_cache_gb,
                               adapter_eviction=args.adapter_eviction)  # fmt: skip
         runner = random_runner(info, config)  # decode graphs captured once per batch size
         warm_up = ZipfEngine(runner, root, refs, args, all_resident=True)
@@ -306,7 +338,8 @@ def zipf_bench(info: ModelInfo, root: Path, args: argparse.Namespace) -> list[Zi
             pool.close()
         del runner, warm_up, resident, pool
         gc.collect()  # the runner's KV cache and decode graphs, the pool's pinned host tier
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -370,12 +403,18 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=10_000)
     parser.add_argument("--skip", nargs="*", default=[], choices=["latency", "zipf", "churn"])
     parser.add_argument("--out", help="write every row as JSON lines here")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the Zipf part alone")
+    parser.add_argument("--model", choices=("8b", "small"), default="8b", help="the Zipf part's model shapes")
+    parser.add_argument("--layers", type=int, default=SMALL.num_layers, help="--model small's layers")
     args = parser.parse_args()
+    if args.device == "cpu":
+        args.skip = ["latency", "churn"]  # they measure GPU pages, copies and device memory
+    zipf_model = LLAMA3_8B if args.model == "8b" else dataclasses.replace(SMALL, num_layers=args.layers)
     root = Path(tempfile.mkdtemp(prefix="adapter-pool-bench-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None))
     out = open(args.out, "w") if args.out else None  # noqa: SIM115 - kept open for the whole run
-    bandwidth = pinned_h2d_bandwidth()
-    print(f"device {torch.cuda.get_device_name()}  pinned H2D {bandwidth / 1e9:.1f} GB/s  "
-          f"eviction {args.adapter_eviction}", flush=True)  # fmt: skip
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    bandwidth = pinned_h2d_bandwidth() if args.device == "cuda" else 0.0
+    print(f"device {device}  pinned H2D {bandwidth / 1e9:.1f} GB/s  eviction {args.adapter_eviction}", flush=True)
     latency: list[LatencyRow] = []
     zipf: list[ZipfRow] = []
     memory: dict[str, float] = {}
@@ -386,7 +425,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     if "zipf" not in args.skip:
-        zipf = zipf_bench(LLAMA3_8B, root, args)
+        zipf = zipf_bench(zipf_model, root, args)
     if "churn" not in args.skip:
         memory = churn(root, args.cycles)
         print(memory, flush=True)
@@ -396,7 +435,7 @@ def main() -> None:
     if out:
         out.write(json.dumps({"kind": "churn", **memory}) + "\n")
         out.close()
-    print(f"\npinned H2D bandwidth {bandwidth / 1e9:.1f} GB/s ({torch.cuda.get_device_name()})")
+    print(f"\npinned H2D bandwidth {bandwidth / 1e9:.1f} GB/s ({device})")
     print("rank  MB     floor ms  pinned->GPU ms (x floor)  host launch ms  (first into pages)  disk->GPU ms  "
           "of which read ms  disk floor ms  (x floor)  cache")  # fmt: skip
     for r in latency:
@@ -405,7 +444,8 @@ def main() -> None:
               f"{r.pinned_host_ms:<15.2f} {r.first_host_ms:<20.2f} {r.disk_ms:<13.1f} {r.disk_read_ms:<17.1f} "
               f"{r.disk_floor_ms:<14.1f} ({r.disk_ms / r.disk_floor_ms:.2f}x)  {r.cache_drop}")  # fmt: skip
     print("mode          conc  backlog  req   host GB  tok/s    x resident  gpu hit  host hit  wait p50/p99 ms  "
-          "cold wait p50/p99 ms  TTFT p50 warm/cold ms  disk loads  gpu evict  host evict")  # fmt: skip
+          "cold wait p50/p99 ms  TTFT p50 warm/cold ms  disk loads  load ms  in flight  "
+          "pin alloc ms  gpu evict  host evict")  # fmt: skip
     resident_tok_s = {(z.concurrency, z.backlog): z.tok_s for z in zipf if z.mode == "all-resident"}
     for z in zipf:
         pooled = z.mode != "all-resident"
@@ -414,7 +454,8 @@ def main() -> None:
               f"{z.tok_s / resident_tok_s[(z.concurrency, z.backlog)]:<11.3f} {z.gpu_hit_rate:<8.3f} {host_hit:<9} "
               f"{z.wait_p50_ms:.1f}/{z.wait_p99_ms:<10.1f} {z.cold_wait_p50_ms:.1f}/{z.cold_wait_p99_ms:<16.1f} "
               f"{z.warm_ttft_p50_ms:.1f}/{z.cold_ttft_p50_ms:<17.1f} "
-              f"{z.disk_loads:<11} {z.gpu_evictions:<10} {z.host_evictions}")  # fmt: skip
+              f"{z.disk_loads:<11} {z.disk_load_ms_mean:<8.1f} {z.loads_in_flight_max:<10} {z.pinned_alloc_ms:<13.0f} "
+              f"{z.gpu_evictions:<10} {z.host_evictions}")  # fmt: skip
     if memory:
         print(json.dumps(memory))
 

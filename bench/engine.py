@@ -58,7 +58,8 @@ from tokenizers import Tokenizer, models
 
 from bench.int4 import int4_projection_bytes, print_int4_targets, quantize_random
 from kernels.quant import quantize_weight
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, file_sha256
+from shared.adapter_digest import file_digest
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.config import EngineConfig
 from shared.model_info import PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef, SamplingParams
@@ -69,7 +70,7 @@ from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
-from worker.memory_plan import DeviceMemory, plan_memory
+from worker.memory_plan import DeviceMemory, kv_storage_bytes, model_footprint, plan_memory
 from worker.metrics import WorkerMetrics
 from worker.model.lora_linear import LoRALinear
 from worker.model.model import CausalLM
@@ -218,7 +219,11 @@ def random_runner(info: ModelInfo, config: EngineConfig) -> ModelRunner:
     """A runner over random weights, built in the order a worker builds one
     (worker/switching/residency.py): the memory plan first, which fails naming the setting to change
     if the configuration cannot fit, then the model, the plan's KV storage and the runner (its decode
-    graphs captured)."""
+    graphs captured). On a CPU there is no device memory to plan: config.num_kv_blocks blocks."""
+    if torch.device(config.device).type == "cpu":
+        model = random_model(info, config)
+        nbytes = kv_storage_bytes(model_footprint(info, config), config.num_kv_blocks, config)
+        return ModelRunner(model, config, torch.zeros(nbytes, dtype=torch.uint8), config.num_kv_blocks)
     plan = plan_memory({info.name: info}, config, memory=DeviceMemory.measure(torch.device(config.device)))
     print(f"memory plan: {json.dumps(plan.summary())}", flush=True)
     model = random_model(info, config)
@@ -256,7 +261,7 @@ def write_adapter(directory: Path, info: ModelInfo, rank: int, seed: int) -> Ada
         save_file(tensors, str(weights))
         config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS)}
         (directory / CONFIG_FILE).write_text(json.dumps(config))
-    return AdapterRef(directory.name, 1, directory.name, file_sha256(weights))
+    return AdapterRef(directory.name, 1, directory.name, file_digest(weights))
 
 
 def adapter_dir(path: str | None) -> Path:

@@ -52,6 +52,7 @@ from bench.disk_floor import drop_page_cache, read_floor
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from shared.schema import SamplingParams
+from worker.engine.capture_pacer import CapturePacer
 from worker.engine.engine import EngineRequest, LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.memory_plan import kv_storage_bytes, model_footprint
@@ -228,13 +229,16 @@ def word_tokenizer() -> Tokenizer:
     return Tokenizer(models.WordLevel({"w0": 0}, unk_token="w0"))
 
 
-def new_runner(model: CausalLM, config: EngineConfig, kv_storage: torch.Tensor | None = None) -> ModelRunner:
+def new_runner(
+    model: CausalLM, config: EngineConfig, kv_storage: torch.Tensor | None = None, pacer: CapturePacer | None = None
+) -> ModelRunner:
     """The runner of `model` with config.num_kv_blocks blocks, carved from `kv_storage` (a resident
-    slot's, shared by the models that take turns in it) or from storage of its own."""
+    slot's, shared by the models that take turns in it) or from storage of its own; its captures
+    paced by `pacer` (beside a serving model, as ModelResidency.prepare does)."""
     if kv_storage is None:
         nbytes = kv_storage_bytes(model_footprint(model.info, config), config.num_kv_blocks, config)
         kv_storage = torch.zeros(nbytes, dtype=torch.uint8, device=config.device)
-    return ModelRunner(model, config, kv_storage, config.num_kv_blocks)
+    return ModelRunner(model, config, kv_storage, config.num_kv_blocks, pacer)
 
 
 def new_engine(model: CausalLM, config: EngineConfig, kv_storage: torch.Tensor | None = None) -> LLMEngine:
@@ -400,7 +404,8 @@ def measure_overlap(
         started = time.perf_counter()
         copy_to_model(model, host, stream)
         built = time.perf_counter()
-        prepared["runner"] = new_runner(model, config, kv_storage)
+        # the serving model's requests outlast the preparation (SERVING_TOKENS): it has work throughout
+        prepared["runner"] = new_runner(model, config, kv_storage, CapturePacer(serving=lambda: True))
         prepared["copy_s"], prepared["build_s"] = built - started, time.perf_counter() - built
 
     loader = threading.Thread(target=prepare)

@@ -32,7 +32,8 @@ import torch
 from safetensors.torch import save_file
 
 from bench.engine import EngineBench, adapter_dir, copy_bandwidth, served
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, file_sha256
+from shared.adapter_digest import file_digest
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.expert_adapter_keys import expert_key
 from shared.model_info import EXPERT_PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef
@@ -105,7 +106,7 @@ def write_moe_adapter(directory: Path, info: ModelInfo, rank: int, seed: int) ->
         config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
                   "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}  # fmt: skip
         (directory / CONFIG_FILE).write_text(json.dumps(config))
-    return AdapterRef(directory.name, 1, directory.name, file_sha256(weights))
+    return AdapterRef(directory.name, 1, directory.name, file_digest(weights))
 
 
 def main() -> None:

@@ -137,10 +137,10 @@ async def _register_once(redis: Redis, adapter: DemoAdapter, model: ModelInfo, a
         adapter_root, adapter.path(model.name), model, max_rank=limits.max_lora_rank, max_bytes=limits.max_adapter_bytes
     )
     current = await get_adapter(redis, adapter.name)
-    if current is not None and (current.tenant, current.base_model, current.sha256, current.path) == (
+    if current is not None and (current.tenant, current.base_model, current.digest, current.path) == (
         adapter.tenant,
         model.name,
-        files.manifest.sha256,
+        files.manifest.digest,
         files.relative_path,
     ):
         return

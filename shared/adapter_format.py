@@ -7,25 +7,26 @@ well formed (shared/safetensors_table.py), whose tensors are exactly the LoRA ma
 targets name, and whose shapes match the base model's layers at the config's rank.
 
 `read_adapter` reads the weights file in one pass from one descriptor: the header it validates,
-the bytes it hashes and the data it hands back (into the caller's buffer: pinned host memory on a
-worker) are the same bytes, so nothing swapped in after a check is ever hashed, validated or
-served. The gateway passes no buffer: it keeps only the manifest, the data streamed through the
-hash, so registering a 2 GiB adapter does not hold 2 GiB.
+the bytes it hashes (shared/adapter_digest.py: the file's identity, a hash of fixed pieces) and the
+data it hands back (into the caller's buffer: pinned host memory on a worker) are the same bytes,
+so nothing swapped in after a check is ever hashed, validated or served. The gateway passes no
+buffer: it keeps only the manifest, the data streamed through the hash piece by piece, so
+registering a 2 GiB adapter does not hold 2 GiB.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from shared.adapter_config import CONFIG_FILE, MAX_CONFIG_BYTES, AdapterConfig, parse_adapter_config
+from shared.adapter_digest import combine, piece_digest, pieces
 from shared.adapter_paths import adapter_relative_path, open_adapter_dir, open_adapter_file
 from shared.errors import ErrorCode, LorafleetError
 from shared.expert_adapter_keys import (
@@ -40,12 +41,10 @@ from shared.expert_adapter_keys import (
 from shared.model_info import PROJECTIONS, ModelInfo
 from shared.safetensors_table import TensorEntry, header_length, parse_table
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "AdapterFiles", "AdapterManifest", "file_sha256", "read_adapter"]
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "AdapterFiles", "AdapterManifest", "read_adapter"]
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 ACCEPTED_DTYPES = frozenset({"F16", "BF16", "F32"})
-_CHUNK_BYTES = 1 << 20
-_HASH_PIECE_BYTES = 8 << 20  # read, then hashed while the next piece is read
 # PEFT's saved names: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
 _LORA_KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.("
@@ -63,7 +62,7 @@ class AdapterManifest:
     use_rslora: bool
     target_modules: tuple[str, ...]  # subset of PROJECTIONS, in PROJECTIONS order, then `experts.{name}`
     size_bytes: int
-    sha256: str  # of adapter_model.safetensors, exactly as read
+    digest: str  # of adapter_model.safetensors, exactly as read (shared/adapter_digest.py)
     fused_experts: FusedExperts | None = None  # LoRAs on fused expert parameters (their own ranks)
 
     @property
@@ -103,10 +102,13 @@ def read_adapter(
     max_rank: int,
     max_bytes: int,
     allocate: Callable[[int], memoryview] | None = None,
+    hasher: Executor | None = None,
 ) -> AdapterFiles:
     """Validate the adapter at `path` (relative to the root, or absolute inside it) against `model`;
     raise LorafleetError naming the first problem. The data section (everything after the header)
-    goes into `allocate(n)`, a writable n-byte buffer, when given."""
+    goes into `allocate(n)`, a writable n-byte buffer, when given; its pieces are hashed on
+    `hasher`'s threads (a worker's few, shared by its loads: shared/adapter_digest.HASH_THREADS)
+    while the next is read, or in turn without one."""
     relative = adapter_relative_path(adapter_root, path)
     dir_fd = open_adapter_dir(adapter_root, relative)
     try:
@@ -124,23 +126,16 @@ def read_adapter(
             raise LorafleetError(
                 ErrorCode.ADAPTER_TOO_LARGE, f"{WEIGHTS_FILE} is {stat.st_size} bytes, over the limit of {max_bytes}"
             )
-        prefix = _read_exact(f, 8)
-        header = prefix + _read_exact(f, header_length(prefix, stat.st_size, WEIGHTS_FILE))
-        tensors = parse_table(header[8:], stat.st_size - len(header), WEIGHTS_FILE)
-        manifest = _manifest(config, tensors, model, size=stat.st_size)  # before the data: fail fast
-        digest = hashlib.sha256(header)
-        data = _read_data(f, stat.st_size - len(header), digest, allocate)
-    manifest = dataclasses.replace(manifest, sha256=digest.hexdigest())
+        try:
+            prefix = _read_exact(f, 8)
+            header = prefix + _read_exact(f, header_length(prefix, stat.st_size, WEIGHTS_FILE))
+            tensors = parse_table(header[8:], stat.st_size - len(header), WEIGHTS_FILE)
+            manifest = _manifest(config, tensors, model, size=stat.st_size)  # before the data: fail fast
+            data, digest = _read_data(f, header, stat.st_size - len(header), allocate, hasher)
+        except OSError as exc:
+            raise _read_failed(WEIGHTS_FILE, f, exc) from exc
+    manifest = dataclasses.replace(manifest, digest=digest)
     return AdapterFiles(relative, config, manifest, tensors, header, data)
-
-
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes: what a registered adapter's `sha256` is of its weights file."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK_BYTES), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _read_config(dir_fd: int) -> bytes:
@@ -150,10 +145,18 @@ def _read_config(dir_fd: int) -> bytes:
             raise LorafleetError(
                 ErrorCode.INVALID_ADAPTER_CONFIG, f"{CONFIG_FILE} is over the limit of {MAX_CONFIG_BYTES} bytes"
             )
-        raw = f.read(MAX_CONFIG_BYTES + 1)
+        try:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise _read_failed(CONFIG_FILE, f, exc) from exc
     if len(raw) > MAX_CONFIG_BYTES:  # grown since the size check
         raise LorafleetError(ErrorCode.INVALID_ADAPTER_CONFIG, f"{CONFIG_FILE} changed while it was read")
     return raw
+
+
+def _read_failed(name: str, f: BinaryIO, exc: OSError) -> LorafleetError:
+    """A disk error reading `name`: the disk's fault, not the adapter's; this read fails, nothing else."""
+    return LorafleetError(ErrorCode.INTERNAL_ERROR, f"{name}: read failed at byte {f.tell()} ({exc.strerror or exc})")
 
 
 def _read_exact(f: BinaryIO, n: int) -> bytes:
@@ -168,32 +171,51 @@ def _read_exact(f: BinaryIO, n: int) -> bytes:
 
 
 def _read_data(
-    f: BinaryIO, n: int, digest: hashlib._Hash, allocate: Callable[[int], memoryview] | None
-) -> memoryview | None:
-    """The next `n` bytes (and no more: the file must end there) into `allocate(n)`, or only through
-    `digest` without a buffer. Into a buffer, each piece is hashed on a helper thread while the next
-    is read (hashlib releases the GIL), so a load takes the longer of the read and the hash, not both."""
+    f: BinaryIO, header: bytes, n: int, allocate: Callable[[int], memoryview] | None, hasher: Executor | None
+) -> tuple[memoryview | None, str]:
+    """The file's next `n` bytes (and no more: the file must end there) into `allocate(n)`, or only
+    through the hash without a buffer, with the identity of the whole file (`header` + those bytes).
+    Into a buffer with a `hasher`, each piece is hashed on its threads while the next is read, so a
+    load takes about as long as its read; otherwise (registration) pieces are hashed in turn."""
     if allocate is None:
-        for done in range(0, n, _CHUNK_BYTES):
-            digest.update(_read_exact(f, min(_CHUNK_BYTES, n - done)))
+        digests = [
+            piece_digest(header[start:end], _read_exact(f, max(end - len(header), 0) - max(start - len(header), 0)))
+            for start, end in pieces(len(header) + n)
+        ]
         _check_ended(f)
-        return None
+        return None, combine(digests)
     buffer = allocate(n)
-    with ThreadPoolExecutor(1, thread_name_prefix="adapter-hash") as hasher:  # one thread: pieces hashed in order
-        hashed = []
-        for start in range(0, n, _HASH_PIECE_BYTES):
-            end = min(start + _HASH_PIECE_BYTES, n)
-            done = start
-            while done < end:
-                read = f.readinto(buffer[done:end]) or 0
-                if not read:
-                    raise LorafleetError(ErrorCode.INVALID_SAFETENSORS, f"{WEIGHTS_FILE} changed while it was read")
-                done += read
-            hashed.append(hasher.submit(digest.update, buffer[start:end]))
+    hashed: list[Future[bytes]] = []
+    try:
+        for start, end in pieces(len(header) + n):
+            # a piece is the header's bytes in [start, end), then the data's (data offset = file offset - header)
+            low, high = max(start - len(header), 0), max(end - len(header), 0)
+            _read_into(f, buffer[low:high])
+            if hasher is None:
+                hashed.append(_done(piece_digest(header[start:end], buffer[low:high])))
+            else:
+                hashed.append(hasher.submit(piece_digest, header[start:end], buffer[low:high]))
         _check_ended(f)
+    except BaseException:
         for piece in hashed:
-            piece.result()
-    return buffer
+            piece.cancel()  # the load failed: its pieces not hashed yet are not worth a thread
+        raise
+    return buffer, combine(piece.result() for piece in hashed)
+
+
+def _done(digest: bytes) -> Future[bytes]:
+    future: Future[bytes] = Future()
+    future.set_result(digest)
+    return future
+
+
+def _read_into(f: BinaryIO, target: memoryview) -> None:
+    done = 0
+    while done < len(target):
+        read = f.readinto(target[done:]) or 0
+        if not read:
+            raise LorafleetError(ErrorCode.INVALID_SAFETENSORS, f"{WEIGHTS_FILE} changed while it was read")
+        done += read
 
 
 def _check_ended(f: BinaryIO) -> None:
@@ -204,7 +226,7 @@ def _check_ended(f: BinaryIO) -> None:
 def _manifest(
     config: AdapterConfig, tensors: dict[str, TensorEntry], model: ModelInfo, *, size: int
 ) -> AdapterManifest:
-    """Check every tensor against `model`, the config's rank and its targets (sha256 left empty)."""
+    """Check every tensor against `model`, the config's rank and its targets (digest left empty)."""
     rank = config.rank
     seen: dict[tuple[int, str], set[str]] = {}
     experts_seen: dict[tuple[int, str], set[int]] = {}
@@ -275,7 +297,7 @@ def _manifest(
         use_rslora=config.use_rslora,
         target_modules=tuple(p for p in PROJECTIONS if p in dense) + expert_targets,
         size_bytes=size,
-        sha256="",
+        digest="",
         fused_experts=fused,
     )
 

@@ -98,12 +98,12 @@ class AdapterRecord:
     use_rslora: bool
     target_modules: tuple[str, ...]
     size_bytes: int
-    sha256: str
+    digest: str  # of the weights file, with its scheme (shared/adapter_digest.py)
     created_ms: int
     slot_rank: int = 0  # the LoRA slot rank a worker needs: `rank`, or a fused expert gate_up LoRA's 2r
 
     def ref(self) -> AdapterRef:
-        return AdapterRef(name=self.name, version=self.version, path=self.path, sha256=self.sha256)
+        return AdapterRef(name=self.name, version=self.version, path=self.path, digest=self.digest)
 
     def visible_to(self, tenant_id: str) -> bool:
         return self.tenant in (tenant_id, SHARED_OWNER)
@@ -156,7 +156,7 @@ async def register_adapter(
         use_rslora=manifest.use_rslora,
         target_modules=manifest.target_modules,
         size_bytes=manifest.size_bytes,
-        sha256=manifest.sha256,
+        digest=manifest.digest,
         created_ms=int(time.time() * 1000),
         slot_rank=manifest.serving_rank,
     )
@@ -176,6 +176,8 @@ async def get_adapter(redis: Redis, name: str) -> AdapterRecord | None:
         return None
     data = json.loads(raw)
     data["target_modules"] = tuple(data["target_modules"])
+    if "sha256" in data:  # registered before piece digests: a plain sha256, named as one (no worker verifies it)
+        data["digest"] = f"sha256:{data.pop('sha256')}"
     return AdapterRecord(**data)
 
 

@@ -26,9 +26,10 @@ from enum import StrEnum
 
 import msgpack
 
+from shared.adapter_digest import DIGEST_CHARS
 from shared.wire_fields import Fields, SchemaError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: an adapter is named by its piece digest (`digest`), no longer a plain `sha256`
 _MAX_TOKEN_ID = 2**31 - 1
 _MAX_PROMPT_TOKENS = 1 << 20
 _MAX_COUNT = 2**31 - 1  # max_tokens, top_k
@@ -103,13 +104,13 @@ class AdapterRef:
     name: str
     version: int
     path: str
-    sha256: str
+    digest: str  # of the weights file, with its scheme: `sha256-pieces-8MiB:<hex>` (shared/adapter_digest.py)
 
     @property
     def uid(self) -> str:
         """Identity of these exact weights: a re-registered name gets a new uid, so a worker never
         serves a cached copy of an older version under the new one."""
-        return f"{self.name}@{self.version}:{self.sha256[:16]}"
+        return f"{self.name}@{self.version}:{self.digest.rpartition(':')[2][:16]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +152,7 @@ def encode_job(message: JobMessage) -> bytes:
             },
             "adapter": None
             if adapter is None
-            else {"name": adapter.name, "version": adapter.version, "path": adapter.path, "sha256": adapter.sha256},
+            else {"name": adapter.name, "version": adapter.version, "path": adapter.path, "digest": adapter.digest},
             "created_at": message.created_at,
             "deadline": message.deadline,
             "request_id": message.request_id,
@@ -195,7 +196,7 @@ def decode_job(payload: bytes) -> JobMessage:
             name=adapter.text("name", _MAX_NAME_CHARS, min_chars=1),
             version=adapter.integer("version", 1, 2**63 - 1),
             path=adapter.text("path", _MAX_NAME_CHARS, min_chars=1),
-            sha256=adapter.text("sha256", 64, min_chars=64),
+            digest=adapter.text("digest", DIGEST_CHARS, min_chars=1),  # a scheme the worker lacks fails that load
         ),
         created_at=fields.number("created_at", 0.0, math.inf),
         deadline=fields.number("deadline", 0.0, math.inf, default=None),

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.adapter_format import WEIGHTS_FILE, file_sha256
+from shared.adapter_digest import file_digest
+from shared.adapter_format import WEIGHTS_FILE
 from shared.errors import ErrorCode, LorafleetError
 from shared.schema import AdapterRef, JobStatus
 from tests.engine.engines import host_adapter, load_engine
@@ -111,7 +112,7 @@ def test_a_file_whose_tensors_overlap_is_refused(llama: TinyCheckpoint, tmp_path
     header[second]["data_offsets"] = header[first]["data_offsets"]  # same shape: both read the same bytes
     encoded = json.dumps(header).encode().ljust(length)
     weights.write_bytes(len(encoded).to_bytes(8, "little") + encoded + raw[8 + length :])
-    ref = AdapterRef("overlap", 1, "mlp_k_r4", file_sha256(weights))
+    ref = AdapterRef("overlap", 1, "mlp_k_r4", file_digest(weights))
 
     with pytest.raises(LorafleetError, match="overlap") as raised:
         read_host_adapter(ref, adapter_root=tmp_path, info=llama.info, dtype=torch.float32, max_rank=16,
@@ -246,7 +247,7 @@ def test_an_adapter_whose_read_failed_gets_no_second_read_in_the_same_poll(llama
 
 def test_a_valid_adapter_file_replaced_after_registration_is_never_served(llama: TinyCheckpoint, tmp_path: Path):
     shutil.copytree(llama.adapters["all_r8"], tmp_path / "all_r8")
-    request = greedy_request(llama, "stale", "all_r8")  # carries the registered sha256
+    request = greedy_request(llama, "stale", "all_r8")  # carries the registered digest
     weights = tmp_path / "all_r8" / WEIGHTS_FILE
     save_file({name: tensor * 2 for name, tensor in load_file(weights).items()}, str(weights))  # still valid PEFT
 

@@ -20,7 +20,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from shared.adapter_format import WEIGHTS_FILE, file_sha256
+from shared.adapter_digest import file_digest
+from shared.adapter_format import WEIGHTS_FILE
 from shared.model_info import ModelInfo
 from shared.schema import AdapterRef
 
@@ -80,7 +81,7 @@ def save_tiny_model(
 
 def saved_adapter_ref(name: str, directory: Path) -> AdapterRef:
     """The registry's reference to the PEFT adapter saved in `directory`: version 1, its file's hash."""
-    return AdapterRef(name, 1, directory.name, file_sha256(directory / WEIGHTS_FILE))
+    return AdapterRef(name, 1, directory.name, file_digest(directory / WEIGHTS_FILE))
 
 
 def save_lora_adapter(

@@ -11,7 +11,8 @@ import pytest
 
 from cli.demo_adapters import DEMO_ADAPTERS, write_demo_adapter
 from cli.demo_model import DemoModelShape, write_demo_model
-from shared.adapter_format import WEIGHTS_FILE, file_sha256
+from shared.adapter_digest import file_digest
+from shared.adapter_format import WEIGHTS_FILE
 from shared.model_info import ModelInfo
 from shared.schema import AdapterRef
 from tests.engine.engines import load_engine
@@ -47,12 +48,12 @@ def test_adapter_load_evict_cycles_do_not_grow_memory(tiny_assets: tuple[Path, P
     # new identities every cycle: once the tiers are full, every cycle evicts from both
     engine = load_engine(model_dir, adapter_root, device="cpu", max_loras=SLOTS, max_lora_rank=16, num_kv_blocks=4)
     pool = engine.adapter_pool  # driven here without engine steps
-    sources = [(a.path("tiny"), file_sha256(adapter_root / a.path("tiny") / WEIGHTS_FILE)) for a in DEMO_ADAPTERS]
+    sources = [(a.path("tiny"), file_digest(adapter_root / a.path("tiny") / WEIGHTS_FILE)) for a in DEMO_ADAPTERS]
 
     def cycle(index: int) -> int:
         """One adapter through every tier; returns its host copy's size in bytes."""
-        path, sha256 = sources[index % len(sources)]
-        ref = AdapterRef(f"adapter-{index}", 1, path, sha256)  # a new identity every time
+        path, digest = sources[index % len(sources)]
+        ref = AdapterRef(f"adapter-{index}", 1, path, digest)  # a new identity every time
         pool.request(ref)
         while pool.gpu.slot_of(ref.uid) is None:
             assert pool.poll() == []

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from shared import keys
 from shared.jobstore import JobStore, now_ms
-from shared.schema import JobMessage, JobRecord, JobStatus, SamplingParams, encode_job
+from shared.schema import SCHEMA_VERSION, JobMessage, JobRecord, JobStatus, SamplingParams, encode_job
 from tests.e2e.processes import wait_until
 from tests.fleet import MODEL, TENANT, Fleet
 
@@ -63,8 +63,8 @@ BAD_FIELDS: list[tuple[str, Any]] = [
     ("sampling.stop", "\n"), ("sampling.stop", [1]), ("sampling.stop", ["s"] * 65),
     ("sampling.ignore_eos", "no"), ("sampling.ignore_eos", None),
     ("adapter", "acme-style"), ("adapter", [1]), ("adapter", {}),
-    ("adapter", {"name": "a", "version": "1", "path": "p", "sha256": "0" * 64}),
-    ("adapter", {"name": "a", "version": 1, "path": "p", "sha256": "short"}),
+    ("adapter", {"name": "a", "version": "1", "path": "p", "digest": "sha256-pieces-8MiB:" + "0" * 64}),
+    ("adapter", {"name": "a", "version": 1, "path": "p", "digest": ""}),
 ]  # fmt: skip
 # whole entries that are no job message of this release, and what their reason names
 BAD_ENTRIES: list[tuple[dict[bytes, bytes], str]] = [
@@ -73,7 +73,8 @@ BAD_ENTRIES: list[tuple[dict[bytes, bytes], str]] = [
     ({b"job": msgpack.packb([1, 2, 3])}, "version"),
     ({b"job": msgpack.packb("a string")}, "version"),
     ({b"job": msgpack.packb(None)}, "version"),
-    ({b"job": msgpack.packb({**message("v2"), "v": 2})}, "version"),
+    ({b"job": msgpack.packb({**message("v-next"), "v": SCHEMA_VERSION + 1})}, "version"),
+    ({b"job": msgpack.packb({**message("v-sha256"), "v": 1})}, "version"),  # named its adapter by plain sha256
     ({b"job": msgpack.packb({**message("v-text"), "v": "1"})}, "version"),
     ({b"job": msgpack.packb({k: v for k, v in message("no-v").items() if k != "v"})}, "version"),
     ({b"payload": encode_job(JobMessage("no-job-field", TENANT, MODEL, (1,), SamplingParams()))}, "no job field"),

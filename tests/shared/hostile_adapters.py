@@ -5,6 +5,7 @@ would send. Used against shared/adapter_format directly, the gateway's routes an
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -20,6 +21,13 @@ OWNER, OTHER = "acme", "globex"
 PREFIX = "base_model.model.model.layers.0.self_attn.q_proj"
 A, B = f"{PREFIX}.lora_A.weight", f"{PREFIX}.lora_B.weight"
 RANK = 2
+
+
+def piece_digest_of(content: bytes, piece_bytes: int = 8 << 20) -> str:
+    """The registry's identity of `content`, worked out here from its definition (the oracle for
+    shared/adapter_digest.py): sha256 over the sha256 of each `piece_bytes` piece, in order."""
+    pieces = [hashlib.sha256(content[i : i + piece_bytes]).digest() for i in range(0, len(content), piece_bytes)]
+    return "sha256-pieces-8MiB:" + hashlib.sha256(b"".join(pieces)).hexdigest()
 
 
 class Lab:

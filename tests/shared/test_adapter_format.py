@@ -5,14 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from shared import adapter_format
-from shared.adapter_format import file_sha256, read_adapter
+from shared import adapter_digest
+from shared.adapter_digest import file_digest
+from shared.adapter_format import read_adapter
 from shared.adapter_paths import adapter_relative_path
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import ModelInfo
@@ -72,11 +74,11 @@ def test_valid_adapter_is_described(tmp_path):
     assert manifest.rank == 4
     assert manifest.target_modules == ("q_proj", "down_proj")
     assert manifest.scaling == 2.0
-    assert len(manifest.sha256) == 64
+    assert manifest.digest.startswith("sha256-pieces-8MiB:") and len(manifest.digest) == len("sha256-pieces-8MiB:") + 64
 
 
 def test_data_read_into_a_buffer_in_many_pieces_is_the_file_and_hashes_as_the_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(adapter_format, "_HASH_PIECE_BYTES", 300)  # each piece hashed while the next is read
+    monkeypatch.setattr(adapter_digest, "PIECE_BYTES", 300)  # each piece hashed while the next is read
     directory = write_adapter(tmp_path / "a", rank=4, targets=("q_proj", "down_proj"))
     buffers = []
 
@@ -84,11 +86,12 @@ def test_data_read_into_a_buffer_in_many_pieces_is_the_file_and_hashes_as_the_fi
         buffers.append(bytearray(n))
         return memoryview(buffers[0])
 
-    files = read_adapter(tmp_path, "a", MODEL, max_rank=16, max_bytes=1 << 20, allocate=allocate)
+    with ThreadPoolExecutor(3) as hasher:  # pieces finish out of order: combined in file order all the same
+        files = read_adapter(tmp_path, "a", MODEL, max_rank=16, max_bytes=1 << 20, allocate=allocate, hasher=hasher)
     weights = directory / "adapter_model.safetensors"
     assert files.header + bytes(files.data) == weights.read_bytes()
     assert len(files.data) > 10 * 300
-    assert files.manifest.sha256 == file_sha256(weights) == check(directory).sha256  # with and without a buffer
+    assert files.manifest.digest == file_digest(weights) == check(directory).digest  # with and without a buffer
 
 
 def test_rslora_scaling_uses_the_square_root_of_the_rank(tmp_path):

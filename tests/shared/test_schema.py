@@ -13,7 +13,7 @@ MESSAGE = JobMessage(
     model="m",
     prompt_token_ids=(1, 2, 3),
     sampling=SamplingParams(max_tokens=4, temperature=0.5, seed=7, stop=("\n",)),
-    adapter=AdapterRef("a", 2, "a/v2", "0" * 64),
+    adapter=AdapterRef("a", 2, "a/v2", "sha256-pieces-8MiB:" + "0" * 64),
     created_at=1.5,
     deadline=9.0,
     request_id="req-1",
@@ -33,7 +33,8 @@ def test_a_message_from_before_the_stream_flag_is_streamed_as_it_was_then():
     assert decode_job(msgpack.packb(fields)).stream is True
 
 
-def test_another_schema_version_is_refused():
+@pytest.mark.parametrize("version", [1, 3], ids=["a plain sha256 names the adapter", "unknown"])
+def test_another_schema_version_is_refused(version: int):
     fields = msgpack.unpackb(encode_job(MESSAGE))
     with pytest.raises(SchemaError, match="version"):
-        decode_job(msgpack.packb({**fields, "v": 2}))
+        decode_job(msgpack.packb({**fields, "v": version}))

@@ -168,12 +168,16 @@ def test_sequence_whose_adapter_is_not_resident_waits_without_blocking_others():
     assert run_step(scheduler) == {"a": 1, "base": 1, "b": 2}
 
 
-def test_a_sequence_waiting_on_its_adapter_leaves_the_only_batch_slot_to_another():
+def test_a_sequence_waiting_on_its_adapter_leaves_the_only_batch_slot_and_the_kv_to_another():
     scheduler = make_scheduler(max_seqs=1)
-    scheduler.add(make_seq(2, adapter="b", name="b"))  # first in line, its adapter still on disk
-    scheduler.add(make_seq(2, name="base"))
+    waiting = make_seq(2, adapter="b", name="b")  # first in line, its adapter still on disk
+    scheduler.add(waiting)
+    scheduler.add(base := make_seq(2, name="base"))
     assert run_step(scheduler) == {"base": 2}
     assert [s.seq_id for s in scheduler.running] == ["base"] and [s.seq_id for s in scheduler.waiting] == ["b"]
+    assert waiting.block_table == [] and scheduler.blocks.num_blocks - scheduler.blocks.num_free_blocks == len(
+        base.block_table
+    )
 
 
 def test_running_sequences_pin_their_adapter_until_they_finish():

@@ -10,12 +10,14 @@ are packed tensor by tensor from the bytes read (`_pack`), never read again."""
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 
+from shared.adapter_digest import SCHEME
 from shared.adapter_format import AdapterManifest, read_adapter
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import EXPERT_PROJECTIONS, PROJECTIONS, ModelInfo
@@ -132,11 +134,13 @@ def read_host_adapter(
     max_rank: int,
     max_bytes: int,
     pin: bool,
+    hasher: Executor | None = None,
 ) -> HostAdapter:
     """Read `ref`'s files once (shared/adapter_format.read_adapter: confined to the root, validated
-    against the base model, hashed), check them against the registered sha256, and hold them in
+    against the base model, hashed), check them against the registered digest, and hold them in
     `dtype`. Raises LorafleetError(ADAPTER_LOAD_FAILED) naming the problem. Thread-safe: the pool
-    runs it on its loader threads (file reads and hashing release the GIL)."""
+    runs it on its loader threads (file reads and hashing release the GIL), the pieces' hashes on
+    `hasher` (in turn without one)."""
     raw: list[torch.Tensor] = []
 
     def allocate(nbytes: int) -> memoryview:
@@ -144,10 +148,19 @@ def read_host_adapter(
         return memoryview(raw[0].numpy())
 
     try:
-        files = read_adapter(adapter_root, ref.path, info, max_rank=max_rank, max_bytes=max_bytes, allocate=allocate)
+        files = read_adapter(
+            adapter_root, ref.path, info, max_rank=max_rank, max_bytes=max_bytes, allocate=allocate, hasher=hasher
+        )
     except LorafleetError as exc:
         raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, exc.message) from exc
-    if files.manifest.sha256 != ref.sha256:
+    scheme = ref.digest.partition(":")[0]
+    if scheme != SCHEME:
+        raise LorafleetError(
+            ErrorCode.ADAPTER_LOAD_FAILED,
+            f"adapter registered with identity scheme {scheme[:40]!r}, this worker checks {SCHEME!r}: "
+            "register it again",
+        )
+    if files.manifest.digest != ref.digest:
         # the registry names exact weights: never serve other bytes under this identity
         raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "adapter files changed since registration")
     manifest = files.manifest

@@ -37,6 +37,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from shared.adapter_digest import HASH_THREADS
 from shared.config import EngineConfig
 from shared.errors import ErrorCode, LorafleetError
 from shared.schema import AdapterRef
@@ -52,6 +53,8 @@ log = structlog.get_logger(__name__)
 
 # Disk reads in parallel: reading and hashing release the GIL, so a few threads overlap well.
 _LOADER_THREADS = 4
+# The loads' piece hashes share HASH_THREADS threads (shared/adapter_digest.py): enough to keep up
+# with the disk, and however many loads run, the engine thread keeps the other cores.
 # Default host budget, in GPU pools' worth of bytes (max_loras largest adapters), when the config leaves it open.
 _DEFAULT_HOST_ADAPTERS_PER_SLOT = 2
 
@@ -100,6 +103,7 @@ class AdapterPool:
         self._writer = SlotWriter(model)
         self._pin = self._writer.device.type == "cuda"
         self._executor = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="adapter-load")
+        self._hasher = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="adapter-hash")
         self._demand: Counter[str] = Counter()  # uid → unfinished requests naming it
         self._refs: dict[str, AdapterRef] = {}  # for every uid with demand
         self._pending: dict[str, None] = {}  # uids with demand not READY on the device, in arrival order
@@ -235,6 +239,7 @@ class AdapterPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._hasher.shutdown(wait=False, cancel_futures=True)
 
     def bookkeeping_size(self) -> int:
         """Entries across every map the pool keeps (a no-leak check: bounded by the tiers' sizes)."""
@@ -299,5 +304,6 @@ class AdapterPool:
             max_rank=self._config.max_lora_rank,
             max_bytes=self._config.max_adapter_bytes,
             pin=self._pin,
+            hasher=self._hasher,
         )
         return adapter, time.perf_counter() - started

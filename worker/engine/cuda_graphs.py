@@ -29,6 +29,7 @@ import structlog
 import torch
 
 from kernels.lora import LoRABatch
+from worker.engine.capture_pacer import CapturePacer
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_cache import KVCache, KVLayout
 from worker.model.model import CausalLM
@@ -84,6 +85,12 @@ def capture(run: Callable[[], None], pool: tuple[int, int]) -> torch.cuda.CUDAGr
     return graph
 
 
+def pace(pacer: CapturePacer | None) -> None:
+    """A point between two units of capture work where a paced capture yields to the serving model."""
+    if pacer is not None:
+        pacer.pause()
+
+
 def warm_up_cache(kv_cache: KVCache) -> KVCache:
     """A one-block cache shaped like `kv_cache`, for the eager runs before captures: they compile
     Triton kernels and create cuBLAS handles without writing the real cache, which a model serving
@@ -119,10 +126,12 @@ class DecodeGraphs:
         max_batch: int,
         max_blocks_per_seq: int,
         pool: tuple[int, int],
+        pacer: CapturePacer | None = None,
     ) -> None:
         """Capture decode graphs for batches of up to `max_batch` sequences whose block tables hold
         at most `max_blocks_per_seq` blocks, their memory from `pool` (graphs replayed one at a
-        time may share one). The cache's last block is the padding rows' scratch."""
+        time may share one), paced by `pacer` when a model serves beside. The cache's last block
+        is the padding rows' scratch."""
         self.model = model
         self.kv_cache = kv_cache
         self.sizes = capture_sizes(max_batch)
@@ -138,7 +147,7 @@ class DecodeGraphs:
             self._query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
             self._logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._capture_all(pool)
+        self._capture_all(pool, pacer)
 
     @property
     def max_batch(self) -> int:
@@ -185,17 +194,19 @@ class DecodeGraphs:
             self._graphs[size, any(s >= 0 for s in adapter_slots)].replay()
         return self._logits[:n]
 
-    def _capture_all(self, pool: tuple[int, int]) -> None:
+    def _capture_all(self, pool: tuple[int, int], pacer: CapturePacer | None) -> None:
         """Warm each graph's kernels up eagerly (on a cache of its own, see warm_up_cache), then
         capture it; largest first, so smaller graphs fit in the memory the larger ones' activations
-        freed in the pool."""
+        freed in the pool. Paced (a pause before each warm-up and each capture) when `pacer` is given."""
         warm_cache = warm_up_cache(self.kv_cache)
         with capture_session(self.kv_cache.key[0].device) as stream:
             self._stage_padding(scratch_block=0)  # the warm-up cache's one block
             for size in reversed(self.sizes):
                 for with_lora in lora_variants(self.model):
+                    pace(pacer)
                     self._forward(size, with_lora, warm_cache)
                     stream.synchronize()
+                    pace(pacer)
                     self._graphs[size, with_lora] = capture(
                         functools.partial(self._forward, size, with_lora, self.kv_cache), pool
                     )

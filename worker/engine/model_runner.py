@@ -15,6 +15,7 @@ import torch
 
 from kernels.lora import LoRABatch
 from shared.config import EngineConfig
+from worker.engine.capture_pacer import CapturePacer
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.piecewise_graphs import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from worker.engine.sampled_tokens import SampledTokens
@@ -35,11 +36,19 @@ def _token_at(seq: SequenceState, position: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, config: EngineConfig, kv_storage: torch.Tensor, num_blocks: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        kv_storage: torch.Tensor,
+        num_blocks: int,
+        pacer: CapturePacer | None = None,
+    ) -> None:
         """The runner of `model` (built on config.device, its weights filled: worker/switching/
         residency.py does both). Its KV cache is `num_blocks` blocks, as the memory plan sized them
         (worker/memory_plan.py), carved from the flat uint8 `kv_storage`, which on CUDA also holds one
-        scratch block past them for the decode graphs' padding rows; on CUDA the graphs are captured here."""
+        scratch block past them for the decode graphs' padding rows; on CUDA the graphs are captured
+        here, paced by `pacer` while another model serves beside (capture_pacer.py)."""
         if (model.max_loras, model.max_lora_rank) != (config.max_loras, config.max_lora_rank):
             raise ValueError("the model's adapter slots differ from config.max_loras / max_lora_rank")
         self.info = model.info
@@ -60,16 +69,22 @@ class ModelRunner:
         if on_cuda:
             pool = torch.cuda.graph_pool_handle()  # replayed one at a time, the graphs share their memory
             max_tokens = min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
-            self.piecewise = PiecewiseGraphs(model, self.kv_cache, max_tokens=max_tokens, pool=pool)
+            self.piecewise = PiecewiseGraphs(model, self.kv_cache, max_tokens=max_tokens, pool=pool, pacer=pacer)
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_cache,
                 max_batch=config.max_num_seqs,
                 max_blocks_per_seq=-(-self.info.max_context // config.block_size),
                 pool=pool,
+                pacer=pacer,
             )
         log.info(
-            "model_loaded", model=self.info.name, dtype=str(self.dtype), device=str(self.device), kv_blocks=num_blocks
+            "model_loaded",
+            model=self.info.name,
+            dtype=str(self.dtype),
+            device=str(self.device),
+            kv_blocks=num_blocks,
+            capture_paced_s=None if pacer is None else round(pacer.slept_s, 3),
         )
 
     def execute(

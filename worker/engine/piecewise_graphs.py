@@ -34,7 +34,8 @@ import structlog
 import torch
 
 from kernels.lora import LoRABatch
-from worker.engine.cuda_graphs import capture, capture_session, lora_variants, warm_up_cache
+from worker.engine.capture_pacer import CapturePacer
+from worker.engine.cuda_graphs import capture, capture_session, lora_variants, pace, warm_up_cache
 from worker.model.attention import paged_attention
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_cache import KVCache
@@ -177,16 +178,24 @@ class PiecewiseGraphs:
     with LoRA metadata built inside piece 0 from the static token slots, over the model's slot
     tensors, which adapter loads update in place; a model without LoRA has the first only)."""
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, *, max_tokens: int, pool: tuple[int, int]) -> None:
-        """Capture pieces for steps of up to `max_tokens` tokens, their memory from `pool`. The
-        cache's last block is the padding rows' scratch."""
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        *,
+        max_tokens: int,
+        pool: tuple[int, int],
+        pacer: CapturePacer | None = None,
+    ) -> None:
+        """Capture pieces for steps of up to `max_tokens` tokens, their memory from `pool`, paced by
+        `pacer` when a model serves beside. The cache's last block is the padding rows' scratch."""
         self.kv_cache = kv_cache
         self.sizes = token_buckets(max_tokens)
         scratch_block = kv_cache.key[0].shape[0] - 1
         self.pieces = StepPieces(model, max_tokens, scratch_slot=scratch_block * kv_cache.block_size)
         self._graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
         self._states: dict[tuple[int, bool], PieceState] = {}  # keeps each bucket's RoPE and LoRA tensors
-        self._capture_all(pool)
+        self._capture_all(pool, pacer)
 
     @property
     def max_tokens(self) -> int:
@@ -200,24 +209,26 @@ class PiecewiseGraphs:
         with torch.inference_mode():
             return self.pieces.run(batch, token_slots, size, self.kv_cache, lambda index: graphs[index].replay())
 
-    def _capture_all(self, pool: tuple[int, int]) -> None:
+    def _capture_all(self, pool: tuple[int, int], pacer: CapturePacer | None) -> None:
         """Per bucket (largest first, as DecodeGraphs) and variant: every piece once eagerly on a
-        warm-up cache of its own, then each piece captured, in order, over the real cache."""
+        warm-up cache of its own, then each piece captured, in order, over the real cache; paced
+        (a pause before the warm-up and before each piece's capture) when `pacer` is given."""
         pieces = self.pieces
         warm_cache = warm_up_cache(self.kv_cache)
         with capture_session(self.kv_cache.key[0].device) as stream:
             pieces.slot_mapping.fill_(0)  # the warm-up cache's first slot
             for size in reversed(self.sizes):
                 for with_lora in lora_variants(pieces.model):
+                    pace(pacer)
                     warm_state = PieceState(with_lora)
                     for index in range(pieces.num_layers + 1):
                         pieces.piece(index, size, warm_state, warm_cache)
                     stream.synchronize()
                     state = PieceState(with_lora)
                     self._states[size, with_lora] = state
-                    self._graphs[size, with_lora] = [
-                        capture(functools.partial(pieces.piece, index, size, state, self.kv_cache), pool)
-                        for index in range(pieces.num_layers + 1)
-                    ]
+                    graphs = self._graphs[size, with_lora] = []
+                    for index in range(pieces.num_layers + 1):
+                        pace(pacer)
+                        graphs.append(capture(functools.partial(pieces.piece, index, size, state, self.kv_cache), pool))
             pieces.slot_mapping.fill_(pieces.scratch_slot)
         log.info("piecewise_graphs_captured", sizes=self.sizes, graphs=sum(map(len, self._graphs.values())))

@@ -5,7 +5,8 @@ the host cache) or cold (only on disk), and the three moves between those tiers.
   side stream from the host cache (warm), or from disk: streamed through reused page-locked buffers
   (worker/switching/loader.stream_to_model), or read into host buffers first where the host cache
   will keep them; then the runner: a KV cache carved from a resident slot's KV storage and the
-  decode graphs captured. It runs while the resident models keep serving; the device memory it
+  decode graphs captured, paced beside a serving model so that it keeps >= 80 % of its throughput
+  (worker/engine/capture_pacer.py). It runs while the resident models keep serving; the device memory it
   takes is the prefetch reserve that resident models leave free when the worker serves more models
   than it keeps resident.
 - `activate(prepared)` (engine thread): the engine around the prepared runner (milliseconds).
@@ -36,6 +37,7 @@ import torch
 from tokenizers import Tokenizer
 
 from shared.config import ModelSpec, WorkerConfig
+from worker.engine.capture_pacer import BUSY_FRACTION, CapturePacer
 from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.memory_plan import DeviceMemory, plan_memory
@@ -122,7 +124,8 @@ class ModelResidency:
             warm = name in self.cache
             copy_s = self.nbytes[name] / self.h2d_bytes_per_s
             read_s = 0.0 if warm else self.nbytes[name] / self.disk_bytes_per_s
-        return read_s + copy_s + _BUILD_S[self.device.type]
+        build_s = _BUILD_S[self.device.type] / (BUSY_FRACTION if self._resident_names else 1.0)  # paced beside
+        return read_s + copy_s + build_s
 
     # -- moves ----------------------------------------------------------------------------------
 
@@ -160,7 +163,9 @@ class ModelResidency:
                 self.h2d_bytes_per_s = _smooth(self.h2d_bytes_per_s, nbytes / max(copy_s, 1e-6))
         build_started = time.perf_counter()
         storage = self._kv_storage[replacing] if replacing is not None else self._storage_for_free_slot()
-        runner = ModelRunner(model, self.config.engine, storage, self.plan.kv_blocks(name))
+        # beside a serving model the captures yield to it (capture_pacer.py); alone they go flat out
+        pacer = CapturePacer(self._serving) if self._resident_names else None
+        runner = ModelRunner(model, self.config.engine, storage, self.plan.kv_blocks(name), pacer)
         tokenizer = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
         build_s = time.perf_counter() - build_started
         log.info(
@@ -173,6 +178,12 @@ class ModelResidency:
             build_s=round(build_s, 3),
         )
         return PreparedModel(spec, runner, tokenizer, storage, read_s, copy_s, build_s, nbytes)
+
+    def _serving(self) -> bool:
+        """Whether a resident model has requests now: read from the loader thread (a snapshot of the
+        names, then each engine's count of unfinished requests, a length read under the GIL)."""
+        engines = [self.engines.get(name) for name in self._resident_names]
+        return any(engine is not None and engine.num_unfinished for engine in engines)
 
     def _cache(self, host: HostWeights, read_s: float) -> None:
         with self._lock:
