@@ -75,6 +75,7 @@ from worker.memory_plan import DeviceMemory, kv_storage_bytes, model_footprint, 
 from worker.metrics import WorkerMetrics
 from worker.model.lora_linear import LoRALinear
 from worker.model.model import CausalLM
+from worker.model.moe import MoEBlock
 from worker.model.parallel.group import TensorParallel
 from worker.tensor_parallel import Followers
 
@@ -208,6 +209,14 @@ def random_model(info: ModelInfo, config: EngineConfig, tp: TensorParallel | Non
                 module.weight_scale.copy_(scale)
             elif isinstance(module, LoRALinear) and module.weight is None:  # int4: quantized as at load
                 quantize_random(module, info.weight_group_size)
+            elif isinstance(module, MoEBlock) and module.w13_scale is not None:  # fp8 experts: as at load
+                for weight, scale in ((module.w13, module.w13_scale), (module.w2, module.w2_scale)):
+                    for expert in range(len(weight)):  # one expert at a time: no transient copy of the stack
+                        quantized, scales = quantize_weight(
+                            torch.empty_like(weight[expert], dtype=torch.bfloat16).normal_(0.0, 0.02)
+                        )
+                        weight[expert].copy_(quantized)
+                        scale[expert].copy_(scales)
     return model
 
 

@@ -103,7 +103,7 @@ class ModelInfo:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
         weights = served_quantization(self.checkpoint_quantization, quantization, source)
-        if weights != "none" and self.is_moe:
+        if weights not in ("none", "fp8") and self.is_moe:
             raise LorafleetError(
                 ErrorCode.INVALID_REQUEST, f"{source}: {weights} weights are not supported for MoE models yet"
             )

@@ -8,7 +8,8 @@ Semantics (reference.py is the oracle):
 `route` and `moe_forward` dispatch: CPU tensors take the torch reference, CUDA tensors the Triton
 kernels (routing.py, align.py with align_small.py / align_large.py, gemm.py, lora_shrink.py,
 lora_expand.py, topk_sum.py, composed in fused.py, the LoRA kernels on a side stream beside the grouped
-GEMMs) with launch configurations from configs.py (tuned by bench/tune_moe.py).
+GEMMs) with launch configurations from configs.py (tuned by bench/tune_moe.py). FP8 experts (W8A16)
+are widened in the grouped GEMM's registers; their adapters stay in x's dtype.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def moe_forward(
     lora: ExpertLoRA | None = None,
     token_slots: torch.Tensor | None = None,
     slot_scales: torch.Tensor | None = None,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H] → [T, H]; see reference.moe_reference for the arguments."""
+    """x [T, H] → [T, H]; see reference.moe_reference for the arguments (fp8 experts: w13 and w2 in
+    fp8 with their per-output-channel scales)."""
     forward = moe_triton if x.is_cuda else moe_reference
-    return forward(x, weights, ids, w13, w2, lora, token_slots, slot_scales)
+    return forward(x, weights, ids, w13, w2, lora, token_slots, slot_scales, w13_scale=w13_scale, w2_scale=w2_scale)

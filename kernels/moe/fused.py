@@ -23,6 +23,7 @@ side stream (kernels/streams.py) beside the grouped GEMMs, whose inputs are thei
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -58,10 +59,14 @@ def moe_triton(
     token_slots: torch.Tensor | None = None,
     slot_scales: torch.Tensor | None = None,
     plan: MoEPlan | None = None,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.moe_reference: x [T, H], weights float32 / ids int [T, K],
-    w13 [E, 2I, H], w2 [E, H, I] → [T, H] in x's dtype. plan: the launch configurations (tests,
-    the tuner); None looks them up for this GPU, shape and pair count (configs.plan_for)."""
+    w13 [E, 2I, H], w2 [E, H, I] (fp8 with float32 scales w13_scale [E, 2I], w2_scale [E, H]) →
+    [T, H] in x's dtype. plan: the launch configurations (tests, the tuner); None looks them up for
+    this GPU, shape and pair count (configs.plan_for)."""
     num_tokens, top_k = ids.shape
     num_experts, two_width, hidden = w13.shape
     width = two_width // 2
@@ -78,34 +83,56 @@ def moe_triton(
         if plan.gemm_down.block_m == plan.gemm_up.block_m
         else expert_blocks(ids, num_experts, plan.gemm_down.block_m)
     )
+    gemms = _BaseGemms(w13, w2, w13_scale, w2_scale, plan, up_blocks, down_blocks, top_k)
     if lora is None:
-        gate_up = moe_gemm(x, w13, up_blocks, top_k, plan.gemm_up)
-        y = moe_gemm(silu_and_mul(gate_up), w2, down_blocks, 1, plan.gemm_down, weights=pair_weights)
+        y = gemms.down(silu_and_mul(gemms.gate_up(x)), pair_weights)
         return y.view(num_tokens, top_k, hidden).sum(dim=1)
     if token_slots is None or slot_scales is None:
         raise ValueError("moe_triton with lora needs token_slots and slot_scales")
     lora_path = _lora_beside if num_pairs <= BESIDE_PAIRS else _lora_inline
-    return lora_path(x, pair_weights, ids, w13, w2, lora, token_slots, slot_scales, plan, up_blocks, down_blocks)
+    return lora_path(x, pair_weights, ids, gemms, lora, token_slots, slot_scales, plan)
+
+
+@dataclass(frozen=True, slots=True)
+class _BaseGemms:
+    """The layer's two grouped GEMMs over its expert weights (fp8 ones with their scales [E, N]) and
+    pair blocks."""
+
+    w13: torch.Tensor  # [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+    plan: MoEPlan
+    up_blocks: PairBlocks
+    down_blocks: PairBlocks
+    top_k: int
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] → gate_up [P, 2I]."""
+        return moe_gemm(x, self.w13, self.up_blocks, self.top_k, self.plan.gemm_up, scale=self.w13_scale)
+
+    def down(self, hidden_act: torch.Tensor, pair_weights: torch.Tensor) -> torch.Tensor:
+        """hidden_act [P, I] → y [P, H], each row times its pair's routing weight."""
+        return moe_gemm(
+            hidden_act, self.w2, self.down_blocks, 1, self.plan.gemm_down, weights=pair_weights, scale=self.w2_scale
+        )
 
 
 def _lora_beside(
     x: torch.Tensor,
     pair_weights: torch.Tensor,
     ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    gemms: _BaseGemms,
     lora: ExpertLoRA,
     token_slots: torch.Tensor,
     slot_scales: torch.Tensor,
     plan: MoEPlan,
-    up_blocks: PairBlocks,
-    down_blocks: PairBlocks,
 ) -> torch.Tensor:
     """The layer with each projection's LoRA delta computed on the side stream into a zeroed buffer
     while its base GEMM runs, and added by the GEMM's consumer. Arguments as moe_triton's, with
-    pair_weights float32 [P] and the base GEMMs' pair blocks."""
+    pair_weights float32 [P] and the base GEMMs."""
     top_k = ids.shape[1]
-    num_experts, two_width, hidden = w13.shape
+    num_experts, two_width, hidden = gemms.w13.shape
     device = x.device
     # allocated on the main stream, where their consumers read and free them after the joins
     delta_up = torch.empty(ids.numel(), two_width, dtype=x.dtype, device=device)
@@ -117,13 +144,13 @@ def _lora_beside(
         z = moe_lora_shrink(x, lora.a13, lora_blocks, top_k, plan.shrink_up)
         moe_lora_expand(delta_up, z, lora.b13, slot_scales, lora_blocks, plan.expand_up,
                         block_diagonal=_halves(two_width, plan))  # fmt: skip
-    gate_up = moe_gemm(x, w13, up_blocks, top_k, plan.gemm_up)
+    gate_up = gemms.gate_up(x)
     join(device)
     hidden_act = silu_and_mul(gate_up, delta_up)  # [P, I]
     with beside(device):
         z = moe_lora_shrink(hidden_act, lora.a2, lora_blocks, 1, plan.shrink_down)
         moe_lora_expand(delta_down, z, lora.b2, slot_scales, lora_blocks, plan.expand_down, weights=pair_weights)
-    y = moe_gemm(hidden_act, w2, down_blocks, 1, plan.gemm_down, weights=pair_weights)
+    y = gemms.down(hidden_act, pair_weights)
     join(device)
     return topk_sum(y, delta_down, top_k)
 
@@ -132,31 +159,28 @@ def _lora_inline(
     x: torch.Tensor,
     pair_weights: torch.Tensor,
     ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    gemms: _BaseGemms,
     lora: ExpertLoRA,
     token_slots: torch.Tensor,
     slot_scales: torch.Tensor,
     plan: MoEPlan,
-    up_blocks: PairBlocks,
-    down_blocks: PairBlocks,
 ) -> torch.Tensor:
     """The layer with each projection's LoRA shrink on the side stream while its base GEMM runs and
     the expand adding into the GEMM's output after it. Arguments as _lora_beside's."""
     num_tokens, top_k = ids.shape
-    num_experts, two_width, hidden = w13.shape
+    num_experts, two_width, hidden = gemms.w13.shape
     device = x.device
     with beside(device):
         lora_blocks = adapter_expert_blocks(ids, token_slots, lora.a13.shape[0], num_experts, plan.lora_block_m)
         z = moe_lora_shrink(x, lora.a13, lora_blocks, top_k, plan.shrink_up)
-    gate_up = moe_gemm(x, w13, up_blocks, top_k, plan.gemm_up)
+    gate_up = gemms.gate_up(x)
     join(device, z, lora_blocks.sorted_pairs, lora_blocks.block_groups)  # the expands read them here
     moe_lora_expand(gate_up, z, lora.b13, slot_scales, lora_blocks, plan.expand_up,
                     block_diagonal=_halves(two_width, plan))  # fmt: skip
     hidden_act = silu_and_mul(gate_up)  # [P, I]
     with beside(device):
         z = moe_lora_shrink(hidden_act, lora.a2, lora_blocks, 1, plan.shrink_down)
-    y = moe_gemm(hidden_act, w2, down_blocks, 1, plan.gemm_down, weights=pair_weights)
+    y = gemms.down(hidden_act, pair_weights)
     join(device, z)
     moe_lora_expand(y, z, lora.b2, slot_scales, lora_blocks, plan.expand_down, weights=pair_weights)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -5,7 +5,11 @@ base projection's weight replaced by its dequantized fp8 weight, and its input (
 layer's: PEFT's lora_A reads the unquantized activations, as the engine's adapters do) replaced by
 the per-token quantized-then-dequantized activations, by a forward pre-hook.
 
-Pre-quantized checkpoints are written here in the two published formats, from a saved tiny model.
+MoE experts (W8A16, fp8_moe_oracle): each expert's gate, up and down weights replaced by their
+dequantized fp8 weights, their inputs left unquantized, as the engine's grouped GEMM reads them.
+
+Pre-quantized checkpoints are written here in the two published formats, from a saved tiny model
+(dense or MoE: every expert's projections are quantized too).
 """
 
 from __future__ import annotations
@@ -48,6 +52,22 @@ def fp8_oracle(oracle: PeftModel, scales: str = "channel") -> PeftModel:
     return quantized
 
 
+def fp8_moe_oracle(oracle: PeftModel, width: int, scales: str = "channel") -> PeftModel:
+    """fp8_oracle(oracle, scales) with every expert's projections quantized too: transformers 5's
+    fused expert parameters gate_up [E, 2I, H] (gate and up quantized apart, as the checkpoint holds
+    them; I = `width`) and down [E, H, I]."""
+    quantized = fp8_oracle(oracle, scales)
+    with torch.no_grad():
+        for name, param in quantized.named_parameters():
+            if param.dim() != 3 or ".experts." not in name or "lora" in name:
+                continue
+            halves = (slice(0, width), slice(width, None)) if name.endswith("gate_up_proj") else (slice(None),)
+            for expert in range(param.shape[0]):
+                for rows in halves:
+                    param[expert, rows] = dequantize(*quantize(param[expert, rows], scales))
+    return quantized
+
+
 def quantize(weight: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 [N, K], float32 scales [N]) of weight [N, K], one scale per row or one for the tensor."""
     if scales == "channel":
@@ -65,7 +85,8 @@ def save_fp8_checkpoint(model_dir: Path, directory: Path, *, method: str, scales
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         parts = name.split(".")
-        if parts[-1] != "weight" or parts[-2] not in PROJECTIONS:
+        expert = len(parts) > 4 and parts[-4] == "experts"  # `experts.{e}.w1.weight`: Mixtral's names too
+        if parts[-1] != "weight" or not (parts[-2] in PROJECTIONS or expert):
             out[name] = tensor
             continue
         q, row_scales = quantize(tensor, scales)

@@ -30,7 +30,7 @@ def tiny_moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return build_tiny_moe(request.param, Path(tmp_path_factory.mktemp(request.param)))
 
 
-def _sequences() -> list[tuple[str | None, PagedSequence]]:
+def moe_sequences() -> list[tuple[str | None, PagedSequence]]:
     seqs = []
     for seed, (adapter, length) in enumerate(MIXED):
         tokens = torch.randint(0, VOCAB_SIZE, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -46,7 +46,7 @@ def _engine(tiny_moe: TinyMoE):
 def test_mixed_batch_matches_hf(tiny_moe: TinyMoE) -> None:
     model = _engine(tiny_moe)
     kv_cache = make_kv_cache(model, num_blocks=64, block_size=4)
-    seqs = _sequences()
+    seqs = moe_sequences()
     logits = prefill([seq for _, seq in seqs], model, kv_cache, BlockPool(64))
     for row, (adapter, seq) in enumerate(seqs):
         expected = oracle_logits(tiny_moe.oracle, seq.token_ids, adapter)[-1]
@@ -60,7 +60,7 @@ def test_decode_steps_match_hf(tiny_moe: TinyMoE) -> None:
     model = _engine(tiny_moe)
     kv_cache = make_kv_cache(model, num_blocks=64, block_size=4)
     pool = BlockPool(64, seed=1)
-    seqs = _sequences()[:5]
+    seqs = moe_sequences()[:5]
     next_tokens = prefill([seq for _, seq in seqs], model, kv_cache, pool).argmax(-1).tolist()
     for _ in range(3):
         for (_, seq), token in zip(seqs, next_tokens, strict=True):
@@ -110,7 +110,7 @@ def test_the_cuda_engine_decodes_the_oracles_greedy_tokens(tiny_moe: TinyMoE) ->
     settings = {"device": "cuda", "dtype": "float32", "max_loras": 4, "max_lora_rank": 8}
     engine = load_engine(tiny_moe.model_dir, root, name=tiny_moe.family, num_kv_blocks=64, block_size=4, **settings)
     requests, jobs = [], {}
-    for index, ((adapter, _), (_, seq)) in enumerate(zip(MIXED, _sequences(), strict=True)):
+    for index, ((adapter, _), (_, seq)) in enumerate(zip(MIXED, moe_sequences(), strict=True)):
         ref = None
         if adapter is not None:
             directory = tiny_moe.adapters[adapter]

@@ -12,7 +12,7 @@ from kernels.moe.fused import moe_triton
 from kernels.moe.gemm import _moe_gemm_kernel
 from kernels.moe.lora_expand import _moe_expand_kernel
 from kernels.moe.lora_shrink import _moe_shrink_kernel
-from kernels.moe.reference import moe_reference, route_reference
+from kernels.moe.reference import moe_reference, quantize_experts, route_reference
 from kernels.moe.topk_sum import _topk_sum_kernel
 from tests.kernels.moe_cases import make_moe_case, rel_err
 
@@ -72,3 +72,15 @@ def test_captured_graph_replays_new_routing_without_recompiling() -> None:
         weights, ids = route(other.x @ other.router.T, 8, True)
         moe_triton(other.x, weights, ids, other.w13, other.w2, other.lora, other.token_slots, other.slot_scales)
     assert {kernel: len(kernel.device_caches[device][0]) for kernel in kernels} == compiled
+
+
+@pytest.mark.parametrize("num_tokens", [1, 61, 700, 4200])
+def test_fp8_experts_with_lora_match_reference_in_bf16(num_tokens: int) -> None:
+    """W8A16 experts at Qwen3-30B-A3B shapes: fp8 widened to bf16 in the grouped GEMM's registers."""
+    case = make_moe_case(num_tokens, **A3B, slot_ranks=SLOT_RANKS, dtype=torch.bfloat16, device="cuda", seed=5)
+    weights, ids = route(case.x @ case.router.T, 8, True)
+    (w13, s13), (w2, s2) = quantize_experts(case.w13), quantize_experts(case.w2)
+    args = (case.x, weights, ids, w13, w2, case.lora, case.token_slots, case.slot_scales)
+    expected = moe_reference(*args, w13_scale=s13, w2_scale=s2)
+    assert rel_err(moe_triton(*args, w13_scale=s13, w2_scale=s2), expected) < BF16_TOL
+    assert rel_err(moe_reference(*args[:3], case.w13, case.w2, *args[5:]), expected) > BF16_TOL  # fp8 mattered

@@ -37,9 +37,10 @@ def copy_fp8(weight: torch.Tensor, tensor: torch.Tensor, *, name: str) -> None:
 def copy_scale(scale: torch.Tensor, tensor: torch.Tensor, *, name: str) -> None:
     """A pre-quantized checkpoint's weight scale (one value, or one per output channel: [N] or
     [N, 1]) into the float32 per-row `scale` [N]."""
-    if tensor.numel() not in (1, scale.numel()):
+    rows = scale.numel()
+    if tensor.numel() != 1 and tuple(tensor.shape) not in ((rows,), (rows, 1)):
         raise ValueError(
             f"{name}: weight scale of shape {tuple(tensor.shape)} is neither per tensor nor per output channel "
-            f"({scale.numel()} rows); block-wise scales are not supported"
+            f"({rows} rows); block-wise scales are not supported"
         )
     scale.copy_(tensor.reshape(-1).to(torch.float32))  # a single value broadcasts over the rows

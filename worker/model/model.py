@@ -207,13 +207,10 @@ class CausalLM(nn.Module):
     def _checkpoint_loaders(self) -> dict[str, TensorLoader]:
         """Checkpoint tensor name → where it goes; packed layers declare their own slices."""
         loaders: dict[str, TensorLoader] = {}
+        prequantized = self.info.checkpoint_quantization != "none"
         for module_name, module in self.named_modules():
-            if isinstance(module, LoRALinear):
-                prequantized = self.info.checkpoint_quantization != "none"
+            if isinstance(module, LoRALinear | MoEBlock):
                 loaders.update(module.checkpoint_loaders(module_name.rpartition(".")[0], prequantized=prequantized))
-                continue
-            if isinstance(module, MoEBlock):
-                loaders.update(module.checkpoint_loaders(module_name.rpartition(".")[0]))
                 continue
             if isinstance(module, VocabParallelEmbedding):
                 loaders[f"{module_name}.weight"] = partial(module.load, name=f"{module_name}.weight")

@@ -120,7 +120,10 @@ def load_tensors(
         if loader is None:
             reason = "given twice" if name in loaders else "not a parameter of this model"
             raise ValueError(f"{source}: checkpoint tensor {name!r} is {reason}")
-        loader(tensor)
+        try:
+            loader(tensor)
+        except ValueError as exc:  # the loaders name the tensor; the error names the checkpoint too
+            raise ValueError(f"{source}: {exc}") from exc
     if pending:
         missing = sorted(pending)
         raise ValueError(f"{source}: checkpoint lacks {len(missing)} tensors: {', '.join(missing[:5])}")
