@@ -50,17 +50,22 @@ def _num_sms(index: int) -> int:
 
 
 def plan_for(num_tokens: int, n: int, k: int, num_sms: int) -> W8A16Plan:
-    """The launch for x [num_tokens, k] against a weight [n, k] on a GPU of `num_sms` SMs.
+    """The launch for x [num_tokens, k] against a weight [n, k] on a GPU of `num_sms` SMs (the sizes
+    measured best at Llama-8B's shapes on an H200: docs/benchmarks.md, "Quantized bases").
 
-    BLOCK_M: tl.dot's minimum 16, up to W8A16_MAX_TOKENS (the kernel swaps its operands past 16);
-    BLOCK_N 64 and BLOCK_K 128: an 8 KiB fp8 weight tile, four stages deep (the loads in flight per
-    SM that saturate HBM: bandwidth × latency / SMs ≈ 4.8 TB/s × ~0.8 µs / 132 ≈ 30 KiB); SPLIT_K
-    up to 4 (the best measured on Llama-8B's o and down), for at least three programs per SM."""
+    BLOCK_M: tl.dot's minimum 16, up to W8A16_MAX_TOKENS. BLOCK_N 64: the MMA's M side once the
+    operands swap past 16 tokens. Up to 16 tokens the kernel only streams weights: BLOCK_K 128 (an
+    8 KiB fp8 tile), four stages deep (the loads in flight per SM that saturate HBM: bandwidth ×
+    latency / SMs ≈ 4.8 TB/s × ~0.8 µs / 132 ≈ 30 KiB), K split up to 4 ways for at least three
+    programs per SM. Past 16 the MMAs and the x tiles take their share: BLOCK_K 256, three stages,
+    about one program per SM (a K split beyond that only adds partial sums)."""
     block_m = min(max(16, triton.next_power_of_2(num_tokens)), W8A16_MAX_TOKENS)
-    block_n, block_k = 64, 128
+    block_n = 64
+    block_k, stages, programs_per_sm = (128, 4, 3) if block_m == 16 else (256, 3, 1)
     tiles = triton.cdiv(n, block_n) * triton.cdiv(num_tokens, block_m)
-    split_k = max(1, min(triton.cdiv(3 * num_sms, tiles), 4, k // (2 * block_k)))
-    return W8A16Plan(block_m, block_n, block_k, split_k, num_warps=4, num_stages=4)
+    split_k = max(1, min(triton.cdiv(programs_per_sm * num_sms, tiles) if block_m == 16 else num_sms // tiles, 4))
+    split_k = min(split_k, max(1, k // (2 * block_k)))
+    return W8A16Plan(block_m, block_n, block_k, split_k, num_warps=4, num_stages=stages)
 
 
 @triton.jit

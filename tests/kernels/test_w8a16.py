@@ -71,14 +71,15 @@ def test_a_row_strided_x_is_read_in_place():
 
 
 def test_plans_fill_the_gpu_at_llama_8b_widths():
-    # qkv, o and down have too few tiles for 132 SMs unless K is split (at most 4 ways); gate_up has enough
-    for num_tokens in (1, 8, 32, 64):
-        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+    # streaming (up to 16 tokens): qkv, o and down split K for three programs per SM (at most 4 ways);
+    # past 16 about one program per SM: only o and down (64 tiles of 64 channels) split, in two
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        for num_tokens in (1, 8, 16):
             plan = plan_for(num_tokens, n, k, num_sms=132)
-            programs = -(-n // plan.block_n) * -(-num_tokens // plan.block_m) * plan.split_k
-            assert programs >= 3 * 132 or plan.split_k == 4
-            assert (plan.split_k == 1) == (n == 28672)
-            assert plan.block_m >= num_tokens
+            assert -(-n // plan.block_n) * plan.split_k >= 3 * 132 or plan.split_k == 4
+        for num_tokens in (17, 32, 64):
+            plan = plan_for(num_tokens, n, k, num_sms=132)
+            assert plan.split_k == (2 if n == 4096 else 1) and plan.block_m >= num_tokens
 
 
 def test_fp8_linear_switches_to_w8a8_past_decode_sizes():
