@@ -9,6 +9,9 @@ second read from L2 at activation sizes. Torch would take four kernels (abs, ama
 The kernel rounds to the e4m3 grid itself (to nearest, ties to even, as the hardware and torch
 convert) and then casts an exact value: Triton's interpreter converts inexact values to fp8 wrongly
 (a carry into the next power of two is lost), so this is what makes the interpreter tests exact.
+It casts the magnitude and sets the sign bit from x itself: compiled for the GPU, the cast turned a
+negative value that rounds to zero into +0 where torch writes -0 (0x80), the one difference from the
+reference on an H200.
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ def saturate_to_e4m3(v):
 
 
 @triton.jit
+def to_e4m3_signed_as(v, sign_source, dtype: tl.constexpr):
+    """v (fp32 on the e4m3 grid, |v| <= FP8_MAX) as fp8 `dtype`, its sign bit sign_source's (an fp32
+    of the same sign, -0 included): the magnitude is cast, the sign set on the byte."""
+    magnitude = tl.abs(v).to(dtype).to(tl.uint8, bitcast=True)
+    sign = ((sign_source.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    return (magnitude | sign).to(dtype, bitcast=True)
+
+
+@triton.jit
 def _quantize_per_token_kernel(
     q_ptr,  # fp8 [T, K], contiguous
     scale_ptr,  # float32 [T, 1]
@@ -69,7 +81,7 @@ def _quantize_per_token_kernel(
         mask = start + cols < num_cols
         x = tl.load(row + start + cols, mask=mask, other=0.0).to(tl.float32)
         q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_, FP8_MAX_))
-        tl.store(out + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + start + cols, to_e4m3_signed_as(q, x, q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,12 @@
 """FP8 checkpoints and the FP8 oracle for the engine tests.
 
-The oracle is transformers + PEFT computing exactly what the W8A8 base computes, in float32: each
-base projection's weight replaced by its dequantized fp8 weight, and its input (only the base
-layer's: PEFT's lora_A reads the unquantized activations, as the engine's adapters do) replaced by
-the per-token quantized-then-dequantized activations, by a forward pre-hook.
+The oracle is transformers + PEFT computing exactly what the FP8 base computes, in float32: each
+base projection's weight replaced by its dequantized fp8 weight and, in a forward of more than
+W8A16_MAX_TOKENS tokens (W8A8, kernels/quant), its input (only the base layer's: PEFT's lora_A reads
+the unquantized activations, as the engine's adapters do) replaced by the per-token
+quantized-then-dequantized activations, by a forward pre-hook. The oracle runs one sequence at a
+time and the engine a batch: a test compares them where both are on the same side of the threshold
+(batches of at most W8A16_MAX_TOKENS tokens, or one long sequence alone).
 
 MoE experts (W8A16, fp8_moe_oracle): each expert's gate, up and down weights replaced by their
 dequantized fp8 weights, their inputs left unquantized, as the engine's grouped GEMM reads them.
@@ -24,7 +27,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
 from kernels.quant import dequantize, quantize_weight
-from kernels.quant.reference import FP8_DTYPE, FP8_MAX, quantize_per_token_reference
+from kernels.quant.reference import FP8_DTYPE, FP8_MAX, W8A16_MAX_TOKENS, quantize_per_token_reference
 from shared.model_info import PROJECTIONS
 
 
@@ -37,18 +40,22 @@ def _is_base_projection(name: str) -> bool:
 def _fake_quantize_input(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     (x, *rest) = args
     rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= W8A16_MAX_TOKENS:  # W8A16: the activations stay as they are
+        return args
     return (dequantize(*quantize_per_token_reference(rows)).to(x.dtype).view(x.shape), *rest)
 
 
-def fp8_oracle(oracle: PeftModel, scales: str = "channel") -> PeftModel:
+def fp8_oracle(oracle: PeftModel, scales: str = "channel", *, quantize_activations: bool = True) -> PeftModel:
     """A copy of `oracle` computing as the FP8 base does: per-channel ("channel") or per-tensor
-    ("tensor") weight scales, per-token activation scales."""
+    ("tensor") weight scales, per-token activation scales past W8A16_MAX_TOKENS tokens (never with
+    `quantize_activations` off: the weights alone, to show that a test's activations were quantized)."""
     quantized = copy.deepcopy(oracle)
     with torch.no_grad():
         for name, module in quantized.named_modules():
             if isinstance(module, torch.nn.Linear) and _is_base_projection(name):
                 module.weight.copy_(dequantize(*quantize(module.weight, scales)))
-                module.register_forward_pre_hook(_fake_quantize_input)
+                if quantize_activations:
+                    module.register_forward_pre_hook(_fake_quantize_input)
     return quantized
 
 

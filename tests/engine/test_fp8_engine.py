@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.quant import FP8_DTYPE
+from kernels.quant import FP8_DTYPE, W8A16_MAX_TOKENS
 from shared.schema import JobStatus
 from tests.engine.fp8_oracle import fp8_oracle
 from tests.engine.test_engine_generation import NEW_TOKENS, PROMPTS, greedy_request, make_engine, run_to_completion
@@ -40,16 +40,38 @@ def test_an_fp8_kv_cache_holds_twice_the_blocks_of_the_same_bytes(llama: TinyChe
                for result in results.values())  # fmt: skip
 
 
+# The bf16 engine's tolerance of its fp32 run (test_engine_gpu.py): what the GPU engine's bf16
+# activations and kernels cost where nothing rounds to fp8 on the way.
+BF16_TOLERANCE = 2e-2
+# What an fp8 rounding makes of that: the two runs round slightly different values (bf16 against fp32),
+# and a value within |e| of a rounding boundary moves by a whole e4m3 step Δ (at most 2**-3 of it) with
+# probability |e| / Δ, a mean square of |e| Δ per element instead of e². A relative difference e upstream
+# comes out as sqrt(e * 2**-3): for e = BF16_TOLERANCE, 0.05. torch._scaled_mm against the CPU's fp32
+# matmul adds only accumulation order and the bf16 output's rounding, inside BF16_TOLERANCE.
+FP8_ROUNDING_TOLERANCE = (BF16_TOLERANCE * 2**-3) ** 0.5
+# PROMPTS (31 tokens: W8A16, the activations stay bf16 / fp32) and, with a long prompt beside them, a
+# prefill past W8A16_MAX_TOKENS (W8A8: the activations rounded to fp8 per token on both sides)
+LONG_PROMPT = [(7 * i + 3) % 250 for i in range(W8A16_MAX_TOKENS + 16)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(("kv_cache_dtype", "tolerance"), [("auto", 2e-2), ("fp8", 6e-2)])
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "long", "tolerance"),
+    [
+        ("auto", False, BF16_TOLERANCE),  # nothing rounds to fp8 but the weights, identical on both sides
+        ("fp8", False, FP8_ROUNDING_TOLERANCE),  # K and V round to e4m3
+        ("auto", True, FP8_ROUNDING_TOLERANCE),  # the activations round to e4m3
+        ("fp8", True, 2**0.5 * FP8_ROUNDING_TOLERANCE),  # both, independent
+    ],
+)
 def test_the_fp8_engine_on_the_gpu_matches_the_fp8_engine_on_cpu(
-    llama: TinyCheckpoint, kv_cache_dtype: str, tolerance: float
+    llama: TinyCheckpoint, kv_cache_dtype: str, long: bool, tolerance: float
 ):
-    """torch._scaled_mm, the Triton quantization and (fp8 KV) the cache kernels in bf16 against the
-    CPU reference path in float32: within the bf16 engine's tolerance of its fp32 run (2e-2), and with
-    an fp8 cache (unscaled e4m3 on both sides, K/V rounded from different bf16/fp32 values) within
-    three times that. The CPU side quantizes its KV the same way, so fp8's own error cancels."""
+    """The Triton W8A16 GEMM, torch._scaled_mm, the Triton quantization and (fp8 KV) the cache kernels
+    in bf16 against the CPU reference path in float32, which applies the same W8A16 / W8A8 rule and
+    quantizes its KV the same way, within the bounds derived above."""
+    prompts = [*PROMPTS.values(), *([LONG_PROMPT] if long else [])]
 
     def prefill_logits(device: str, dtype: str) -> torch.Tensor:
         runner = make_engine(
@@ -57,10 +79,11 @@ def test_the_fp8_engine_on_the_gpu_matches_the_fp8_engine_on_cpu(
         ).runner
         blocks = BlockManager(runner.num_blocks, runner.config.block_size)
         scheduled = []
-        for name, prompt in PROMPTS.items():
-            seq = Sequence(seq_id=str(name), prompt_token_ids=prompt, sampling=None, seed=0)
+        for index, prompt in enumerate(prompts):
+            seq = Sequence(seq_id=str(index), prompt_token_ids=prompt, sampling=None, seed=0)
             blocks.allocate(seq, len(prompt))
             scheduled.append(ScheduledSequence(seq, len(prompt)))
         return runner.execute(scheduled, lambda uid: None, runner.config.block_size).cpu()
 
+    assert sum(map(len, prompts)) > W8A16_MAX_TOKENS if long else sum(map(len, prompts)) <= W8A16_MAX_TOKENS
     assert rel_err(prefill_logits("cuda", "bfloat16"), prefill_logits("cpu", "float32")) < tolerance

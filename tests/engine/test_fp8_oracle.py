@@ -1,6 +1,7 @@
-"""The FP8 (W8A8) engine against transformers + PEFT computing the same quantized arithmetic
-(tests/engine/fp8_oracle.py), with adapters, for every dense family; FP8 checkpoints in both
-published formats load as they are.
+"""The FP8 engine against transformers + PEFT computing the same quantized arithmetic
+(tests/engine/fp8_oracle.py), with adapters, for every dense family: W8A16 in batches of up to
+W8A16_MAX_TOKENS tokens, W8A8 in a longer prompt; FP8 checkpoints in both published formats load as
+they are.
 
 Tolerance: on CPU both sides compute in float32 from the same fp8 values (the engine dequantizes,
 the oracle's weights are dequantized and its activations quantized then dequantized), so they differ
@@ -20,9 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels.quant import W8A16_MAX_TOKENS
 from shared.errors import LorafleetError
 from shared.model_info import ModelInfo
-from tests.engine.engine_driver import BlockPool, build_step, make_kv_cache, prefill
+from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, make_kv_cache, prefill
 from tests.engine.engines import load_model
 from tests.engine.fp8_oracle import fp8_oracle, save_fp8_checkpoint
 from tests.engine.test_model_oracle import MIXED, SLOTS, mixed_sequences, random_prompt
@@ -48,6 +50,17 @@ def test_fp8_engine_matches_the_quantized_oracle_in_a_mixed_batch(checkpoint: Ti
         assert (logits[row] - oracle_logits(oracle, seq.token_ids, adapter)[-1]).abs().max() <= TOLERANCE
         plain = oracle_logits(checkpoint.oracle, seq.token_ids, adapter)[-1]
         assert (logits[row] - plain).abs().max() > 10 * TOLERANCE  # the base really ran in fp8
+
+
+def test_a_long_prefill_takes_w8a8_as_the_oracle_does(llama: TinyCheckpoint) -> None:
+    model = fp8_model(llama.model_dir, llama.info, llama.adapters)
+    oracle, weight_only_oracle = fp8_oracle(llama.oracle), fp8_oracle(llama.oracle, quantize_activations=False)
+    for adapter in (None, "all_r8"):
+        seq = PagedSequence(random_prompt(W8A16_MAX_TOKENS + 9, seed=3), slot=-1 if adapter is None else SLOTS[adapter])
+        logits = prefill([seq], model, make_kv_cache(model, num_blocks=32, block_size=4), BlockPool(32))
+        assert (logits[0] - oracle_logits(oracle, seq.token_ids, adapter)[-1]).abs().max() <= TOLERANCE
+        weight_only = oracle_logits(weight_only_oracle, seq.token_ids, adapter)[-1]
+        assert (logits[0] - weight_only).abs().max() > 10 * TOLERANCE  # the activations really were quantized
 
 
 def test_fp8_greedy_decode_matches_the_quantized_oracle(llama: TinyCheckpoint) -> None:

@@ -1,6 +1,7 @@
-"""FP8 W8A8 (kernels/quant): the per-token quantization kernel against its torch reference (bit for
+"""FP8 weights (kernels/quant): the per-token quantization kernel against its torch reference (bit for
 bit: fp32/fp16 inputs through the interpreter, bf16 on the GPU), the per-channel weight scales'
-error bound, and the fp8 GEMM under every LoRA path against the dequantized reference (GPU)."""
+error bound, and the fp8 GEMM (W8A16 at decode sizes, W8A8 past them) under every LoRA path against
+the dequantized reference (GPU). The W8A16 kernel's own tests: test_w8a16.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from kernels.lora import linear_deferred_with_plan, linear_with_plan, lora_linear
 from kernels.lora.configs import GatherConfig, default_plan
-from kernels.quant import FP8_DTYPE, dequantize, fp8_linear, quantize_weight
+from kernels.quant import FP8_DTYPE, W8A16_MAX_TOKENS, dequantize, fp8_linear, quantize_weight
 from kernels.quant.per_token import quantize_per_token_triton
 from kernels.quant.reference import FP8_MAX, fp8_linear_reference, quantize_per_token_reference
 from tests.kernels.lora_cases import make_case, rel_err
@@ -62,8 +63,9 @@ def test_weight_scales_are_per_output_channel():
     assert (error <= bound * (1 + 1e-6)).all()
 
 
-def test_lora_linear_adds_the_delta_on_top_of_the_fp8_base_on_cpu():
-    case = make_case(9, 64, [32, 16], [8, 0, 4], dtype=torch.float32, device="cpu", seed=5)
+@pytest.mark.parametrize("num_tokens", [9, W8A16_MAX_TOKENS + 6])
+def test_lora_linear_adds_the_delta_on_top_of_the_fp8_base_on_cpu(num_tokens: int):
+    case = make_case(num_tokens, 64, [32, 16], [8, 0, 4], dtype=torch.float32, device="cpu", seed=5)
     q, scales = quantize_weight(case.weight)
     y = lora_linear(case.x, q, case.bias, case.lora_a, case.lora_b, case.batch, weight_scale=scales)
     expected = case.delta(fp8_linear_reference(case.x, q, scales, case.bias))
@@ -73,14 +75,15 @@ def test_lora_linear_adds_the_delta_on_top_of_the_fp8_base_on_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("num_tokens", [1, 33, 700])
+@pytest.mark.parametrize("num_tokens", [1, 33, W8A16_MAX_TOKENS, W8A16_MAX_TOKENS + 1, 700])
 @pytest.mark.parametrize("bias", [False, True])
-def test_scaled_mm_matches_the_dequantized_reference(num_tokens: int, bias: bool):
+def test_fp8_linear_matches_the_dequantized_reference(num_tokens: int, bias: bool):
     generator = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, 1024, generator=generator).to("cuda", torch.bfloat16)
     q, scales = quantize_weight(torch.randn(768, 1024, generator=generator).to("cuda") * 0.02)
     b = torch.randn(768, device="cuda", dtype=torch.bfloat16) if bias else None
-    # both sum the same fp8 products in fp32; they differ by accumulation order and the output's rounding
+    # W8A16 (the Triton kernel) or W8A8 (torch._scaled_mm) against the reference of the same rule: both
+    # sum the same products in fp32; they differ by accumulation order and the output's rounding
     assert rel_err(fp8_linear(x, q, scales, b), fp8_linear_reference(x, q, scales, b)) < 1e-2
 
 
@@ -89,7 +92,7 @@ PATHS = [("fused", None), ("split", None), ("split", GatherConfig()), ("overlap"
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("num_tokens", [1, 40, 600])
+@pytest.mark.parametrize("num_tokens", [1, 40, 600])  # W8A16 below W8A16_MAX_TOKENS, W8A8 above
 @pytest.mark.parametrize(("path", "expand"), PATHS)
 def test_every_lora_path_adds_its_delta_to_the_fp8_base(path: str, expand: GatherConfig | None, num_tokens: int):
     case = make_case(num_tokens, 1024, [1024, 256, 256], [16, 8, 0, 32], dtype=torch.bfloat16, device="cuda",
