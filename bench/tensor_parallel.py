@@ -27,14 +27,13 @@ import gc
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from bench.engine import LLAMA3_8B, EngineBench, Row, adapter_dir, copy_bandwidth, engine_config, random_runner
 from shared.config import ModelSpec, WorkerConfig
 from shared.model_info import ModelInfo
 from worker.memory_plan import MemoryPlanError
 from worker.model.parallel.sharding import shard_info
-from worker.tensor_parallel import Followers, start_follower
+from worker.tensor_parallel import Followers, leave_group, start_follower
 
 LLAMA_70B = dataclasses.replace(
     LLAMA3_8B,
@@ -73,7 +72,7 @@ def follow_random(info: ModelInfo, rank: int, size: int, port: int, config: Work
     written), then rank 0's steps, as a worker's follower runs them."""
     config, channel = start_follower(rank, size, port, config)
     random_runner(info, config.engine, channel).follow(config.adapter_root)
-    dist.destroy_process_group()
+    leave_group()
 
 
 def measure(
@@ -90,12 +89,33 @@ def measure(
         )
         followers = Followers(worker, functools.partial(follow_random, info))
         followers.watch(lambda exc: print(f"{system}: {exc}; the benchmark ends", flush=True))
+    finished = False  # the followers are told to stop only between steps (after a failed step they are killed)
+    try:
+        measure_rows(info, size, args, root, bandwidth, rows, followers)
+        finished = True
+    finally:
+        if followers is not None:
+            followers.stop(tell=finished)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def measure_rows(
+    info: ModelInfo,
+    size: int,
+    args: argparse.Namespace,
+    root: Path,
+    bandwidth: float,
+    rows: list[Row],
+    followers: Followers | None,
+) -> None:
+    """measure's rows, on rank 0 of `followers` (None: one process)."""
+    system = f"{info.name} tp{size}"
+    max_seqs, max_context, max_adapters = max(args.batches), max(args.prompts) + args.new_tokens, max(args.adapters)
     try:
         bench = EngineBench(info, max_adapters, max_seqs, max_context, root, followers=followers)
     except MemoryPlanError as exc:
         print(f"{system}: does not fit: {exc}", flush=True)
-        if followers is not None:
-            followers.stop(tell=False)
         return
     print(f"{system} engine ready in {bench.setup_s:.1f} s", flush=True)
     for prompt in args.prompts:  # every shape once untimed: compiles and first-use stalls stay out of the rows
@@ -111,11 +131,6 @@ def measure(
                 rows.append(row)
                 print(f"{system} batch {batch} prompt {prompt} adapters {adapters}: decode {row.decode_tok_s:.0f} "
                       f"tok/s ({row.decode_tok_s / roof:.2f} of roofline)", flush=True)  # fmt: skip
-    del bench
-    if followers is not None:
-        followers.stop(tell=True)
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def run(args: argparse.Namespace) -> None:
