@@ -16,6 +16,10 @@ everything else cost.
 Targets: 8B decode at TP N >= 1.6x TP 1 at batch 1 (no adapters); LoRA overhead (1 - decode with 8
 adapters / without) at TP N within 5 points of TP 1's, per batch; the 70B shape with 8 adapters
 >= 70% of its roofline.
+
+Before each shape's engine, the LoRA plans of one rank's projection shapes are tuned for the decode
+buckets where no table has them (within TUNE_BUDGET_S, into the adapter directory's kernel-plans/),
+as a worker tunes at start: TP N's shapes (halved widths) are not in the packaged tables.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from pathlib import Path
 import torch
 
 from bench.engine import LLAMA3_8B, EngineBench, Row, adapter_dir, copy_bandwidth, engine_config, random_runner
-from shared.config import ModelSpec, WorkerConfig
+from shared.config import EngineConfig, ModelSpec, WorkerConfig
 from shared.model_info import ModelInfo
+from worker.kernel_plans import ensure_tuned
 from worker.memory_plan import MemoryPlanError
 from worker.model.parallel.sharding import shard_info
 from worker.tensor_parallel import Followers, leave_group, start_follower
@@ -47,6 +52,7 @@ LLAMA_70B = dataclasses.replace(
 SPEEDUP_TARGET = 1.6  # 8B decode at TP N over TP 1, batch 1
 LORA_OVERHEAD_POINTS = 5.0  # TP N's LoRA overhead may exceed TP 1's by this many percentage points
 ROOFLINE_TARGET = 0.70  # the 70B shape with 8 adapters
+TUNE_BUDGET_S = 60.0  # per model shape: the decode buckets' LoRA plans (bench.tune_lora took 141 s for 8 buckets)
 
 
 def rank_weight_bytes(info: ModelInfo, size: int) -> int:
@@ -81,11 +87,17 @@ def measure(
     """Rows of `info` at `size` ranks (1: one process), appended to `rows` as they are measured."""
     system = f"{info.name} tp{size}"
     max_seqs, max_context, max_adapters = max(args.batches), max(args.prompts) + args.new_tokens, max(args.adapters)
+    config = engine_config(info, max_adapters, max_seqs, max_context, tensor_parallel=size)
+    plans = root / "kernel-plans"
+    tune_decode_plans(shard_info(info, size) if size > 1 else info, config, plans)
     followers = None
     if size > 1:
-        config = engine_config(info, max_adapters, max_seqs, max_context, tensor_parallel=size)
         worker = WorkerConfig(
-            redis_url="redis://unused", models=(ModelSpec(info.name, root),), adapter_root=root, engine=config
+            redis_url="redis://unused",
+            models=(ModelSpec(info.name, root),),
+            adapter_root=root,
+            engine=config,
+            kernel_plans_dir=plans,  # the followers look plans up where rank 0 tuned them
         )
         followers = Followers(worker, functools.partial(follow_random, info))
         followers.watch(lambda exc: print(f"{system}: {exc}; the benchmark ends", flush=True))
@@ -98,6 +110,22 @@ def measure(
             followers.stop(tell=finished)
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def tune_decode_plans(local: ModelInfo, config: EngineConfig, plans: Path) -> None:
+    """Tune into `plans` (within TUNE_BUDGET_S) the LoRA plans of `local`'s projection shapes, one
+    rank's, at the decode steps' token buckets, where neither the packaged table nor `plans` has
+    them; this process's lookups search `plans` from now on. A worker tunes its ranks' shapes at
+    start (worker/service.py); without this, the bench's TP N ran every LoRA projection on the
+    untuned default plan while TP 1 ran the packaged table's (issue #26's first run: 8 adapters
+    cost 1.13 ms a step at TP 2, batch 1, against 0.51 ms at TP 1)."""
+    decode = dataclasses.replace(config, max_num_batched_tokens=config.max_num_seqs)  # the buckets the rows time
+    run = ensure_tuned(local, decode, plans, TUNE_BUDGET_S)
+    if run is not None:
+        tuned = [result.num_tokens for result in run.results]
+        print(f"{local.name} LoRA plans tuned for its rank's shapes: buckets {tuned}, not reached "
+              f"{list(run.not_reached)}, {run.elapsed_s:.0f} s", flush=True)  # fmt: skip
+    torch.cuda.empty_cache()
 
 
 def measure_rows(
