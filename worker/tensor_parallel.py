@@ -156,7 +156,13 @@ def leave_group() -> None:
 
     def leave() -> None:
         try:
-            (_abort_process_group if aborts else dist.destroy_process_group)()
+            if aborts:
+                try:
+                    _abort_process_group()
+                    return
+                except Exception as exc:  # then the graceful way, still bounded by _LEAVE_S
+                    log.warning("tensor_parallel_abort_failed", error=str(exc))
+            dist.destroy_process_group()
         except Exception as exc:  # the rank is ending: a failed leave is reported, never raised past it
             log.warning("tensor_parallel_leave_failed", error=str(exc))
 
