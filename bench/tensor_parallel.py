@@ -19,7 +19,10 @@ adapters / without) at TP N within 5 points of TP 1's, per batch; the 70B shape 
 
 Before each shape's engine, the LoRA plans of one rank's projection shapes are tuned for the decode
 buckets where no table has them (within TUNE_BUDGET_S, into the adapter directory's kernel-plans/),
-as a worker tunes at start: TP N's shapes (halved widths) are not in the packaged tables.
+as a worker tunes at start: TP N's shapes (halved widths) are not in the packaged tables. Once the
+ranks have joined, every batch's decode all-reduces are timed alone (`collective_ms`: the step's
+2 per layer + the embedding's, replayed from one graph), which says how much of TPOT minus the
+roofline the collectives take.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ import torch
 from bench.engine import LLAMA3_8B, EngineBench, Row, adapter_dir, copy_bandwidth, engine_config, random_runner
 from shared.config import EngineConfig, ModelSpec, WorkerConfig
 from shared.model_info import ModelInfo
+from worker.engine.cuda_graphs import capture, capture_session
 from worker.kernel_plans import ensure_tuned
 from worker.memory_plan import MemoryPlanError
+from worker.model.parallel.group import TensorParallel
 from worker.model.parallel.sharding import shard_info
 from worker.tensor_parallel import Followers, leave_group, start_follower
 
@@ -73,12 +78,40 @@ def rank_roofline(info: ModelInfo, size: int, batch: int, context: float, bandwi
     return batch / ((rank_weight_bytes(info, size) + kv) / bandwidth)
 
 
-def follow_random(info: ModelInfo, rank: int, size: int, port: int, config: WorkerConfig) -> None:
-    """A benchmark follower: random weights of its share of `info` (no checkpoint of this size is
-    written), then rank 0's steps, as a worker's follower runs them."""
+def follow_random(
+    info: ModelInfo, batches: tuple[int, ...], rank: int, size: int, port: int, config: WorkerConfig
+) -> None:
+    """A benchmark follower: its part of rank 0's `collective_ms` probes, random weights of its share
+    of `info` (no checkpoint of this size is written), then rank 0's steps, as a worker's follower runs them."""
     config, channel = start_follower(rank, size, port, config)
+    for batch in batches:
+        collective_ms(channel.tp, info, batch)
     random_runner(info, config.engine, channel).follow(config.adapter_root)
     leave_group()
+
+
+def collective_ms(tp: TensorParallel, info: ModelInfo, batch: int, replays: int = 20) -> float:
+    """The device ms a decode step of `batch` sequences spends in its all-reduces alone: one per
+    row-parallel projection (2 a layer) and the embedding's, of bf16 [batch, hidden], replayed from
+    one CUDA graph as the decode graphs run them (every rank calls it, in the same order)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.zeros(batch, info.hidden_size, dtype=torch.bfloat16, device=device)
+    tp.all_reduce(x)  # eager first: the communicator's first use is never inside a capture
+
+    def all_reduces() -> None:
+        for _ in range(2 * info.num_layers + 1):
+            tp.all_reduce(x)
+
+    with capture_session(device):  # as the decode graphs are captured (thread-local: NCCL's watchdog polls)
+        graph = capture(all_reduces, torch.cuda.graph_pool_handle())
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def measure(
@@ -99,8 +132,12 @@ def measure(
             engine=config,
             kernel_plans_dir=plans,  # the followers look plans up where rank 0 tuned them
         )
-        followers = Followers(worker, functools.partial(follow_random, info))
+        followers = Followers(worker, functools.partial(follow_random, info, tuple(args.batches)))
         followers.watch(lambda exc: print(f"{system}: {exc}; the benchmark ends", flush=True))
+        for batch in args.batches:  # what the all-reduces alone cost a step: TPOT minus roofline, explained
+            ms = collective_ms(followers.channel.tp, info, batch)
+            print(f"{system} batch {batch}: the step's {2 * info.num_layers + 1} all-reduces alone, "
+                  f"in one graph: {ms:.2f} ms", flush=True)  # fmt: skip
     finished = False  # the followers are told to stop only between steps (after a failed step they are killed)
     try:
         measure_rows(info, size, args, root, bandwidth, rows, followers)
