@@ -84,10 +84,12 @@ def follow_random(
     """A benchmark follower: its part of rank 0's `collective_ms` probes, random weights of its share
     of `info` (no checkpoint of this size is written), then rank 0's steps, as a worker's follower runs them."""
     config, channel = start_follower(rank, size, port, config)
-    for batch in batches:
-        collective_ms(channel.tp, info, batch)
-    random_runner(info, config.engine, channel).follow(config.adapter_root)
-    leave_group()
+    try:
+        for batch in batches:
+            collective_ms(channel.tp, info, batch)
+        random_runner(info, config.engine, channel).follow(config.adapter_root)
+    finally:
+        leave_group(channel)
 
 
 def collective_ms(tp: TensorParallel, info: ModelInfo, batch: int, replays: int = 20) -> float:
@@ -111,6 +113,7 @@ def collective_ms(tp: TensorParallel, info: ModelInfo, batch: int, replays: int 
         graph.replay()
     end.record()
     end.synchronize()
+    graph.reset()  # before the group is ever left: NCCL waits for every graph holding its collectives
     return start.elapsed_time(end) / replays
 
 

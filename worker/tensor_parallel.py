@@ -109,7 +109,7 @@ class Followers:
             if process.is_alive():
                 process.kill()
                 process.join()
-        leave_group()
+        leave_group(self.channel)
 
     def _watch(self) -> None:
         wait_for_exit([process.sentinel for process in self._processes])
@@ -144,18 +144,20 @@ def join_group(rank: int, size: int, port: int, device: torch.device) -> StepCha
     return StepChannel(tp, control)
 
 
-def leave_group() -> None:
-    """Leave the tensor-parallel group (this process's every group) within _LEAVE_S, whatever the
-    other ranks do. NCCL communicators are aborted, not shut down: a graceful shutdown waits on the
-    peers, and hung on rank 0 once its followers had exited (issue #26); nothing runs on the group
-    any more, so nothing is lost. Gloo's groups (CPU) are destroyed. Past _LEAVE_S the rank moves on
-    (it is ending) with the group left to the process's exit."""
+def leave_group(channel: StepChannel) -> None:
+    """Leave the tensor-parallel group of `channel` (this process's every group) within _LEAVE_S,
+    whatever the other ranks do. First what holds the group's resources lets go of them
+    (channel.release: the runners' CUDA graphs, which NCCL waits for without end; issue #26's hang
+    at stop). Then NCCL communicators are aborted, not shut down gracefully, so no rank waits on its
+    peers (nothing runs on the group any more: nothing is lost); gloo's groups (CPU) are destroyed.
+    Past _LEAVE_S the rank moves on (it is ending) with the group left to the process's exit."""
     if not dist.is_initialized():
         return
     aborts = dist.get_backend() == "nccl"
 
     def leave() -> None:
         try:
+            channel.release()
             if aborts:
                 try:
                     _abort_process_group()
@@ -177,11 +179,13 @@ def follow_checkpoint(rank: int, size: int, port: int, config: WorkerConfig) -> 
     """A worker's follower process: its share of the model from the checkpoint, then rank 0's steps
     until it says stop."""
     config, channel = start_follower(rank, size, port, config)
-    residency = ModelResidency(config, WorkerMetrics(config.engine.device), channel)
-    prepared = residency.prepare(config.models[0].name)
-    log.info("tensor_parallel_follower_ready", rank=rank, model=config.models[0].name)
-    prepared.runner.follow(config.adapter_root)
-    leave_group()
+    try:
+        residency = ModelResidency(config, WorkerMetrics(config.engine.device), channel)
+        prepared = residency.prepare(config.models[0].name)
+        log.info("tensor_parallel_follower_ready", rank=rank, model=config.models[0].name)
+        prepared.runner.follow(config.adapter_root)
+    finally:  # a follower that failed too: its graphs would keep its exit waiting in NCCL
+        leave_group(channel)
 
 
 def start_follower(rank: int, size: int, port: int, config: WorkerConfig) -> tuple[WorkerConfig, StepChannel]:
