@@ -280,6 +280,13 @@ def write_adapter(directory: Path, info: ModelInfo, rank: int, seed: int) -> Ada
     return AdapterRef(directory.name, 1, directory.name, file_digest(weights))
 
 
+def adapter_name(info: ModelInfo, rank: int, seed: int) -> str:
+    """The directory of a benchmark adapter in the adapter root, named by everything its file depends
+    on: write_adapter keeps a file already there, and runs of several shapes (bench/tensor_parallel.py's
+    8B and 70B) or an --adapter-dir shared between runs must not serve one shape another's (issue #26)."""
+    return f"bench-{info.name}-r{rank}-{seed}"
+
+
 def adapter_dir(path: str | None) -> Path:
     """Where adapter files go: `path` (made if missing), else a new temporary directory."""
     if path is None:
@@ -352,8 +359,8 @@ class EngineBench:
         followers: Followers | None = None,
     ) -> None:
         """KV cache sized for max_seqs sequences of max_context tokens (block size 16); the pool holds
-        max_adapters adapters of rank `rank`, make_adapter(adapter_root / f"bench{i}", info, rank, i),
-        loaded before any run. lora False: the engine of a worker started with --max-loras 0 (no
+        max_adapters adapters of rank `rank`, make_adapter(adapter_root / adapter_name(info, rank, i), info,
+        rank, i), loaded before any run. lora False: the engine of a worker started with --max-loras 0 (no
         adapters). `followers`: this process is rank 0 of their tensor-parallel group (bench/tensor_parallel.py)."""
         if not lora and max_adapters:
             raise ValueError("an engine without LoRA takes no adapters")
@@ -372,7 +379,8 @@ class EngineBench:
         self.engine = random_engine(info, self.config, adapter_root, channel=channel)  # first: it says if sizes fit
         self.runner = self.engine.runner
         self.setup_s = time.perf_counter() - start  # memory plan, weights, KV cache, decode graph capture
-        self.refs = [make_adapter(adapter_root / f"bench{i}", info, rank, i) for i in range(max_adapters)]
+        names = [adapter_name(info, rank, i) for i in range(max_adapters)]
+        self.refs = [make_adapter(adapter_root / name, info, rank, i) for i, name in enumerate(names)]
         load_adapters(self.engine, self.refs)
 
     def run(self, batch: int, prompt: int, new_tokens: int, adapters: int) -> tuple[float, float, float]:

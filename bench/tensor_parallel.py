@@ -16,6 +16,13 @@ everything else cost.
 Targets: 8B decode at TP N >= 1.6x TP 1 at batch 1 (no adapters); LoRA overhead (1 - decode with 8
 adapters / without) at TP N within 5 points of TP 1's, per batch; the 70B shape with 8 adapters
 >= 70% of its roofline.
+
+Before each shape's engine, the LoRA plans of one rank's projection shapes are tuned for the decode
+buckets where no table has them (within TUNE_BUDGET_S, into the adapter directory's kernel-plans/),
+as a worker tunes at start: TP N's shapes (halved widths) are not in the packaged tables. Once the
+ranks have joined, every batch's decode all-reduces are timed alone (`collective_ms`: the step's
+2 per layer + the embedding's, replayed from one graph), which says how much of TPOT minus the
+roofline the collectives take.
 """
 
 from __future__ import annotations
@@ -27,14 +34,16 @@ import gc
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from bench.engine import LLAMA3_8B, EngineBench, Row, adapter_dir, copy_bandwidth, engine_config, random_runner
-from shared.config import ModelSpec, WorkerConfig
+from shared.config import EngineConfig, ModelSpec, WorkerConfig
 from shared.model_info import ModelInfo
+from worker.engine.cuda_graphs import capture, capture_session
+from worker.kernel_plans import ensure_tuned
 from worker.memory_plan import MemoryPlanError
+from worker.model.parallel.group import TensorParallel
 from worker.model.parallel.sharding import shard_info
-from worker.tensor_parallel import Followers, start_follower
+from worker.tensor_parallel import Followers, leave_group, start_follower
 
 LLAMA_70B = dataclasses.replace(
     LLAMA3_8B,
@@ -48,6 +57,7 @@ LLAMA_70B = dataclasses.replace(
 SPEEDUP_TARGET = 1.6  # 8B decode at TP N over TP 1, batch 1
 LORA_OVERHEAD_POINTS = 5.0  # TP N's LoRA overhead may exceed TP 1's by this many percentage points
 ROOFLINE_TARGET = 0.70  # the 70B shape with 8 adapters
+TUNE_BUDGET_S = 60.0  # per model shape: the decode buckets' LoRA plans (bench.tune_lora took 141 s for 8 buckets)
 
 
 def rank_weight_bytes(info: ModelInfo, size: int) -> int:
@@ -68,12 +78,43 @@ def rank_roofline(info: ModelInfo, size: int, batch: int, context: float, bandwi
     return batch / ((rank_weight_bytes(info, size) + kv) / bandwidth)
 
 
-def follow_random(info: ModelInfo, rank: int, size: int, port: int, config: WorkerConfig) -> None:
-    """A benchmark follower: random weights of its share of `info` (no checkpoint of this size is
-    written), then rank 0's steps, as a worker's follower runs them."""
+def follow_random(
+    info: ModelInfo, batches: tuple[int, ...], rank: int, size: int, port: int, config: WorkerConfig
+) -> None:
+    """A benchmark follower: its part of rank 0's `collective_ms` probes, random weights of its share
+    of `info` (no checkpoint of this size is written), then rank 0's steps, as a worker's follower runs them."""
     config, channel = start_follower(rank, size, port, config)
-    random_runner(info, config.engine, channel).follow(config.adapter_root)
-    dist.destroy_process_group()
+    try:
+        for batch in batches:
+            collective_ms(channel.tp, info, batch)
+        random_runner(info, config.engine, channel).follow(config.adapter_root)
+    finally:
+        leave_group(channel)
+
+
+def collective_ms(tp: TensorParallel, info: ModelInfo, batch: int, replays: int = 20) -> float:
+    """The device ms a decode step of `batch` sequences spends in its all-reduces alone: one per
+    row-parallel projection (2 a layer) and the embedding's, of bf16 [batch, hidden], replayed from
+    one CUDA graph as the decode graphs run them (every rank calls it, in the same order)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.zeros(batch, info.hidden_size, dtype=torch.bfloat16, device=device)
+    tp.all_reduce(x)  # eager first: the communicator's first use is never inside a capture
+
+    def all_reduces() -> None:
+        for _ in range(2 * info.num_layers + 1):
+            tp.all_reduce(x)
+
+    with capture_session(device):  # as the decode graphs are captured (thread-local: NCCL's watchdog polls)
+        graph = capture(all_reduces, torch.cuda.graph_pool_handle())
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    graph.reset()  # before the group is ever left: NCCL waits for every graph holding its collectives
+    return start.elapsed_time(end) / replays
 
 
 def measure(
@@ -82,20 +123,71 @@ def measure(
     """Rows of `info` at `size` ranks (1: one process), appended to `rows` as they are measured."""
     system = f"{info.name} tp{size}"
     max_seqs, max_context, max_adapters = max(args.batches), max(args.prompts) + args.new_tokens, max(args.adapters)
+    config = engine_config(info, max_adapters, max_seqs, max_context, tensor_parallel=size)
+    plans = root / "kernel-plans"
+    tune_decode_plans(shard_info(info, size) if size > 1 else info, config, plans)
     followers = None
     if size > 1:
-        config = engine_config(info, max_adapters, max_seqs, max_context, tensor_parallel=size)
         worker = WorkerConfig(
-            redis_url="redis://unused", models=(ModelSpec(info.name, root),), adapter_root=root, engine=config
+            redis_url="redis://unused",
+            models=(ModelSpec(info.name, root),),
+            adapter_root=root,
+            engine=config,
+            kernel_plans_dir=plans,  # the followers look plans up where rank 0 tuned them
         )
-        followers = Followers(worker, functools.partial(follow_random, info))
+        followers = Followers(worker, functools.partial(follow_random, info, tuple(args.batches)))
         followers.watch(lambda exc: print(f"{system}: {exc}; the benchmark ends", flush=True))
+        for batch in args.batches:  # what the all-reduces alone cost a step: TPOT minus roofline, explained
+            ms = collective_ms(followers.channel.tp, info, batch)
+            print(f"{system} batch {batch}: the step's {2 * info.num_layers + 1} all-reduces alone, "
+                  f"in one graph: {ms:.2f} ms", flush=True)  # fmt: skip
+    finished = False  # the followers are told to stop only between steps (after a failed step they are killed)
+    try:
+        measure_rows(info, size, args, root, bandwidth, rows, followers)
+        finished = True
+    finally:
+        if followers is not None:
+            followers.stop(tell=finished)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def tune_decode_plans(local: ModelInfo, config: EngineConfig, plans: Path) -> None:
+    """Tune into `plans` (within TUNE_BUDGET_S) the LoRA plans of `local`'s projection shapes, one
+    rank's, at the decode steps' token buckets, where neither the packaged table nor `plans` has
+    them; this process's lookups search `plans` from now on. A worker tunes its ranks' shapes at
+    start (worker/service.py); without this, the bench's TP N ran every LoRA projection on the
+    untuned default plan while TP 1 ran the packaged table's (issue #26's first run: 8 adapters
+    cost 1.13 ms a step at TP 2, batch 1, against 0.51 ms at TP 1)."""
+    decode = dataclasses.replace(config, max_num_batched_tokens=config.max_num_seqs)  # the buckets the rows time
+    try:
+        run = ensure_tuned(local, decode, plans, TUNE_BUDGET_S)
+    except Exception as exc:  # as a worker does: measure on the tables and defaults rather than not at all
+        print(f"{local.name}: the LoRA plan tune failed ({type(exc).__name__}: {exc}); default plans", flush=True)
+        run = None
+    if run is not None:
+        tuned = [result.num_tokens for result in run.results]
+        print(f"{local.name} LoRA plans tuned for its rank's shapes: buckets {tuned}, not reached "
+              f"{list(run.not_reached)}, {run.elapsed_s:.0f} s", flush=True)  # fmt: skip
+    torch.cuda.empty_cache()
+
+
+def measure_rows(
+    info: ModelInfo,
+    size: int,
+    args: argparse.Namespace,
+    root: Path,
+    bandwidth: float,
+    rows: list[Row],
+    followers: Followers | None,
+) -> None:
+    """measure's rows, on rank 0 of `followers` (None: one process)."""
+    system = f"{info.name} tp{size}"
+    max_seqs, max_context, max_adapters = max(args.batches), max(args.prompts) + args.new_tokens, max(args.adapters)
     try:
         bench = EngineBench(info, max_adapters, max_seqs, max_context, root, followers=followers)
     except MemoryPlanError as exc:
         print(f"{system}: does not fit: {exc}", flush=True)
-        if followers is not None:
-            followers.stop(tell=False)
         return
     print(f"{system} engine ready in {bench.setup_s:.1f} s", flush=True)
     for prompt in args.prompts:  # every shape once untimed: compiles and first-use stalls stay out of the rows
@@ -111,11 +203,6 @@ def measure(
                 rows.append(row)
                 print(f"{system} batch {batch} prompt {prompt} adapters {adapters}: decode {row.decode_tok_s:.0f} "
                       f"tok/s ({row.decode_tok_s / roof:.2f} of roofline)", flush=True)  # fmt: skip
-    del bench
-    if followers is not None:
-        followers.stop(tell=True)
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def run(args: argparse.Namespace) -> None:

@@ -27,6 +27,7 @@ from multiprocessing.connection import wait as wait_for_exit
 import structlog
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group  # torch's only abort of every group
 
 from kernels.lora.configs import set_plan_cache_dir
 from shared.config import WorkerConfig
@@ -49,6 +50,7 @@ _COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 _IDLE_TIMEOUT = timedelta(days=365)
 _EXIT_BOUND_S = 10.0  # from a rank's death to this worker's exit, whatever its engine thread is doing
 _STOP_S = 10.0  # followers' own exit after rank 0 says stop
+_LEAVE_S = 5.0  # a rank's leaving of the group; past it the rank moves on (it is ending anyway)
 
 
 def rank_config(config: WorkerConfig, rank: int) -> WorkerConfig:
@@ -97,7 +99,8 @@ class Followers:
 
     def stop(self, *, tell: bool) -> None:
         """End the followers: `tell` them to stop (only once rank 0's engine thread has ended: the
-        message goes over the channel its steps use), wait for them, then end any left."""
+        message goes over the channel its steps use), wait for them, end any left, then leave the
+        group (aborting, so never waiting on them: leave_group)."""
         self._stopping.set()
         if tell and all(process.is_alive() for process in self._processes):
             self.channel.send(None)
@@ -106,7 +109,7 @@ class Followers:
             if process.is_alive():
                 process.kill()
                 process.join()
-        dist.destroy_process_group()
+        leave_group(self.channel)
 
     def _watch(self) -> None:
         wait_for_exit([process.sentinel for process in self._processes])
@@ -141,15 +144,48 @@ def join_group(rank: int, size: int, port: int, device: torch.device) -> StepCha
     return StepChannel(tp, control)
 
 
+def leave_group(channel: StepChannel) -> None:
+    """Leave the tensor-parallel group of `channel` (this process's every group) within _LEAVE_S,
+    whatever the other ranks do. First what holds the group's resources lets go of them
+    (channel.release: the runners' CUDA graphs, which NCCL waits for without end; issue #26's hang
+    at stop). Then NCCL communicators are aborted, not shut down gracefully, so no rank waits on its
+    peers (nothing runs on the group any more: nothing is lost); gloo's groups (CPU) are destroyed.
+    Past _LEAVE_S the rank moves on (it is ending) with the group left to the process's exit."""
+    if not dist.is_initialized():
+        return
+    aborts = dist.get_backend() == "nccl"
+
+    def leave() -> None:
+        try:
+            channel.release()
+            if aborts:
+                try:
+                    _abort_process_group()
+                    return
+                except Exception as exc:  # then the graceful way, still bounded by _LEAVE_S
+                    log.warning("tensor_parallel_abort_failed", error=str(exc))
+            dist.destroy_process_group()
+        except Exception as exc:  # the rank is ending: a failed leave is reported, never raised past it
+            log.warning("tensor_parallel_leave_failed", error=str(exc))
+
+    leaving = threading.Thread(target=leave, name="tp-leave", daemon=True)
+    leaving.start()
+    leaving.join(_LEAVE_S)
+    if leaving.is_alive():
+        log.warning("tensor_parallel_leave_unfinished", after_s=_LEAVE_S)
+
+
 def follow_checkpoint(rank: int, size: int, port: int, config: WorkerConfig) -> None:
     """A worker's follower process: its share of the model from the checkpoint, then rank 0's steps
     until it says stop."""
     config, channel = start_follower(rank, size, port, config)
-    residency = ModelResidency(config, WorkerMetrics(config.engine.device), channel)
-    prepared = residency.prepare(config.models[0].name)
-    log.info("tensor_parallel_follower_ready", rank=rank, model=config.models[0].name)
-    prepared.runner.follow(config.adapter_root)
-    dist.destroy_process_group()
+    try:
+        residency = ModelResidency(config, WorkerMetrics(config.engine.device), channel)
+        prepared = residency.prepare(config.models[0].name)
+        log.info("tensor_parallel_follower_ready", rank=rank, model=config.models[0].name)
+        prepared.runner.follow(config.adapter_root)
+    finally:  # a follower that failed too: its graphs would keep its exit waiting in NCCL
+        leave_group(channel)
 
 
 def start_follower(rank: int, size: int, port: int, config: WorkerConfig) -> tuple[WorkerConfig, StepChannel]:

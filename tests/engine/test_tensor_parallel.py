@@ -161,18 +161,18 @@ def test_one_kv_head_for_two_ranks_is_replicated(family: str, shape: dict, tmp_p
 
 
 def evict_then_mix(engine: LLMEngine, adapters: dict[str, Path], names: list[str]) -> list[torch.Tensor]:
-    """A pool of two: names[0] and names[1] serve, are released, and names[2] is loaded over the
-    pages rank 0's pool evicts for it; then the base, names[2] and the adapter left serve together."""
+    """A pool of two: names[0] and names[1] serve, names[0] is released, and names[2] is loaded over
+    the pages rank 0's pool evicts for it (names[0]'s, the only evictable: both engines compared
+    evict the same); then the base, names[2] and names[1] serve together."""
     before = mixed_batch(engine, adapters, [names[0], names[1], names[1]])
     pool = engine.adapter_pool
-    for name in names[:2]:
-        pool.drop(saved_adapter_ref(name, adapters[name]).uid)
+    evicted, kept = (saved_adapter_ref(name, adapters[name]).uid for name in names[:2])
+    pool.drop(evicted)
     uids = bring_adapters(engine, {names[2]: adapters[names[2]]})
-    kept = [name for name in names[:2] if engine.adapter_slots.slot_of(saved_adapter_ref(name, adapters[name]).uid)]
-    assert len(kept) == 1, "the pool of two evicted neither adapter"
-    uids |= bring_adapters(engine, {kept[0]: adapters[kept[0]]})
+    assert engine.adapter_slots.slot_of(evicted) is None, "the pool of two evicted nothing"
+    uids[names[1]] = kept
     prompts = dict(zip((None, names[2]), PROMPTS, strict=False))
-    return before + run_steps(engine, uids, prompts, (kept[0], LATE_PROMPT))
+    return before + run_steps(engine, uids, prompts, (names[1], LATE_PROMPT))
 
 
 def test_an_adapter_loaded_over_an_evicted_one_lands_in_the_same_pages_on_every_rank(llama: TinyCheckpoint) -> None:

@@ -153,6 +153,13 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
+    def release(self) -> None:
+        """Destroy every graph now (not whenever the garbage collector gets to them): see
+        ModelRunner.release_graphs. The object is not run after."""
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+
     def run(
         self,
         token_ids: list[int],

@@ -12,6 +12,7 @@ its sampled tokens after; a follower's runner runs the steps it receives (`follo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -88,6 +89,8 @@ class ModelRunner:
                 pool=pool,
                 pacer=pacer,
             )
+        if channel is not None and on_cuda:  # graphs that captured the group's collectives go before the group
+            channel.before_leaving(self.release_graphs)
         log.info(
             "model_loaded",
             model=self.info.name,
@@ -96,6 +99,18 @@ class ModelRunner:
             kv_blocks=num_blocks,
             capture_paced_s=None if pacer is None else round(pacer.slept_s, 3),
         )
+
+    def release_graphs(self) -> None:
+        """Destroy the captured graphs; later steps run eagerly. A tensor-parallel rank's runner does
+        it as its rank leaves the group (StepChannel.before_leaving): NCCL (>= 2.26) destroys or
+        aborts a communicator only once every graph that captured its collectives is destroyed, and
+        waits for them without end (issue #26: rank 0 hung at stop holding its engine's graphs)."""
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            for graphs in (self.graphs, self.piecewise):  # from any thread (a leave runs on its own)
+                if graphs is not None:
+                    graphs.release()
+        self.graphs = None
+        self.piecewise = None
 
     def execute(
         self, scheduled: Sequence[ScheduledSequence], slot_of: Callable[[str], int | None], block_size: int

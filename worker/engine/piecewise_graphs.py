@@ -201,6 +201,13 @@ class PiecewiseGraphs:
     def max_tokens(self) -> int:
         return self.sizes[-1]
 
+    def release(self) -> None:
+        """Destroy every graph now: see ModelRunner.release_graphs. The object is not run after."""
+        for graphs in self._graphs.values():
+            for graph in graphs:
+                graph.reset()
+        self._graphs.clear()
+
     def run(self, batch: ForwardBatch, token_slots: torch.Tensor | None) -> torch.Tensor:
         """Logits float32 [B, vocab] of one step of batch.num_tokens <= max_tokens tokens; token_slots
         int32 [T] (adapter slot per token, -1 for the base model) or None when no token has one."""

@@ -15,6 +15,7 @@ watches its parent instead (worker/tensor_parallel.py), and rank 0 watches its f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import msgpack
@@ -58,6 +59,7 @@ class StepChannel:
     _loads: list[AdapterLoad] = field(default_factory=list)  # rank 0: written since the last step
     _reads: list[AdapterRef] = field(default_factory=list)  # rank 0: read since the last step
     _frame: torch.Tensor = field(default_factory=lambda: torch.zeros(FRAME_BYTES, dtype=torch.uint8))
+    _releases: list[Callable[[], None]] = field(default_factory=list)  # run before this rank leaves the group
 
     # -- rank 0 ---------------------------------------------------------------------------------
 
@@ -106,6 +108,17 @@ class StepChannel:
         )
 
     # -- every rank -----------------------------------------------------------------------------
+
+    def before_leaving(self, release: Callable[[], None]) -> None:
+        """Call `release` as this rank leaves the group, before it does (worker/tensor_parallel.py's
+        leave_group): what holds the group's resources, such as graphs that captured its collectives."""
+        self._releases.append(release)
+
+    def release(self) -> None:
+        """Run (once) what `before_leaving` was given, in order."""
+        releases, self._releases = self._releases, []
+        for release in releases:
+            release()
 
     def smallest(self, value: int) -> int:
         """The least of every rank's `value` (each rank calls it at the same point)."""
