@@ -1,6 +1,6 @@
 """A two-rank engine on two GPUs (NCCL, decode and piecewise graphs with their all-reduces captured)
 against the one-GPU engine: fp32 greedy tokens equal (and the transformers + PEFT oracle's), bf16
-logits within bf16 tolerance, dense and MoE, adapters in a mixed batch."""
+logits as close to fp32 as one GPU's bf16, dense and MoE, adapters in a mixed batch."""
 
 from __future__ import annotations
 
@@ -47,14 +47,23 @@ def test_fp32_greedy_tokens_at_two_ranks_equal_one_gpu_and_the_oracle(llama: Tin
     assert_matches_oracle(llama, parallel, jobs)
 
 
-def test_bf16_dense_logits_at_two_ranks_are_within_bf16_tolerance_of_one_gpu(llama: TinyCheckpoint):
-    expected, got = one_and_two_ranks(llama.model_dir, llama.adapters, DENSE_ADAPTERS, device="cuda", dtype="bfloat16")
-    for want, have in zip(expected, got, strict=True):
-        assert rel_err(have, want) < 2e-2
+def assert_two_ranks_no_further_from_fp32(model_dir: Path, adapters: dict[str, Path], names: list[str]) -> None:
+    """bf16 at two ranks is no further from the fp32 logits than bf16 at one rank, within half again.
+    A fixed bound between the two bf16 runs does not hold for every model: each rounds differently
+    (the row-parallel partial sums are rounded to bf16 before their all-reduce, where one GPU rounds
+    the whole sum once), and on the tiny MoE, whose routing amplifies a rounding, one GPU's own bf16
+    error is already several percent (2026-11-26, two H200s: 0.024 between the two bf16 runs)."""
+    truth, _ = one_and_two_ranks(model_dir, adapters, names, device="cuda", dtype="float32")
+    one_rank, two_ranks = one_and_two_ranks(model_dir, adapters, names, device="cuda", dtype="bfloat16")
+    for step, (exact, one, two) in enumerate(zip(truth, one_rank, two_ranks, strict=True)):
+        one_error, two_error = rel_err(one.float(), exact), rel_err(two.float(), exact)
+        assert two_error <= 1.5 * one_error + 1e-3, f"step {step}: {two_error:.4f} vs one rank's {one_error:.4f}"
 
 
-def test_bf16_moe_logits_at_two_ranks_are_within_bf16_tolerance_of_one_gpu(tmp_path: Path):
+def test_bf16_dense_logits_at_two_ranks_are_as_close_to_fp32_as_one_gpus(llama: TinyCheckpoint):
+    assert_two_ranks_no_further_from_fp32(llama.model_dir, llama.adapters, DENSE_ADAPTERS)
+
+
+def test_bf16_moe_logits_at_two_ranks_are_as_close_to_fp32_as_one_gpus(tmp_path: Path):
     moe = build_tiny_moe("qwen3_moe", tmp_path)
-    expected, got = one_and_two_ranks(moe.model_dir, moe.adapters, MOE_ADAPTERS, device="cuda", dtype="bfloat16")
-    for want, have in zip(expected, got, strict=True):
-        assert rel_err(have, want) < 2e-2
+    assert_two_ranks_no_further_from_fp32(moe.model_dir, moe.adapters, MOE_ADAPTERS)
