@@ -37,6 +37,7 @@ from shared.schema import (
     JobOutput,
     JobRecord,
     JobStatus,
+    JobTrace,
     SchemaError,
     TokenDelta,
     decode_status,
@@ -355,12 +356,14 @@ class JobStore:
         completion_tokens: int = 0,
         first_token_ms: int = 0,
         entry: tuple[str, bytes] | None = None,
+        trace: JobTrace | None = None,
     ) -> bool:
         """Store the final result once and, with `entry` (the key of the stream it was read from, entry id),
         acknowledge the job's queue entry in the same script. Returns False when the job already had a terminal status
         (canceled meanwhile, or finished by another delivery): the caller must not publish twice. With
         replicas to wait for, it returns once they have the result, or the wait timed out (logged: the
         result is stored, and if the primary is lost before a replica has it, the job runs again).
+        `trace`: when the job passed each point of the worker, written into the record with the result.
         SchemaError: the record or its events stream cannot be written (a key of another type)."""
         assert status.is_terminal, status
         fields: list[str | int | bytes] = ["finished_ms", now_ms(), "completion_tokens", completion_tokens]
@@ -370,6 +373,8 @@ class JobStore:
             fields += ["output", encode_output(output)]
         if error is not None:
             fields += ["error_code", error.code, "error_message", error.message]
+        if trace is not None:
+            fields += trace.hset_fields()
         script_keys = [keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS]
         script_args: list[Any] = [self._ttl_s, status.value, EVENTS_CAP, b""]
         if entry is not None:

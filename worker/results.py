@@ -12,18 +12,20 @@ with the reason; the loops go on.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 from redis.asyncio import Redis
 
 from shared import keys
 from shared.jobstore import JobStore
-from shared.schema import SchemaError, TokenDelta
+from shared.schema import JobTrace, SchemaError, TokenDelta
 from worker.engine.engine import EngineResult
 from worker.engine_thread import EngineThread
 from worker.job_stream import ack, dead_letter
+from worker.metrics import WorkerMetrics
 from worker.redis_retry import retrying
-from worker.running_jobs import RunningJobs
+from worker.running_jobs import RunningJob, RunningJobs
 
 log = structlog.get_logger(__name__)
 
@@ -31,10 +33,11 @@ CANCEL_POLL_S = 0.25
 
 
 class ResultPublisher:
-    def __init__(self, redis: Redis, jobs: JobStore, running: RunningJobs) -> None:
+    def __init__(self, redis: Redis, jobs: JobStore, running: RunningJobs, metrics: WorkerMetrics) -> None:
         self._redis = redis
         self._jobs = jobs
         self._running = running
+        self._metrics = metrics
         self.queue: asyncio.Queue[EngineResult | list[TokenDelta]] = asyncio.Queue()
         self._storing: set[asyncio.Task[None]] = set()
 
@@ -52,13 +55,13 @@ class ResultPublisher:
                 finally:
                     self.queue.task_done()
             else:
-                task = asyncio.create_task(self._store_and_count(result))
+                task = asyncio.create_task(self._store_and_count(result, time.time()))
                 self._storing.add(task)  # held, so the task is not collected mid-flight
                 task.add_done_callback(self._storing.discard)
 
-    async def _store_and_count(self, result: EngineResult) -> None:
+    async def _store_and_count(self, result: EngineResult, out_at: float) -> None:
         try:
-            await retrying("publish", lambda: self._store(result))
+            await retrying("publish", lambda: self._store(result, out_at))
         finally:
             self.queue.task_done()  # a draining worker's queue.join() waits for the result to be stored
 
@@ -68,12 +71,13 @@ class ResultPublisher:
         except SchemaError as exc:  # that job's end, stored later, fails the same way and dead-letters it
             log.error("token_events_unwritable", error=str(exc))
 
-    async def _store(self, result: EngineResult) -> None:
-        """Store one result and acknowledge its entry, in one script. Safe to repeat: the job store keeps
-        the first result."""
+    async def _store(self, result: EngineResult, out_at: float) -> None:
+        """Store one result (taken from the engine thread at `out_at`, unix s) and acknowledge its entry, in
+        one script. Safe to repeat: the job store keeps the first result."""
         job = self._running.get(result.job_id)
         if job is None:
             return  # canceled meanwhile: already acknowledged
+        trace = _trace(job, result, out_at)
         try:
             stored = await self._jobs.finish(
                 result.job_id,
@@ -83,6 +87,7 @@ class ResultPublisher:
                 completion_tokens=result.completion_tokens,
                 first_token_ms=result.first_token_ms,
                 entry=(job.stream, job.entry_id),
+                trace=trace,
             )
         except SchemaError as exc:
             log.error("unreadable_job_record", job=result.job_id, model=job.model, error=str(exc))
@@ -90,6 +95,8 @@ class ResultPublisher:
             self._running.release(result.job_id)
             return
         self._running.release(result.job_id)
+        if trace is not None:
+            self._metrics.job_stages(job.model, trace, time.time())
         log.info(
             "job_finished",
             job=result.job_id,
@@ -99,6 +106,16 @@ class ResultPublisher:
             error=result.error.code if result.error else None,
             request_id=job.request_id,
         )
+
+
+def _trace(job: RunningJob, result: EngineResult, out_at: float) -> JobTrace | None:
+    """The job's way through this worker, from the I/O loop's and the engine thread's stamps (None: it was
+    not started through the intake)."""
+    if job.times is None:
+        return None
+    stamps = (job.times.created, job.times.read, job.times.started, result.added_at, result.first_token_at,
+              result.finished_at, out_at)  # fmt: skip
+    return JobTrace(*(int(stamp * 1e6) for stamp in stamps))
 
 
 class CancelWatch:

@@ -77,11 +77,11 @@ class Worker:
         # a queue beyond the batch, so admission never idles; batch jobs take at most one batch's worth of it,
         # so interactive jobs always find room here and reach the engine's scheduler, which preempts batch work
         self._running = RunningJobs(capacity=config.engine.max_num_seqs * 2, batch_capacity=config.engine.max_num_seqs)
-        self._results = ResultPublisher(self._redis, self._jobs, self._running)
         self._stopping = asyncio.Event()
         self._crash: BaseException | None = None
         self._engine_thread: EngineThread | None = None
         self.metrics = WorkerMetrics(config.engine.device)
+        self._results = ResultPublisher(self._redis, self._jobs, self._running, self.metrics)
         self._residency = ModelResidency(config, self.metrics)  # plans the device's memory: fails early
         self._heartbeat = Heartbeat(self._redis, config, self._running, self._residency, self.metrics)
         self._switcher: ModelSwitcher | None = None
