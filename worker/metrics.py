@@ -159,7 +159,7 @@ class WorkerMetrics:
     def job_stages(self, model: str, trace: JobTrace, stored_at: float) -> None:
         """A job's result was stored at `stored_at` (unix s): the time it spent in each stage, from its trace."""
         points = [getattr(trace, point) / 1e6 for point in JobTrace.FIELDS] + [stored_at]
-        for stage, since, until in zip(JOB_STAGES, points, points[1:], strict=True):
+        for stage, since, until in zip(JOB_STAGES, points[:-1], points[1:], strict=True):
             if since and until >= since:  # a point not reached (0) leaves its stages out
                 self.job_stage_seconds.labels(model, stage).observe(until - since)
 
