@@ -99,12 +99,11 @@ class Worker:
         if self.config.preload_adapters:  # before the engine thread steps: the pools are still this thread's
             await preload_adapters(self._redis, self.config.preload_adapters, engines)
         loop = asyncio.get_running_loop()
-        results = self._results.queue
+        steps = self._results.queue
         self._engine_thread = EngineThread(
             engines,
-            on_result=lambda result: loop.call_soon_threadsafe(results.put_nowait, result),
+            on_output=lambda output: loop.call_soon_threadsafe(steps.put_nowait, output),
             on_crash=lambda exc: loop.call_soon_threadsafe(self._engine_crashed, exc),
-            on_deltas=lambda deltas: loop.call_soon_threadsafe(results.put_nowait, deltas),
         )
         self._engine_thread.start()
         self._switcher = ModelSwitcher(
@@ -237,7 +236,7 @@ class Worker:
             await asyncio.sleep(0.05)
         await asyncio.to_thread(self._engine_thread.stop)
         # results of the engine's last step are stored before we let go, unless the loop storing them failed
-        stored = asyncio.create_task(self._results.queue.join())
+        stored = asyncio.create_task(self._results.flushed())
         await asyncio.wait([stored, publish], return_when=asyncio.FIRST_COMPLETED)
         stored.cancel()
         if not len(self._running):
