@@ -121,11 +121,17 @@ if status ~= 'queued' and status ~= 'running' then
   end
   return 0
 end
--- the event first: an events key of another type fails the script before the record changes
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[1])
+-- an events key of another type fails the script before the record changes
+local events = redis.call('TYPE', KEYS[2])['ok']
+if events ~= 'stream' and events ~= 'none' then
+  return redis.error_reply('WRONGTYPE the job events key holds ' .. events)
+end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 5))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
+-- the end event carries the final record: its reader has the result without reading the record again
+local record = cmsgpack.pack(redis.call('HGETALL', KEYS[1]))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', ARGV[2], 'record', record)
+redis.call('EXPIRE', KEYS[2], ARGV[1])
 if KEYS[4] then
   redis.call('XACK', KEYS[4], '{keys.WORKER_GROUP}', ARGV[4])
   redis.call('XDEL', KEYS[4], ARGV[4])
@@ -527,6 +533,22 @@ class JobStore:
             keys=[keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS], args=[self._ttl_s, now_ms(), EVENTS_CAP]
         )
         return None if result is None else decode_status(result.decode(errors="replace"))
+
+
+def end_record(fields: dict[bytes, bytes]) -> JobRecord | None:
+    """The final record an `end` event carries (the finish script writes it in; a cancel's end, or one
+    a worker of an earlier release wrote, carries none: None, read the record). SchemaError when it is
+    no record."""
+    blob = fields.get(b"record")
+    if blob is None:
+        return None
+    try:
+        flat = msgpack.unpackb(blob, raw=True)  # Lua's strings come as msgpack strings: bytes, as a hash reads
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise SchemaError(f"the end event's record is not msgpack: {exc}") from exc
+    if not isinstance(flat, list) or len(flat) % 2 or not all(isinstance(item, bytes) for item in flat):
+        raise SchemaError("the end event's record is not a list of field, value pairs")
+    return JobRecord.from_hash(dict(zip(flat[::2], flat[1::2], strict=True)))
 
 
 def _raise_on_error(replies: list[Any], what: str) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from gateway.auto_pipeline import AutoPipeline
 from shared import keys
-from shared.jobstore import Finish, JobStore, now_ms
+from shared.jobstore import Finish, JobStore, end_record, now_ms
 from shared.schema import (
     FinishReason,
     JobError,
@@ -136,3 +137,23 @@ async def test_a_step_whose_job_record_is_unwritable_reports_it_and_stores_the_o
     assert done.stored[0] is True and isinstance(done.stored[1], SchemaError)
     assert (await store.get("job_1")).status is JobStatus.SUCCEEDED
     assert (await store.get("job_2")).status is JobStatus.RUNNING
+
+
+async def test_a_finished_jobs_end_event_carries_its_final_record_and_a_cancels_none(aredis):
+    store = JobStore(aredis, job_ttl_s=60)
+    for job_id in ("job_1", "job_2"):
+        await store.create(*new_job(job_id))
+    await store.start("job_1", "w1")
+    await store.finish("job_1", JobStatus.SUCCEEDED, output=OUTPUT, completion_tokens=2, first_token_ms=now_ms())
+    await store.cancel("job_2")
+    [(_, finished)] = await aredis.xrange(keys.job_events("job_1"))
+    assert end_record(finished) == await store.get("job_1")
+    [(_, canceled)] = await aredis.xrange(keys.job_events("job_2"))
+    assert canceled[b"type"] == b"end" and end_record(canceled) is None
+
+
+def test_an_end_event_whose_record_is_no_record_is_a_schema_error():
+    with pytest.raises(SchemaError, match="not msgpack"):
+        end_record({b"type": b"end", b"record": b"\xc1"})
+    with pytest.raises(SchemaError, match="field, value pairs"):
+        end_record({b"type": b"end", b"record": msgpack.packb([b"status"])})
