@@ -1,13 +1,14 @@
 """The worker's Prometheus metrics, served over HTTP from the worker process (`lorafleet worker --metrics-port`).
 
-Three groups, one registry per worker (so several workers in one test process never collide):
+Four groups, one registry per worker (so several workers in one test process never collide):
 - engine series, per served model: the engine thread records them once per step from the counts
   the engine keeps (`StepStats`, `EngineLoad`: plain numbers, so this module knows nothing of the
   engine; no device sync, nothing per token, a few lock-protected adds per step);
 - adapter-pool series, per model and tier (gpu / cpu / disk): the adapter pool records hits, misses,
   evictions, load latency and residency through `AdapterMetrics`;
 - GPU utilisation and memory, read from NVML at scrape time (worker/gpu_metrics.py); a worker
-  without a GPU simply has no such series.
+  without a GPU simply has no such series;
+- the process's CPU time and memory (prometheus_client's process collector, `process_*`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 from shared.schema import JobTrace
 from worker.gpu_metrics import GpuCollector
@@ -143,6 +144,8 @@ class WorkerMetrics:
         )  # fmt: skip
         # the same counts as plain numbers, for the heartbeat: the fleet's hit rate without Prometheus
         self.started_counts: dict[str, int] = {}
+        # the process's CPU seconds and memory (process_*): what the I/O loop and the engine thread cost the host
+        ProcessCollector(registry=self.registry)
         gpus = GpuCollector.for_device(device)
         if gpus is not None:
             self.registry.register(gpus)
