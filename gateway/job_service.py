@@ -341,12 +341,11 @@ class JobService:
         """Cancel a job whose only reader went away (shielded: it runs while its handler is being cancelled)."""
         await asyncio.shield(self._store.cancel(job_id))
 
-    async def events(
-        self, tenant: Tenant, job_id: str, *, after: str = "0-0"
-    ) -> AsyncIterator[TokenEvent | EndEvent | Idle]:
-        """The job's events from stream entry `after` on: token events, then one EndEvent carrying the
-        final record; Idle whenever nothing happens for a while. Ownership is checked first."""
-        await self.get(tenant, job_id)
+    async def events(self, job: JobRecord, *, after: str = "0-0") -> AsyncIterator[TokenEvent | EndEvent | Idle]:
+        """The events of a job the caller read for its tenant (`get`, or `submit`'s record: its ownership is
+        checked) from stream entry `after` on: token events, then one EndEvent carrying the final record;
+        Idle whenever nothing happens for a while."""
+        job_id = job.job_id
         async with self._events.subscribe(job_id, after) as events:
             while True:
                 entries = await events.next(self._events_idle_s)
