@@ -104,10 +104,11 @@ class Intake:
         read = await self._read(readable, Priority.INTERACTIVE, block_ms=None)
         if self._running.batch_room_left > 0:
             read += await self._read(readable, Priority.BATCH, block_ms=None)
-        if not read:  # all empty: wait for the first entries of any of them, as many as there is room for
+        if not read:  # all empty: wait for the first entry of any of them
             with_batch = PRIORITIES if self._running.batch_room_left > 0 else (Priority.INTERACTIVE,)
-            # the count holds for each stream: the smallest room (the batch class's, when read) bounds both
-            await self._read(readable, *with_batch, block_ms=self._read_block_ms, count=self._room(with_batch[-1]))
+            # one entry (per stream: the count holds for each), so a read of several streams cannot take more
+            # than the rooms of their classes; the next turn's reads take the rest at once
+            await self._read(readable, *with_batch, block_ms=self._read_block_ms, count=1)
         await self._steal_if_idle(readable)
 
     def _room(self, priority: Priority) -> int:
