@@ -85,8 +85,8 @@ class ResultPublisher:
         """A step's deltas and results in one round trip. After a lost connection its parts go again one by
         one (`publish` as with replicas, in order): its events may have been written, so repeating the
         round trip as a whole gains nothing over that."""
-        ending = [(result, job) for result in results if (job := self._running.get(result.job_id)) is not None]
-        endings = [_ending(result, job, out_at) for result, job in ending]  # canceled ones are acknowledged already
+        finishing = [(result, job) for result in results if (job := self._running.get(result.job_id)) is not None]
+        endings = [_ending(result, job, out_at) for result, job in finishing]  # canceled ones: acknowledged already
         try:
             done = await self._jobs.publish_step(deltas, endings)
         except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -98,7 +98,7 @@ class ResultPublisher:
             return
         if done.tokens_error is not None:
             log.error("token_events_unwritable", error=str(done.tokens_error))
-        for (result, job), ended, stored in zip(ending, endings, done.stored, strict=True):
+        for (result, job), ended, stored in zip(finishing, endings, done.stored, strict=True):
             await retrying("publish", functools.partial(self._stored, result, job, ended.trace, stored))
 
     async def _store(self, result: EngineResult, out_at: float) -> None:
