@@ -35,7 +35,7 @@ from gateway.ttl_cache import TtlCache
 from shared.adapter_aliases import get_alias
 from shared.adapter_registry import get_adapter, track_adapter_job
 from shared.errors import ErrorCode
-from shared.jobstore import JobStore
+from shared.jobstore import JobStore, end_record
 from shared.model_info import ModelInfo
 from shared.model_registry import AdapterLimits, adapter_limits, get_chat_template, get_model, served_ms
 from shared.rate_limits import Admission, AdmissionDenied, Denial
@@ -272,12 +272,14 @@ class JobService:
             return record
         deadline = time.monotonic() + timeout_s
         # from the stream's start: an end event written since the record was read is still seen
+        ended = None
         async with self._events.subscribe(job_id) as events:
             while (remaining := deadline - time.monotonic()) > 0:
                 entries = await events.next(remaining)
-                if not entries or any(fields.get(b"type") == b"end" for _, fields in entries):
+                ended = next((fields for _, fields in entries if fields.get(b"type") == b"end"), None)
+                if not entries or ended is not None:
                     break
-        waited = await self._store.get(job_id)
+        waited = (end_record(ended) if ended is not None else None) or await self._store.get(job_id)
         if waited is None:  # expired while we waited
             raise _job_not_found()
         return waited
@@ -339,12 +341,11 @@ class JobService:
         """Cancel a job whose only reader went away (shielded: it runs while its handler is being cancelled)."""
         await asyncio.shield(self._store.cancel(job_id))
 
-    async def events(
-        self, tenant: Tenant, job_id: str, *, after: str = "0-0"
-    ) -> AsyncIterator[TokenEvent | EndEvent | Idle]:
-        """The job's events from stream entry `after` on: token events, then one EndEvent carrying the
-        final record; Idle whenever nothing happens for a while. Ownership is checked first."""
-        await self.get(tenant, job_id)
+    async def events(self, job: JobRecord, *, after: str = "0-0") -> AsyncIterator[TokenEvent | EndEvent | Idle]:
+        """The events of a job the caller read for its tenant (`get`, or `submit`'s record: its ownership is
+        checked) from stream entry `after` on: token events, then one EndEvent carrying the final record;
+        Idle whenever nothing happens for a while."""
+        job_id = job.job_id
         async with self._events.subscribe(job_id, after) as events:
             while True:
                 entries = await events.next(self._events_idle_s)
@@ -357,7 +358,7 @@ class JobService:
                 for entry_id, fields in entries:
                     after = entry_id.decode()
                     if fields.get(b"type") == b"end":
-                        yield EndEvent(after, await self._store.get(job_id))
+                        yield EndEvent(after, end_record(fields) or await self._store.get(job_id))
                         return
                     yield TokenEvent(
                         after,

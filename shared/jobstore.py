@@ -17,11 +17,13 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
 import structlog
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
@@ -37,6 +39,7 @@ from shared.schema import (
     JobOutput,
     JobRecord,
     JobStatus,
+    JobTrace,
     SchemaError,
     TokenDelta,
     decode_status,
@@ -118,11 +121,17 @@ if status ~= 'queued' and status ~= 'running' then
   end
   return 0
 end
--- the event first: an events key of another type fails the script before the record changes
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[1])
+-- an events key of another type fails the script before the record changes
+local events = redis.call('TYPE', KEYS[2])['ok']
+if events ~= 'stream' and events ~= 'none' then
+  return redis.error_reply('WRONGTYPE the job events key holds ' .. events)
+end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 5))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
+-- the end event carries the final record: its reader has the result without reading the record again
+local record = cmsgpack.pack(redis.call('HGETALL', KEYS[1]))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', ARGV[2], 'record', record)
+redis.call('EXPIRE', KEYS[2], ARGV[1])
 if KEYS[4] then
   redis.call('XACK', KEYS[4], '{keys.WORKER_GROUP}', ARGV[4])
   redis.call('XDEL', KEYS[4], ARGV[4])
@@ -156,6 +165,30 @@ redis.call('EXPIRE', KEYS[2], ARGV[1])
     + _QUEUE_WEBHOOK
     + "return 'canceled'"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """One job's end, as `JobStore.finish` takes it (see there)."""
+
+    job_id: str
+    status: JobStatus
+    output: JobOutput | None = None
+    error: JobError | None = None
+    completion_tokens: int = 0
+    first_token_ms: int = 0
+    entry: tuple[str, bytes] | None = None
+    trace: JobTrace | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepStored:
+    """What `publish_step` did: the token events' error (the others' events are written all the same), and
+    per ending, in order, whether its result was stored (False: it was terminal already) or the SchemaError
+    that its record or events stream cannot be written."""
+
+    tokens_error: SchemaError | None
+    stored: list[bool | SchemaError]
 
 
 class BatchedClient(Protocol):
@@ -355,27 +388,23 @@ class JobStore:
         completion_tokens: int = 0,
         first_token_ms: int = 0,
         entry: tuple[str, bytes] | None = None,
+        trace: JobTrace | None = None,
     ) -> bool:
         """Store the final result once and, with `entry` (the key of the stream it was read from, entry id),
         acknowledge the job's queue entry in the same script. Returns False when the job already had a terminal status
         (canceled meanwhile, or finished by another delivery): the caller must not publish twice. With
         replicas to wait for, it returns once they have the result, or the wait timed out (logged: the
         result is stored, and if the primary is lost before a replica has it, the job runs again).
+        `trace`: when the job passed each point of the worker, written into the record with the result.
         SchemaError: the record or its events stream cannot be written (a key of another type)."""
-        assert status.is_terminal, status
-        fields: list[str | int | bytes] = ["finished_ms", now_ms(), "completion_tokens", completion_tokens]
-        if first_token_ms:
-            fields += ["first_token_ms", first_token_ms]
-        if output is not None:
-            fields += ["output", encode_output(output)]
-        if error is not None:
-            fields += ["error_code", error.code, "error_message", error.message]
-        script_keys = [keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS]
-        script_args: list[Any] = [self._ttl_s, status.value, EVENTS_CAP, b""]
-        if entry is not None:
-            script_keys.append(entry[0])
-            script_args[3] = entry[1]
-        script_args += fields
+        return await self._store_ending(
+            Finish(job_id, status, output, error, completion_tokens, first_token_ms, entry, trace)
+        )
+
+    async def _store_ending(self, ending: Finish) -> bool:
+        """`finish`, for one ending."""
+        job_id = ending.job_id
+        script_keys, script_args = self._finish_call(ending)
         try:
             if not self._replica_wait.replicas:
                 return bool(await self._finish(keys=script_keys, args=script_args))
@@ -386,6 +415,65 @@ class JobStore:
         if confirmed < self._replica_wait.replicas:
             log.warning("result_not_replicated", job=job_id, confirmed=confirmed, wanted=self._replica_wait.replicas)
         return bool(stored)
+
+    @property
+    def waits_for_replicas(self) -> bool:
+        return bool(self._replica_wait.replicas)
+
+    async def publish_step(self, deltas: list[TokenDelta], endings: list[Finish]) -> StepStored:
+        """An engine step's token events (as `publish_tokens`), then its finished jobs' results (as `finish`,
+        in order after the events), all in one round trip: a job's end costs no round trip of its own.
+        Only without replicas to wait for: a result's WAIT would hold the next steps' events up behind it
+        (`finish` each result then). Not to be repeated as a whole after a lost connection: its events
+        may have been written (publish the parts again on their own)."""
+        assert not self._replica_wait.replicas
+        calls = [self._finish_call(ending) for ending in endings]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            self._queue_tokens(pipe, deltas)
+            for script_keys, script_args in calls:
+                pipe.evalsha(self._finish.sha, len(script_keys), *script_keys, *script_args)
+            replies = await pipe.execute(raise_on_error=False)
+        token_replies, finish_replies = replies[: len(replies) - len(calls)], replies[len(replies) - len(calls) :]
+        tokens_error = None
+        try:
+            _raise_on_error(token_replies, "a job's token events")
+        except SchemaError as exc:
+            tokens_error = exc
+        stored: list[bool | SchemaError] = []
+        for ending, reply in zip(endings, finish_replies, strict=True):
+            if isinstance(reply, NoScriptError):  # a restarted Redis: the script call loads it
+                try:
+                    reply = await self._store_ending(ending)
+                except SchemaError as exc:
+                    reply = exc
+            elif isinstance(reply, ResponseError):
+                try:
+                    _raise_if_unreadable(f"job {ending.job_id}'s record or events", reply)
+                except SchemaError as exc:
+                    reply = exc
+                else:
+                    raise reply
+            stored.append(reply if isinstance(reply, SchemaError) else bool(reply))
+        return StepStored(tokens_error, stored)
+
+    def _finish_call(self, ending: Finish) -> tuple[list[Any], list[Any]]:
+        """The finish script's keys and arguments for `ending`."""
+        assert ending.status.is_terminal, ending.status
+        fields: list[str | int | bytes] = ["finished_ms", now_ms(), "completion_tokens", ending.completion_tokens]
+        if ending.first_token_ms:
+            fields += ["first_token_ms", ending.first_token_ms]
+        if ending.output is not None:
+            fields += ["output", encode_output(ending.output)]
+        if ending.error is not None:
+            fields += ["error_code", ending.error.code, "error_message", ending.error.message]
+        if ending.trace is not None:
+            fields += ending.trace.hset_fields()
+        script_keys: list[Any] = [keys.job(ending.job_id), keys.job_events(ending.job_id), keys.WEBHOOKS]
+        script_args: list[Any] = [self._ttl_s, ending.status.value, EVENTS_CAP, b""]
+        if ending.entry is not None:
+            script_keys.append(ending.entry[0])
+            script_args[3] = ending.entry[1]
+        return script_keys, [*script_args, *fields]
 
     async def _run_and_wait(
         self, script: AsyncScript, script_keys: list[Any], script_args: list[Any]
@@ -413,22 +501,22 @@ class JobStore:
         stream behind. SchemaError when a job's events key is of another type (the others' events are
         written all the same)."""
         async with self._redis.pipeline(transaction=False) as pipe:
-            for delta in deltas:
-                stream = keys.job_events(delta.job_id)
-                event = {
-                    "type": "token",
-                    "text": delta.text,
-                    "token_ids": json.dumps([delta.token_id]),
-                    "offset": delta.offset,
-                }
-                pipe.xadd(stream, event, maxlen=EVENTS_CAP, approximate=True)
-                if delta.offset == 0:
-                    pipe.expire(stream, self._ttl_s)
+            self._queue_tokens(pipe, deltas)
             replies = await pipe.execute(raise_on_error=False)
-        for reply in replies:
-            if isinstance(reply, ResponseError):
-                _raise_if_unreadable("a job's token events", reply)
-                raise reply
+        _raise_on_error(replies, "a job's token events")
+
+    def _queue_tokens(self, pipe: Pipeline, deltas: list[TokenDelta]) -> None:
+        for delta in deltas:
+            stream = keys.job_events(delta.job_id)
+            event = {
+                "type": "token",
+                "text": delta.text,
+                "token_ids": json.dumps([delta.token_id]),
+                "offset": delta.offset,
+            }
+            pipe.xadd(stream, event, maxlen=EVENTS_CAP, approximate=True)
+            if delta.offset == 0:
+                pipe.expire(stream, self._ttl_s)
 
     async def release(self, job_id: str, worker_id: str) -> bool:
         """Hand a running job back to the queue without counting its delivery (a graceful drain).
@@ -445,6 +533,30 @@ class JobStore:
             keys=[keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS], args=[self._ttl_s, now_ms(), EVENTS_CAP]
         )
         return None if result is None else decode_status(result.decode(errors="replace"))
+
+
+def end_record(fields: dict[bytes, bytes]) -> JobRecord | None:
+    """The final record an `end` event carries (the finish script writes it in; a cancel's end, or one
+    a worker of an earlier release wrote, carries none: None, read the record). SchemaError when it is
+    no record."""
+    blob = fields.get(b"record")
+    if blob is None:
+        return None
+    try:
+        flat = msgpack.unpackb(blob, raw=True)  # Lua's strings come as msgpack strings: bytes, as a hash reads
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise SchemaError(f"the end event's record is not msgpack: {exc}") from exc
+    if not isinstance(flat, list) or len(flat) % 2 or not all(isinstance(item, bytes) for item in flat):
+        raise SchemaError("the end event's record is not a list of field, value pairs")
+    return JobRecord.from_hash(dict(zip(flat[::2], flat[1::2], strict=True)))
+
+
+def _raise_on_error(replies: list[Any], what: str) -> None:
+    """Raise the first error among a pipeline's replies: SchemaError when it says `what` cannot be written."""
+    for reply in replies:
+        if isinstance(reply, ResponseError):
+            _raise_if_unreadable(what, reply)
+            raise reply
 
 
 def _raise_if_unreadable(what: str, exc: ResponseError) -> None:

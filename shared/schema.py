@@ -346,6 +346,32 @@ class TokenDelta:
     offset: int
 
 
+@dataclass(frozen=True, slots=True)
+class JobTrace:
+    """When a job passed each point of its way through a worker, unix microseconds, written into its record
+    with its result (the fields `trace_<point>_us`): what an operator reads of one slow job, and what
+    bench/e2e splits the stack's latency by. Stamped by the gateway (`created`), the worker's I/O loop
+    (`read`, `started`, `out`) and its engine thread (`engine`, `first_token`, `last_token`); 0: not reached."""
+
+    created: int  # the gateway made the job (the message's created_at): its record and queue entry follow
+    read: int  # the worker read its queue entry
+    started: int  # the worker's start script returned: the job is this worker's
+    engine: int  # the engine thread took it into the engine
+    first_token: int  # the engine read its first token from a step
+    last_token: int  # the engine ended it (its last token's step)
+    out: int  # the worker's I/O loop took its result, to store it
+
+    FIELDS = ("created", "read", "started", "engine", "first_token", "last_token", "out")
+
+    def hset_fields(self) -> list[str | int]:
+        return [item for point in self.FIELDS for item in (f"trace_{point}_us", getattr(self, point))]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The record's field names, in FIELDS order (for HMGET)."""
+        return [f"trace_{point}_us" for point in cls.FIELDS]
+
+
 def encode_output(output: JobOutput) -> bytes:
     return msgpack.packb(
         {"text": output.text, "token_ids": list(output.token_ids), "finish_reason": output.finish_reason.value}

@@ -1,7 +1,8 @@
 """Runs the engines' step loop on its own thread, so the asyncio loop does only I/O.
 
-Commands (add, abort, call, stop) arrive through a thread-safe queue; finished results, and each step's
-token deltas for streaming, leave through callbacks that the asyncio side makes thread-safe. With
+Commands (add, abort, call, stop) arrive through a thread-safe queue; what each step produced (its token
+deltas for streaming and its finished results) leaves as one StepOutput through a callback that the asyncio
+side makes thread-safe: one hand-over, and one wake-up of the I/O loop, per step. With
 several base models, each engine that has work gets one step in turn. Each step is timed and recorded
 into the engine's metrics here (prometheus_client is thread-safe; the HTTP server reads them).
 
@@ -47,17 +48,23 @@ class _Stop:
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced: a stream's tokens (deltas) precede its end (results) when published in order."""
+
+    deltas: list[TokenDelta]
+    results: list[EngineResult]
+
+
 class EngineThread:
     def __init__(
         self,
         engines: dict[str, LLMEngine],
-        on_result: Callable[[EngineResult], None],
+        on_output: Callable[[StepOutput], None],
         on_crash: Callable[[BaseException], None],
-        on_deltas: Callable[[list[TokenDelta]], None] | None = None,
     ) -> None:
         self.engines = engines
-        self._on_result = on_result
-        self._on_deltas = on_deltas
+        self._on_output = on_output
         self._on_crash = on_crash
         self._inbox: queue.Queue[_Add | _Abort | _Call | _Stop] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -106,10 +113,8 @@ class EngineThread:
                         results = engine.step()
                         engine.metrics.record_step(engine.last_step, engine.load(), time.perf_counter() - started)
                         deltas = engine.take_deltas()
-                        if deltas and self._on_deltas is not None:
-                            self._on_deltas(deltas)  # before the results: a stream's tokens precede its end
-                        for result in results:
-                            self._on_result(result)
+                        if deltas or results:
+                            self._on_output(StepOutput(deltas, results))
         except BaseException as exc:  # the worker must not keep reading jobs it can no longer run
             log.exception("engine_thread_crashed")
             self._on_crash(exc)
@@ -129,7 +134,7 @@ class EngineThread:
         elif isinstance(command, _Add):
             immediate = self.engines[command.model].add(command.request)
             if immediate is not None:
-                self._on_result(immediate)
+                self._on_output(StepOutput([], [immediate]))
         else:
             for engine in self.engines.values():
                 if engine.abort(command.job_id):

@@ -35,7 +35,7 @@ from worker.engine_thread import EngineThread
 from worker.job_stream import ack, autoclaim_page, dead_letter, ensure_group, requeue, shared_streams
 from worker.metrics import AdapterTier, WorkerMetrics
 from worker.routed_streams import RoutedStreams
-from worker.running_jobs import RunningJob, RunningJobs
+from worker.running_jobs import JobTimes, RunningJob, RunningJobs
 from worker.switching.switcher import ModelSwitcher
 
 log = structlog.get_logger(__name__)
@@ -106,6 +106,8 @@ class Intake:
             read += await self._read(readable, Priority.BATCH, block_ms=None)
         if not read:  # all empty: wait for the first entry of any of them
             with_batch = PRIORITIES if self._running.batch_room_left > 0 else (Priority.INTERACTIVE,)
+            # one entry (per stream: the count holds for each), so a read of several streams cannot take more
+            # than the rooms of their classes; the next turn's reads take the rest at once
             await self._read(readable, *with_batch, block_ms=self._read_block_ms, count=1)
         await self._steal_if_idle(readable)
 
@@ -148,7 +150,7 @@ class Intake:
                     await ensure_group(self._redis, stream)
                 await self._streams.register(spec.name)
             return 0
-        read = 0
+        read, read_at = 0, time.time()
         for stream_key, entries in response or []:
             stream = stream_key.decode()
             model, priority, arrival = streams[stream]
@@ -158,7 +160,7 @@ class Intake:
                     # read during a stop or a switch
                     await requeue(self._redis, model, priority, stream, entry_id, fields)
                 else:
-                    await self._accept(model, priority, stream, entry_id, fields, arrival)
+                    await self._accept(model, priority, stream, entry_id, fields, arrival, read_at)
         return read
 
     async def _steal_if_idle(self, readable: list[str]) -> None:
@@ -172,10 +174,12 @@ class Intake:
         for model in readable:
             if not self._switcher.admitting(model):
                 continue
-            for stream, entries in await self._streams.steal(model, free, self._config.steal_after_ms):
+            stolen = await self._streams.steal(model, free, self._config.steal_after_ms)
+            read_at = time.time()
+            for stream, entries in stolen:
                 for entry_id, fields in entries:
                     log.info("job_stolen", model=model, stream=stream, entry=entry_id.decode())
-                    await self._accept(model, Priority.INTERACTIVE, stream, entry_id, fields, Arrival.STOLEN)
+                    await self._accept(model, Priority.INTERACTIVE, stream, entry_id, fields, Arrival.STOLEN, read_at)
             free = min(self._running.room_left, self._config.engine.max_num_seqs - len(self._running))
             if free <= 0:
                 return
@@ -195,16 +199,19 @@ class Intake:
                 if "NOGROUP" not in str(exc):
                     raise
                 return
+            read_at = time.time()
             for entry_id, fields in entries:
                 log.warning("job_reclaimed", model=model, priority=priority, stream=stream, entry=entry_id.decode())
-                await self._accept(model, priority, stream, entry_id, fields, Arrival.RECLAIMED)
+                await self._accept(model, priority, stream, entry_id, fields, Arrival.RECLAIMED, read_at)
             claimed += len(entries)
             if cursor in (b"0-0", "0-0"):
                 return
 
     async def _accept(
-        self, model: str, priority: Priority, stream: str, entry_id: bytes, fields: dict[bytes, bytes], arrival: Arrival
-    ) -> None:
+        self, model: str, priority: Priority, stream: str, entry_id: bytes, fields: dict[bytes, bytes],
+        arrival: Arrival, read_at: float,
+    ) -> None:  # fmt: skip
+        """Start the job of one entry read at `read_at` (unix s) and hand it to the engine thread."""
         try:
             message = _decode_entry(fields)
         except SchemaError as exc:
@@ -229,7 +236,10 @@ class Intake:
             await self._jobs.release(message.job_id, self._config.worker_id)
             await requeue(self._redis, model, priority, stream, entry_id, fields)
             return
-        self._running.add(message.job_id, RunningJob(model, priority, stream, entry_id, message.request_id, fields))
+        times = JobTimes(created=message.created_at, read=read_at, started=time.time())
+        self._running.add(
+            message.job_id, RunningJob(model, priority, stream, entry_id, message.request_id, fields, times=times)
+        )
         self._metrics.job_started(model, arrival, self._adapter_tier(model, message))
         log.info(
             "job_started",

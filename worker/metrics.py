@@ -1,13 +1,14 @@
 """The worker's Prometheus metrics, served over HTTP from the worker process (`lorafleet worker --metrics-port`).
 
-Three groups, one registry per worker (so several workers in one test process never collide):
+Four groups, one registry per worker (so several workers in one test process never collide):
 - engine series, per served model: the engine thread records them once per step from the counts
   the engine keeps (`StepStats`, `EngineLoad`: plain numbers, so this module knows nothing of the
   engine; no device sync, nothing per token, a few lock-protected adds per step);
 - adapter-pool series, per model and tier (gpu / cpu / disk): the adapter pool records hits, misses,
   evictions, load latency and residency through `AdapterMetrics`;
 - GPU utilisation and memory, read from NVML at scrape time (worker/gpu_metrics.py); a worker
-  without a GPU simply has no such series.
+  without a GPU simply has no such series;
+- the process's CPU time and memory (prometheus_client's process collector, `process_*`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
+from shared.schema import JobTrace
 from worker.gpu_metrics import GpuCollector
 
 if TYPE_CHECKING:
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_STAGE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
+                    1, 2, 4, 8, 16, 32)  # fmt: skip
 _LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -49,6 +53,13 @@ class EngineLoad:
     preemptions: int
     running_batch: int = 0  # of `running`, batch-class sequences (the rest are interactive)
     waiting_batch: int = 0  # of `waiting`, likewise
+
+
+# The stages between a job's trace points (shared/schema.py JobTrace), then its result's store:
+# queue (made by the gateway → read by this worker: two processes' clocks), start (the start script),
+# handoff (→ the engine thread took it), prefill (→ its first token), decode (→ its last token),
+# out (the engine thread → the I/O loop took its result), store (the finish script).
+JOB_STAGES = ("queue", "start", "handoff", "prefill", "decode", "out", "store")
 
 
 class AdapterTier(StrEnum):
@@ -126,8 +137,15 @@ class WorkerMetrics:
             "adapter was when they were read (gpu, cpu, disk; none: the base model)",
             ["model", "arrival", "tier"], registry=self.registry,
         )  # fmt: skip
+        self.job_stage_seconds = Histogram(
+            "lorafleet_worker_job_stage_seconds",
+            "a finished job's time in each stage of its way through the worker (stages: JOB_STAGES)",
+            ["model", "stage"], buckets=_STAGE_BUCKETS_S, registry=self.registry,
+        )  # fmt: skip
         # the same counts as plain numbers, for the heartbeat: the fleet's hit rate without Prometheus
         self.started_counts: dict[str, int] = {}
+        # the process's CPU seconds and memory (process_*): what the I/O loop and the engine thread cost the host
+        ProcessCollector(registry=self.registry)
         gpus = GpuCollector.for_device(device)
         if gpus is not None:
             self.registry.register(gpus)
@@ -140,6 +158,13 @@ class WorkerMetrics:
         self.jobs_started.labels(model, arrival, tier).inc()
         key = f"{arrival}/{tier}"
         self.started_counts[key] = self.started_counts.get(key, 0) + 1
+
+    def job_stages(self, model: str, trace: JobTrace, stored_at: float) -> None:
+        """A job's result was stored at `stored_at` (unix s): the time it spent in each stage, from its trace."""
+        points = [getattr(trace, point) / 1e6 for point in JobTrace.FIELDS] + [stored_at]
+        for stage, since, until in zip(JOB_STAGES, points[:-1], points[1:], strict=True):
+            if since and until >= since:  # a point not reached (0) leaves its stages out
+                self.job_stage_seconds.labels(model, stage).observe(until - since)
 
     def serve(self, host: str, port: int) -> WSGIServer:
         """Serve `/metrics` (any path, in fact) on a daemon thread; `shutdown()` the result to stop."""

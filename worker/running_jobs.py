@@ -10,6 +10,15 @@ from dataclasses import dataclass, field
 from shared.schema import Priority
 
 
+@dataclass(frozen=True, slots=True)
+class JobTimes:
+    """When a job reached this worker's I/O loop, unix seconds: made (the gateway's clock), read, started."""
+
+    created: float
+    read: float
+    started: float
+
+
 @dataclass(slots=True)
 class RunningJob:
     model: str
@@ -19,6 +28,7 @@ class RunningJob:
     request_id: str
     fields: dict[bytes, bytes]  # the entry as read, to queue it again if this worker lets it go
     started: float = field(default_factory=time.monotonic)  # when this worker started it
+    times: JobTimes | None = None  # its trace so far (None: not started through the intake)
 
 
 class RunningJobs:

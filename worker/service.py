@@ -79,11 +79,11 @@ class Worker:
         # a queue beyond the batch, so admission never idles; batch jobs take at most one batch's worth of it,
         # so interactive jobs always find room here and reach the engine's scheduler, which preempts batch work
         self._running = RunningJobs(capacity=config.engine.max_num_seqs * 2, batch_capacity=config.engine.max_num_seqs)
-        self._results = ResultPublisher(self._redis, self._jobs, self._running)
         self._stopping = asyncio.Event()
         self._crash: BaseException | None = None
         self._engine_thread: EngineThread | None = None
         self.metrics = WorkerMetrics(config.engine.device)
+        self._results = ResultPublisher(self._redis, self._jobs, self._running, self.metrics)
         # a model over several GPUs: the other ranks' processes, started and joined before anything loads
         self._followers = Followers(config) if config.engine.tensor_parallel > 1 else None
         channel = self._followers.channel if self._followers is not None else None
@@ -107,12 +107,11 @@ class Worker:
         engines = await asyncio.to_thread(self._load_engines)
         if self.config.preload_adapters:  # before the engine thread steps: the pools are still this thread's
             await preload_adapters(self._redis, self.config.preload_adapters, engines)
-        results = self._results.queue
+        steps = self._results.queue
         self._engine_thread = EngineThread(
             engines,
-            on_result=lambda result: loop.call_soon_threadsafe(results.put_nowait, result),
+            on_output=lambda output: loop.call_soon_threadsafe(steps.put_nowait, output),
             on_crash=lambda exc: loop.call_soon_threadsafe(self._engine_crashed, exc),
-            on_deltas=lambda deltas: loop.call_soon_threadsafe(results.put_nowait, deltas),
         )
         self._engine_thread.start()
         self._switcher = ModelSwitcher(
@@ -248,7 +247,7 @@ class Worker:
             await asyncio.sleep(0.05)
         await asyncio.to_thread(self._engine_thread.stop)
         # results of the engine's last step are stored before we let go, unless the loop storing them failed
-        stored = asyncio.create_task(self._results.queue.join())
+        stored = asyncio.create_task(self._results.flushed())
         await asyncio.wait([stored, publish], return_when=asyncio.FIRST_COMPLETED)
         stored.cancel()
         if not len(self._running):

@@ -1,6 +1,8 @@
 """The whole stack under load: Zipf adapter traffic and base-only traffic at three offered loads.
 
-    python -m bench.e2e [--preset llama3-8b] [--out DIR] [--workdir DIR] [--budget-s 400] [--run-s 15]
+    python -m bench.e2e [--preset llama3-8b] [--out DIR] [--workdir DIR] [--budget-s 400] [--run-s 15] [--loads RPS ...]
+
+The `tiny` preset runs the same phases on the CPU in seconds (its worker: `--device cpu`).
 
 1. Assets: the preset's model (random weights, HF format) and adapters written under --workdir.
 2. The stack: Redis, the worker, the gateways (bench/e2e/stack.py); tenants and adapters registered.
@@ -10,12 +12,13 @@
    over the first third); the output tok/s of its second half, over the output length, is the
    mode's saturation in requests/s.
 5. Load runs: open-loop Poisson arrivals at three offered loads, from 60% of the slower mode's
-   saturation up to 95% of the faster one's; at each load base-only, then Zipf over all adapters
-   (the same arrival times).
+   saturation up to 95% of the faster one's (or at --loads); at each load base-only, then Zipf over
+   all adapters (the same arrival times).
 6. Engine alone: the stack is stopped and the lowest load's base-only requests are replayed into an
    in-process LLMEngine; the p50 differences are what the gateway, Redis and the worker's I/O add,
    and the mean step times (stack's worker vs engine alone, same load) what the engine loses inside
-   the worker process.
+   the worker process. The last table splits both runs' latency stage by stage (bench/e2e/stages.py):
+   where the stack's added time goes.
 
 Every phase checks the time left in --budget-s first and is skipped if it cannot finish, so the
 table always prints. Written to --out: e2e.jsonl (one line per run, then the targets), e2e_requests.csv
@@ -45,6 +48,7 @@ from bench.e2e.floor import AdapterFloor, adapter_floor
 from bench.e2e.plots import plot_load, plot_timeline
 from bench.e2e.presets import PRESETS, Preset
 from bench.e2e.stack import Stack, start_stack
+from bench.e2e.stages import StageRow, engine_points, stack_points, stage_rows, stage_table
 from bench.e2e.summary import (
     RunSummary,
     Verdict,
@@ -59,6 +63,7 @@ from bench.e2e.traffic import Mode, PlannedRequest, RequestSource, TrafficShape,
 from bench.e2e.worker_metrics import difference, read_registry
 from shared.adapter_format import WEIGHTS_FILE
 from shared.config import ModelSpec, WorkerConfig
+from shared.schema import JobTrace
 from worker.metrics import WorkerMetrics
 from worker.switching.residency import ModelResidency
 
@@ -87,6 +92,7 @@ class LoadRun:
     row: RunSummary
     record: RunRecord
     plan: list[PlannedRequest]
+    traces: dict[str, JobTrace]  # by job id: each request's way through the worker
 
 
 def offered_loads(capacity_rps: dict[str, float]) -> list[float]:
@@ -95,8 +101,12 @@ def offered_loads(capacity_rps: dict[str, float]) -> list[float]:
 
 
 class Bench:
-    def __init__(self, preset: Preset, workdir: Path, out: Path, budget: Budget) -> None:
+    def __init__(
+        self, preset: Preset, workdir: Path, out: Path, budget: Budget, fixed_loads: list[float] | None = None
+    ) -> None:
+        """`fixed_loads`: the load runs' offered req/s, instead of fractions of the calibrated saturation."""
         self.preset = preset
+        self.fixed_loads = fixed_loads
         self.workdir = workdir
         self.out = out
         self.budget = budget
@@ -110,6 +120,7 @@ class Bench:
         self.notes: dict[str, float | str] = {"device": _device_name(preset), "preset": preset.name}
         self.bandwidth = _copy_bandwidth(preset)  # bytes/s; measured before the worker takes the GPU
         self.floor: AdapterFloor | None = None
+        self.stages: tuple[list[StageRow], int, int] | None = None  # (rows, stack requests, alone requests)
 
     def shape(self, mode: Mode) -> TrafficShape:
         p = self.preset
@@ -150,7 +161,7 @@ class Bench:
             self.timed("warmup", started)
             print(_row_line(summarize("warmup", Mode.ZIPF, 0.0, record.samples)), flush=True)
             self.calibrate(client, stack)
-            for index, load in enumerate(offered_loads(self.capacity_rps)):
+            for index, load in enumerate(self.fixed_loads or offered_loads(self.capacity_rps)):
                 for mode in (Mode.BASE, Mode.ZIPF):
                     if not self.budget.allows(p.run_s + p.drain_s + 5, f"{mode} at {load:.1f} req/s"):
                         return
@@ -191,11 +202,12 @@ class Bench:
         before = stack.worker_metrics()
         record = asyncio.run(client.open_loop(plan, p.drain_s, stack.probe))
         worker = difference(before, stack.worker_metrics())
-        job_times = stack.job_times([s.job_id for s in record.samples if s.ok])
+        succeeded = [s.job_id for s in record.samples if s.ok]
+        job_times = stack.job_times(succeeded)
         row = summarize("load", mode, load, record.samples, start_unix_s=record.start_unix_s, job_times=job_times,
                         probes=record.probes, worker=worker)  # fmt: skip
         self.rows.append(row)
-        self.loads.append(LoadRun(row, record, plan))
+        self.loads.append(LoadRun(row, record, plan, stack.traces(succeeded)))
         self.samples.append((row, record.samples))
         print(_row_line(row), flush=True)
 
@@ -223,12 +235,15 @@ class Bench:
         on_engine_thread(lambda: run_to_completion(engine, warmup))
         self.timed("engine_load", started)
         before = read_registry(metrics.registry)
-        samples = on_engine_thread(lambda: replay(engine, stack_run.plan))
+        alone = on_engine_thread(lambda: replay(engine, stack_run.plan))
         worker = difference(before, read_registry(metrics.registry))  # its steps, as the stack's worker counts them
-        row = summarize("engine-alone", Mode.BASE, stack_run.row.offered_rps, samples, worker=worker)
+        row = summarize("engine-alone", Mode.BASE, stack_run.row.offered_rps, alone.samples, worker=worker)
         self.rows.append(row)
-        self.samples.append((row, samples))
+        self.samples.append((row, alone.samples))
         print(_row_line(row), flush=True)
+        stack_points_ = stack_points(stack_run.record.samples, stack_run.traces, stack_run.record.start_unix_s)
+        alone_points = engine_points(alone.samples, alone.results, alone.start_unix_s)
+        self.stages = (stage_rows(stack_points_, alone_points), len(stack_points_), len(alone_points))
         return stack_run.row, row
 
     def write_results(self, found: list[Verdict]) -> None:
@@ -245,6 +260,8 @@ class Bench:
                 f.write(json.dumps({"kind": "run", **asdict(row)}) + "\n")
             for verdict in found:
                 f.write(json.dumps({"kind": "target", **asdict(verdict)}) + "\n")
+            for stage in self.stages[0] if self.stages else ():
+                f.write(json.dumps({"kind": "stage", **asdict(stage)}) + "\n")
         with (self.out / "e2e_requests.csv").open("w", newline="") as f:
             writer = csv.writer(f)
             fields = [field.name for field in dataclasses.fields(Sample)]
@@ -297,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="model, adapters, Redis data, logs (default: a new temp dir)")
     parser.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget (default: %(default)s)")
     parser.add_argument("--run-s", type=float, help="seconds of arrivals per load run (default: the preset's)")
+    parser.add_argument(
+        "--loads", type=float, nargs="+", metavar="RPS",
+        help="offered loads of the load runs, req/s (default: from the calibrated saturation); the same loads "
+        "on every run make runs of two versions comparable",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     if args.run_s is not None:
@@ -309,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"workdir {workdir}", flush=True)
     overhead = None
-    bench = Bench(preset, workdir, args.out, budget)
+    bench = Bench(preset, workdir, args.out, budget, args.loads)
     try:
         bench.write_assets()
         bench.serve()
@@ -328,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     print(worker_table(bench.rows))
     print()
     print(verdict_table(found))
-    return 0 if len(bench.loads) == 6 and overhead is not None else 1
+    if bench.stages is not None:
+        print()
+        print(stage_table(*bench.stages))
+    planned_runs = 2 * (len(args.loads) if args.loads else len(offered_loads({Mode.BASE: 1.0})))
+    return 0 if len(bench.loads) == planned_runs and overhead is not None else 1
 
 
 if __name__ == "__main__":

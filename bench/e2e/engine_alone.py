@@ -16,12 +16,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 from bench.e2e.client import Sample
 from bench.e2e.traffic import PlannedRequest
 from shared.schema import SamplingParams
-from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
 
 T = TypeVar("T")
 
@@ -54,11 +55,19 @@ def run_to_completion(engine: LLMEngine, requests: list[PlannedRequest]) -> None
         engine.take_deltas()
 
 
-def replay(engine: LLMEngine, plan: list[PlannedRequest]) -> list[Sample]:
-    """Serve `plan` in real time; returns one Sample per request (times since the replay's start)."""
+@dataclass(frozen=True, slots=True)
+class Replay:
+    samples: list[Sample]  # one per planned request, times since the replay's start
+    results: dict[int, EngineResult]  # by the request's index: the engine's own stamps (unix s)
+    start_unix_s: float  # the replay's start
+
+
+def replay(engine: LLMEngine, plan: list[PlannedRequest]) -> Replay:
+    """Serve `plan` in real time."""
     samples = {str(r.index): Sample(r.index, r.adapter, r.at_s) for r in plan}
+    ended: dict[int, EngineResult] = {}
     arrivals = deque(plan)
-    start = time.perf_counter()
+    start, start_unix_s = time.perf_counter(), time.time()
     while arrivals or engine.num_unfinished:
         now = time.perf_counter() - start
         while arrivals and arrivals[0].at_s <= now:
@@ -68,6 +77,7 @@ def replay(engine: LLMEngine, plan: list[PlannedRequest]) -> list[Sample]:
             failed = engine.add(_engine_request(request, str(request.index)))
             if failed is not None:
                 sample.status, sample.end_s = failed.status.value, now
+                ended[request.index] = failed
         if not engine.num_unfinished:
             if arrivals:
                 time.sleep(max(0.0, arrivals[0].at_s - (time.perf_counter() - start)))
@@ -86,4 +96,5 @@ def replay(engine: LLMEngine, plan: list[PlannedRequest]) -> list[Sample]:
             sample.end_s, sample.status, sample.completion_tokens = done, result.status.value, result.completion_tokens
             if sample.first_token_s is None and result.completion_tokens:
                 sample.first_token_s = done
-    return list(samples.values())
+            ended[sample.index] = result
+    return Replay(list(samples.values()), ended, start_unix_s)

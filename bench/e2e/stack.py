@@ -26,6 +26,7 @@ from shared import keys
 from shared.adapter_registry import register_adapter
 from shared.config import EngineConfig, ModelSpec
 from shared.model_info import ModelInfo
+from shared.schema import JobTrace
 from shared.tenants import create_tenant
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -112,6 +113,18 @@ class Stack:
             replies = pipe.execute()
         return {
             job_id: JobTimes(*(int(value) for value in reply))
+            for job_id, reply in zip(job_ids, replies, strict=True)
+            if all(value is not None for value in reply)
+        }
+
+    def traces(self, job_ids: list[str]) -> dict[str, JobTrace]:
+        """The traces the worker wrote into these jobs' records (jobs without one are left out)."""
+        with redis.Redis.from_url(self.redis_url) as client, client.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(keys.job(job_id), JobTrace.field_names())
+            replies = pipe.execute()
+        return {
+            job_id: JobTrace(*(int(value) for value in reply))
             for job_id, reply in zip(job_ids, replies, strict=True)
             if all(value is not None for value in reply)
         }

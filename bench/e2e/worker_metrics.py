@@ -64,6 +64,7 @@ class WorkerStats:
     adapter_loads: int  # lookups the GPU tier missed (each a load from pinned memory or disk)
     adapter_load_ms: float  # mean time of a load
     preemptions: int
+    cpu_s: float  # the worker process's CPU time (all its threads)
 
 
 def difference(before: Snapshot, after: Snapshot) -> WorkerStats:
@@ -91,4 +92,5 @@ def difference(before: Snapshot, after: Snapshot) -> WorkerStats:
             delta("lorafleet_worker_adapter_load_seconds_sum"), delta("lorafleet_worker_adapter_load_seconds_count")
         ),
         preemptions=int(delta("lorafleet_worker_preemptions_total")),
+        cpu_s=delta("process_cpu_seconds_total"),
     )

@@ -131,9 +131,9 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     after = request.headers.get("Last-Event-ID", "0-0")
     if not _EVENT_ID.match(after):
         raise RequestError(ErrorCode.INVALID_REQUEST, "Last-Event-ID must be an event id", param="Last-Event-ID")
-    await request.app[JOBS].get(tenant, job_id)  # ownership, before the 200 goes out
+    job = await request.app[JOBS].get(tenant, job_id)  # ownership, before the 200 goes out
     response = await open_event_stream(request)
-    async for event in request.app[JOBS].events(tenant, job_id, after=after):
+    async for event in request.app[JOBS].events(job, after=after):
         if isinstance(event, Idle):
             await send_keepalive(response)
         elif isinstance(event, TokenEvent):

@@ -24,7 +24,7 @@ from shared.adapter_aliases import list_aliases
 from shared.adapter_registry import list_adapters
 from shared.errors import ErrorCode
 from shared.model_registry import adapter_limits, list_models
-from shared.schema import JobStatus
+from shared.schema import JobRecord, JobStatus
 from shared.tenants import Tenant
 
 _OWNER = "lorafleet"
@@ -102,7 +102,7 @@ async def _serve(request: web.Request, tenant: Tenant, parsed: OpenAIRequest, *,
     request[QUEUED_JOB] = record
     created = record.created_ms // 1000
     if parsed.stream:
-        return await _stream(request, tenant, parsed, record.job_id, created, chat=chat)
+        return await _stream(request, parsed, record, created, chat=chat)
     limits = request.app[CONFIG].limits
     done = await jobs.wait_until_done(tenant, record.job_id, limits.max_completion_s, limits.max_wait_s)
     failure = job_failure(done)
@@ -113,11 +113,12 @@ async def _serve(request: web.Request, tenant: Tenant, parsed: OpenAIRequest, *,
 
 
 async def _stream(
-    request: web.Request, tenant: Tenant, parsed: OpenAIRequest, job_id: str, created: int, *, chat: bool
+    request: web.Request, parsed: OpenAIRequest, job: JobRecord, created: int, *, chat: bool
 ) -> web.StreamResponse:
     """Stream the job as OpenAI chunks. Token events give text deltas in order; at the end, whatever the
     events did not carry (held-back text, a gap in a trimmed stream) comes from the final record, so
     the chunks always add up to the job's output text."""
+    job_id = job.job_id
     response = await open_event_stream(request)
     envelope = {
         "id": job_id,
@@ -144,7 +145,7 @@ async def _stream(
     streamed = 0  # characters of the output sent so far
     final: EndEvent | None = None
     try:
-        async for event in request.app[JOBS].events(tenant, job_id):
+        async for event in request.app[JOBS].events(job):
             if isinstance(event, Idle):
                 await send_keepalive(response)
             elif isinstance(event, TokenEvent):

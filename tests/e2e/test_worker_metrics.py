@@ -10,8 +10,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cli.redis_server import free_port
+from shared import keys
+from shared.schema import JobTrace
 from tests.e2e.processes import wait_until
 from tests.fleet import MODEL, Fleet, jobs_for
+from worker.metrics import JOB_STAGES
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +39,8 @@ def test_a_worker_serves_its_engine_metrics_over_http(fleet: Fleet):
     assert before[("lorafleet_worker_kv_blocks_total", model)] > 0
 
     jobs = jobs_for(4, max_tokens=5)
-    records = fleet.wait_finished(fleet.submit(jobs), timeout_s=120)
+    job_ids = fleet.submit(jobs)
+    records = fleet.wait_finished(job_ids, timeout_s=120)
     generated = sum(record.completion_tokens for record in records)
     assert generated == 4 * 5
 
@@ -54,3 +58,17 @@ def test_a_worker_serves_its_engine_metrics_over_http(fleet: Fleet):
     assert after[("lorafleet_worker_kv_blocks_used", model)] == 0
     assert after[("lorafleet_worker_adapters_resident", (("model", MODEL), ("tier", "gpu")))] == 1
     assert not any(name.startswith("lorafleet_worker_gpu_") for name, _ in after)
+    for stage in JOB_STAGES:  # every job passed every stage once
+        assert after[("lorafleet_worker_job_stage_seconds_count", (("model", MODEL), ("stage", stage)))] == 4
+
+
+def test_a_finished_job_s_record_traces_its_way_through_the_worker_in_order(fleet: Fleet):
+    fleet.start_gateway()
+    fleet.start_worker("w1")
+    [job_id] = fleet.submit(jobs_for(1, max_tokens=3))
+    [record] = fleet.wait_finished([job_id], timeout_s=120)
+    with fleet.redis() as client:
+        stamps = [int(value) for value in client.hmget(keys.job(job_id), JobTrace.field_names())]
+    assert all(stamps) and stamps == sorted(stamps), dict(zip(JobTrace.FIELDS, stamps, strict=True))
+    # the gateway's whole-ms stamp of creation is the trace's, truncated (the two roundings may differ by one)
+    assert abs(stamps[0] // 1000 - record.created_ms) <= 1

@@ -13,7 +13,7 @@ from tests.engine.engines import load_engine
 from tests.engine.test_engine_generation import NEW_TOKENS, greedy_request
 from tests.engine.tiny_hf import TinyCheckpoint
 from worker.engine.engine import EngineResult
-from worker.engine_thread import EngineThread
+from worker.engine_thread import EngineThread, StepOutput
 from worker.gpu_metrics import GpuCollector, cuda_index, nvml_id
 from worker.metrics import AdapterTier, EngineLoad, WorkerMetrics
 
@@ -24,7 +24,12 @@ def run_on_thread(metrics: WorkerMetrics, checkpoint: TinyCheckpoint, adapters: 
     engine = load_engine(checkpoint.model_dir, adapter_root, name="tiny", metrics=metrics, **settings)
     results: queue.Queue[EngineResult] = queue.Queue()
     crashes: list[BaseException] = []
-    thread = EngineThread({"tiny": engine}, on_result=results.put, on_crash=crashes.append)
+
+    def on_output(output: StepOutput) -> None:
+        for result in output.results:
+            results.put(result)
+
+    thread = EngineThread({"tiny": engine}, on_output=on_output, on_crash=crashes.append)
     thread.start()
     for index, adapter in enumerate(adapters):
         thread.submit("tiny", greedy_request(checkpoint, f"job{index}", adapter))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from gateway.auto_pipeline import AutoPipeline
 from shared import keys
-from shared.jobstore import JobStore, now_ms
+from shared.jobstore import Finish, JobStore, end_record, now_ms
 from shared.schema import (
     FinishReason,
     JobError,
@@ -15,6 +16,8 @@ from shared.schema import (
     JobRecord,
     JobStatus,
     SamplingParams,
+    SchemaError,
+    TokenDelta,
     decode_job,
 )
 
@@ -94,3 +97,63 @@ async def test_redelivery_counts_attempts(aredis):
     await store.create(*new_job())
     await store.start("job_1", "w1")
     assert await store.start("job_1", "w2") == (JobStatus.RUNNING, 2)
+
+
+async def test_a_steps_tokens_and_ends_are_written_in_order_in_one_round_trip(aredis):
+    store = JobStore(aredis, job_ttl_s=60)
+    for job_id in ("job_1", "job_2", "job_3"):
+        await store.create(*new_job(job_id))
+        await store.start(job_id, "w1")
+    [(_, [(entry_id, _)])] = await aredis.xread({keys.queue("m"): "0-0"}, count=1)
+    await aredis.xgroup_create(keys.queue("m"), keys.WORKER_GROUP, id="0")
+    await aredis.xreadgroup(keys.WORKER_GROUP, "w1", {keys.queue("m"): ">"}, count=1)
+    await store.cancel("job_3")
+    deltas = [TokenDelta("job_1", 5, "h", 0), TokenDelta("job_2", 7, "x", 0)]
+    endings = [
+        Finish("job_1", JobStatus.SUCCEEDED, output=OUTPUT, completion_tokens=2, entry=(keys.queue("m"), entry_id)),
+        Finish("job_3", JobStatus.SUCCEEDED, output=OUTPUT, completion_tokens=2),  # canceled meanwhile
+    ]
+    await aredis.script_flush()  # as after a Redis restart: the ends are stored all the same
+    done = await store.publish_step(deltas, endings)
+    assert done.tokens_error is None and done.stored == [True, False]
+    events = [fields[b"type"] for _, fields in await aredis.xrange(keys.job_events("job_1"))]
+    assert events == [b"token", b"end"]  # the token first
+    assert (await store.get("job_1")).status is JobStatus.SUCCEEDED
+    assert (await store.get("job_3")).status is JobStatus.CANCELED
+    assert await aredis.xlen(keys.job_events("job_2")) == 1
+    assert await aredis.xlen(keys.queue("m")) == 2  # job_1's entry acknowledged and deleted with its result
+
+
+async def test_a_step_whose_job_record_is_unwritable_reports_it_and_stores_the_others(aredis):
+    store = JobStore(aredis, job_ttl_s=60)
+    for job_id in ("job_1", "job_2"):
+        await store.create(*new_job(job_id))
+        await store.start(job_id, "w1")
+    await aredis.set(keys.job_events("job_2"), "not a stream")
+    deltas = [TokenDelta("job_2", 7, "x", 0)]
+    endings = [Finish("job_1", JobStatus.SUCCEEDED, output=OUTPUT), Finish("job_2", JobStatus.SUCCEEDED, output=OUTPUT)]
+    done = await store.publish_step(deltas, endings)
+    assert isinstance(done.tokens_error, SchemaError)
+    assert done.stored[0] is True and isinstance(done.stored[1], SchemaError)
+    assert (await store.get("job_1")).status is JobStatus.SUCCEEDED
+    assert (await store.get("job_2")).status is JobStatus.RUNNING
+
+
+async def test_a_finished_jobs_end_event_carries_its_final_record_and_a_cancels_none(aredis):
+    store = JobStore(aredis, job_ttl_s=60)
+    for job_id in ("job_1", "job_2"):
+        await store.create(*new_job(job_id))
+    await store.start("job_1", "w1")
+    await store.finish("job_1", JobStatus.SUCCEEDED, output=OUTPUT, completion_tokens=2, first_token_ms=now_ms())
+    await store.cancel("job_2")
+    [(_, finished)] = await aredis.xrange(keys.job_events("job_1"))
+    assert end_record(finished) == await store.get("job_1")
+    [(_, canceled)] = await aredis.xrange(keys.job_events("job_2"))
+    assert canceled[b"type"] == b"end" and end_record(canceled) is None
+
+
+def test_an_end_event_whose_record_is_no_record_is_a_schema_error():
+    with pytest.raises(SchemaError, match="not msgpack"):
+        end_record({b"type": b"end", b"record": b"\xc1"})
+    with pytest.raises(SchemaError, match="field, value pairs"):
+        end_record({b"type": b"end", b"record": msgpack.packb([b"status"])})

@@ -46,7 +46,7 @@ async def switcher(model_dirs: dict[str, Path], aredis: Redis) -> AsyncIterator[
     )
     residency = ModelResidency(config, WorkerMetrics("cpu"))
     residency.activate(residency.prepare("good"))
-    thread = EngineThread(residency.engines, on_result=lambda _: None, on_crash=lambda exc: None)
+    thread = EngineThread(residency.engines, on_output=lambda _: None, on_crash=lambda exc: None)
     thread.start()
 
     async def hand_back(model: str) -> int:

@@ -63,7 +63,15 @@ class EngineResult:
     output: JobOutput | None = None
     error: JobError | None = None
     completion_tokens: int = 0
-    first_token_ms: int = 0  # unix ms
+    # when the request went through the engine, unix seconds (0: not reached): taken in (`add`), its first
+    # token read from a step, and its end (its last token's step, or the failure)
+    added_at: float = 0.0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def first_token_ms(self) -> int:
+        return int(self.first_token_at * 1000)
 
 
 @dataclass(slots=True)
@@ -72,7 +80,8 @@ class _Tracked:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     max_tokens: int  # max_tokens capped by the room left in the model's context
-    first_token_ms: int = 0
+    added_at: float  # unix seconds
+    first_token_at: float = 0.0
     streamed_chars: int = 0  # output text already handed out in TokenDeltas
 
 
@@ -88,10 +97,6 @@ class _InFlight:
     scheduled: list[ScheduledSequence]
     sampled: SampledTokens
     output_index: list[int | None]
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class LLMEngine:
@@ -181,7 +186,9 @@ class LLMEngine:
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED, "prompt plus max_tokens exceeds this worker's whole KV cache"
             )
         if problem is not None:
-            return EngineResult(request.job_id, JobStatus.FAILED, error=JobError(problem.code, problem.message))
+            now = time.time()
+            error = JobError(problem.code, problem.message)
+            return EngineResult(request.job_id, JobStatus.FAILED, error=error, added_at=now, finished_at=now)
 
         seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
         seq = Sequence(
@@ -195,7 +202,7 @@ class LLMEngine:
             arrival=time.monotonic(),
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
-        self._tracked[request.job_id] = _Tracked(request, seq, detokenizer, max_tokens)
+        self._tracked[request.job_id] = _Tracked(request, seq, detokenizer, max_tokens, added_at=time.time())
         self.scheduler.add(seq)
         if request.adapter is not None:
             self.adapter_pool.request(request.adapter)  # prefetch: loads while earlier requests run
@@ -339,8 +346,8 @@ class LLMEngine:
             seq.output_token_ids[index] = token
         else:
             seq.output_token_ids.append(token)  # the last token, which no later step needed
-        if not tracked.first_token_ms:
-            tracked.first_token_ms = _now_ms()
+        if not tracked.first_token_at:
+            tracked.first_token_at = time.time()
         hit_stop_string = tracked.detokenizer.append(token)
         if hit_stop_string or (token in self.info.eos_token_ids and not seq.sampling.ignore_eos):
             return self._succeed(tracked, FinishReason.STOP)
@@ -370,7 +377,9 @@ class LLMEngine:
             JobStatus.SUCCEEDED,
             output=output,
             completion_tokens=len(seq.output_token_ids),
-            first_token_ms=tracked.first_token_ms,
+            added_at=tracked.added_at,
+            first_token_at=tracked.first_token_at,
+            finished_at=time.time(),
         )
 
     def _fail(self, job_id: str, error: JobError, status: JobStatus = JobStatus.FAILED) -> EngineResult:
@@ -381,7 +390,9 @@ class LLMEngine:
             status,
             error=error,
             completion_tokens=sum(token >= 0 for token in tracked.seq.output_token_ids),  # stand-ins are < 0
-            first_token_ms=tracked.first_token_ms,
+            added_at=tracked.added_at,
+            first_token_at=tracked.first_token_at,
+            finished_at=time.time(),
         )
 
     def _expire_overdue(self) -> list[EngineResult]:
