@@ -16,11 +16,17 @@ worker's own stream (`lf:wq:{model}:{worker}`), the first of:
    from what it has not read yet.
 
 Room is a worker's job capacity less its running jobs and the jobs waiting on its own stream, as of
-its last heartbeat, less what this gateway placed on it since. A job that still ends up waiting on
-a busy worker is taken by a worker with free slots after `steal_after_ms` (worker/routed_streams.py).
+its last heartbeat, less what this gateway placed on it after that heartbeat. A job that still ends
+up waiting on a busy worker is taken by a worker with free slots after `steal_after_ms`
+(worker/routed_streams.py).
 
 The fleet's view is read at most every REFRESH_S per gateway process (one SMEMBERS and one
-pipelined HGETALL per worker), not per job.
+pipelined HGETALL per worker), not per job. A read often finds a heartbeat it has seen (workers beat
+every 0.5 s by default, twice REFRESH_S), so what this gateway placed is kept per worker with the
+time it placed it, and only what was placed before the heartbeat it reads is dropped: the record
+counts those already. The times compare the gateway's clock with the worker's (`updated_ms`), which
+agree to a few ms on hosts kept in time (NTP); a skew only counts the few jobs placed within it
+twice or not at all.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class WorkerView:
     gpu: frozenset[str]  # adapter uids in its device slots
     host: frozenset[str]  # adapter uids in its pinned host tier
     room: int  # jobs it can take before it has more than its capacity
+    beat_ms: int = 0  # when the heartbeat this view is of was written (unix ms, the worker's clock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +114,8 @@ def parse_worker(model: str, worker_id: str, raw: dict[bytes, bytes]) -> WorkerV
             return None
         waiting = json.loads(raw.get(b"routed_waiting", b"{}")).get(model, 0)
         room = int(raw[b"capacity"]) - int(raw[b"in_flight"]) - int(waiting)
-        return WorkerView(worker_id, frozenset(resident["gpu"]), frozenset(resident["cpu"]), room)
+        beat_ms = int(raw.get(b"updated_ms", 0))
+        return WorkerView(worker_id, frozenset(resident["gpu"]), frozenset(resident["cpu"]), room, beat_ms)
     except (KeyError, ValueError, TypeError, AttributeError):
         return None
 
@@ -123,7 +131,8 @@ class FleetView:
         self._read_at = -float("inf")
         self._records: dict[str, dict[bytes, bytes]] = {}
         self._by_model: dict[str, list[WorkerView]] = {}
-        self._placed: dict[str, int] = {}
+        # per worker, the unix ms of each job this gateway placed on it that its last heartbeat read may not count
+        self._placed_ms: dict[str, list[int]] = {}
         self._reading: asyncio.Task[None] | None = None
 
     async def route(self, model: str, adapter_uid: str | None) -> Route:
@@ -139,11 +148,22 @@ class FleetView:
         if workers is None:
             workers = [w for w in (parse_worker(model, i, r) for i, r in self._records.items()) if w is not None]
             self._by_model[model] = workers
-        route = place(model, adapter_uid, workers, self._placed)
+        placed = {worker.worker_id: self._placed_since(worker) for worker in workers}
+        route = place(model, adapter_uid, workers, placed)
         if route.worker is not None:
-            self._placed[route.worker] = self._placed.get(route.worker, 0) + 1
+            self._placed_ms.setdefault(route.worker, []).append(int(time.time() * 1000))
         self._counter.labels(model, route.placement).inc()
         return route
+
+    def _placed_since(self, worker: WorkerView) -> int:
+        """Jobs this gateway placed on `worker` after the heartbeat `worker` was read from (the others
+        are dropped: that heartbeat and every later one count them)."""
+        times = self._placed_ms.get(worker.worker_id)
+        if not times:
+            return 0
+        if times[0] <= worker.beat_ms:
+            times[:] = [t for t in times if t > worker.beat_ms]
+        return len(times)
 
     async def _read(self) -> None:
         worker_ids = sorted(member.decode() for member in await self._redis.smembers(keys.WORKERS))
@@ -153,6 +173,6 @@ class FleetView:
             records = await pipe.execute()
         # a worker whose hash expired is gone (its heartbeat stopped), whatever the set still says
         self._records = {worker_id: raw for worker_id, raw in zip(worker_ids, records, strict=True) if raw}
+        self._placed_ms = {w: times for w, times in self._placed_ms.items() if w in self._records}
         self._by_model = {}
-        self._placed = {}
         self._read_at = time.monotonic()

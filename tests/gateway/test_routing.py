@@ -4,6 +4,7 @@ leaving moves; and the fleet view read from real heartbeat records."""
 from __future__ import annotations
 
 import json
+import time
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -107,3 +108,33 @@ async def test_the_fleet_view_routes_from_heartbeat_records_and_ignores_workers_
     assert (route.placement, route.worker) == (Placement.GPU, "w1")
     assert other.placement is Placement.SHARED
     assert registry.get_sample_value("placed_total", {"model": MODEL, "placement": "gpu"}) == 1
+
+
+async def test_jobs_placed_since_a_heartbeat_count_against_its_room_until_a_newer_heartbeat_counts_them(aredis):
+    """A re-read that finds the same heartbeat must not forget what this gateway placed since it."""
+    beat_ms = int(time.time() * 1000) - 100
+
+    async def beat(worker_id: str, room: int, updated_ms: int) -> None:
+        await aredis.sadd(keys.WORKERS, worker_id)
+        await aredis.hset(
+            keys.worker(worker_id),
+            mapping={
+                "adapters": json.dumps({MODEL: {"gpu": ["x"] if worker_id == "holder" else [], "cpu": []}}),
+                "capacity": 16,
+                "in_flight": 16 - room,
+                "routed_waiting": json.dumps({MODEL: 0}),
+                "updated_ms": updated_ms,
+            },
+        )
+
+    await beat("holder", 2, beat_ms)
+    await beat("other", 16, beat_ms)
+    registry = CollectorRegistry()
+    fleet = FleetView(aredis, Counter("placed", "", ["model", "placement"], registry=registry), refresh_s=0)
+
+    # refresh_s=0: every route re-reads the records, which still say what the first read said
+    routes = [await fleet.route(MODEL, "x") for _ in range(3)]
+    assert [r.worker for r in routes] == ["holder", "holder", "other"]
+
+    await beat("holder", 2, int(time.time() * 1000) + 1)  # a newer heartbeat: it counts what was placed
+    assert (await fleet.route(MODEL, "x")).worker == "holder"
