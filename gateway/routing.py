@@ -10,15 +10,18 @@ worker's own stream (`lf:wq:{model}:{worker}`), the first of:
    home to a stable share of the adapters and a worker joining or leaving moves only its share;
 4. if the home has no room while another worker has, the worker with most room (a spill: rather
    that than a wait the steal bound would only shorten);
-5. if no worker has room, the shared stream (overflow): the fleet's backlog then waits where the
-   first worker to free a slot takes it, as it would without routing. A worker reads its own stream
-   up to its capacity at once, so a backlog placed on one worker's stream could only be stolen
-   from what it has not read yet.
+5. if no worker has room (a burst, or the fleet saturated), the backlog waits on the workers'
+   own streams all the same, by consistent hashing with bounded loads: the first of A's holders
+   (GPU, then host) and then of A's rendezvous order whose load stays under BALANCE times the
+   fleet's mean load. The backlog keeps the locality the rules above give (sent to the shared
+   stream, the first worker to free a slot would take it, and a burst would undo the partition of
+   adapters), and no worker's queue grows past BALANCE times the mean, so none is left with more
+   than its share while another empties; a worker that empties early steals what waited longest.
 
 Room is a worker's job capacity less its running jobs and the jobs waiting on its own stream, as of
-its last heartbeat, less what this gateway placed on it after that heartbeat. A job that still ends
-up waiting on a busy worker is taken by a worker with free slots after `steal_after_ms`
-(worker/routed_streams.py).
+its last heartbeat, less what this gateway placed on it after that heartbeat; load is capacity less
+room. A job that still ends up waiting on a busy worker is taken by a worker with free slots after
+`steal_after_ms` (worker/routed_streams.py).
 
 The fleet's view is read at most every REFRESH_S per gateway process (one SMEMBERS and one
 pipelined HGETALL per worker), not per job. A read often finds a heartbeat it has seen (workers beat
@@ -44,6 +47,10 @@ from redis.asyncio import Redis
 from shared import keys
 
 REFRESH_S = 0.25
+# bounded loads (rule 5): a worker takes a backlog job only while its load is under this times the mean;
+# 1.25 is the balance Mirrokni, Thorup and Zadimoghaddam's consistent hashing with bounded loads uses,
+# which keeps the moves when workers come and go few
+BALANCE = 1.25
 
 
 class Placement(StrEnum):
@@ -52,7 +59,7 @@ class Placement(StrEnum):
     HOST = "host"
     HOME = "home"
     SPILL = "spill"
-    OVERFLOW = "overflow"
+    BACKLOG = "backlog"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +70,7 @@ class WorkerView:
     gpu: frozenset[str]  # adapter uids in its device slots
     host: frozenset[str]  # adapter uids in its pinned host tier
     room: int  # jobs it can take before it has more than its capacity
+    capacity: int  # jobs it holds at most (running and read ahead)
     beat_ms: int = 0  # when the heartbeat this view is of was written (unix ms, the worker's clock)
 
 
@@ -96,13 +104,21 @@ def place(model: str, adapter_uid: str | None, workers: list[WorkerView], placed
         if with_room:
             chosen = max(with_room, key=room)
             return Route(keys.worker_queue(model, chosen.worker_id), placement, chosen.worker_id)
-    home = max(workers, key=lambda w: rendezvous_rank(adapter_uid, w.worker_id))
+    by_rank = sorted(workers, key=lambda w: rendezvous_rank(adapter_uid, w.worker_id), reverse=True)
+    home = by_rank[0]
     if room(home) > 0:
         return Route(keys.worker_queue(model, home.worker_id), Placement.HOME, home.worker_id)
     roomiest = max(workers, key=room)
     if room(roomiest) > 0:
         return Route(keys.worker_queue(model, roomiest.worker_id), Placement.SPILL, roomiest.worker_id)
-    return Route(None, Placement.OVERFLOW)
+
+    def load(worker: WorkerView) -> int:
+        return worker.capacity - room(worker)
+
+    bound = BALANCE * (sum(load(w) for w in workers) + 1) / len(workers)
+    holders = [w for w in workers if adapter_uid in w.gpu] + [w for w in workers if adapter_uid in w.host]
+    chosen = next((w for w in holders + by_rank if load(w) < bound), min(workers, key=load))
+    return Route(keys.worker_queue(model, chosen.worker_id), Placement.BACKLOG, chosen.worker_id)
 
 
 def parse_worker(model: str, worker_id: str, raw: dict[bytes, bytes]) -> WorkerView | None:
@@ -113,9 +129,10 @@ def parse_worker(model: str, worker_id: str, raw: dict[bytes, bytes]) -> WorkerV
         if resident is None:
             return None
         waiting = json.loads(raw.get(b"routed_waiting", b"{}")).get(model, 0)
-        room = int(raw[b"capacity"]) - int(raw[b"in_flight"]) - int(waiting)
+        capacity = int(raw[b"capacity"])
+        room = capacity - int(raw[b"in_flight"]) - int(waiting)
         beat_ms = int(raw.get(b"updated_ms", 0))
-        return WorkerView(worker_id, frozenset(resident["gpu"]), frozenset(resident["cpu"]), room, beat_ms)
+        return WorkerView(worker_id, frozenset(resident["gpu"]), frozenset(resident["cpu"]), room, capacity, beat_ms)
     except (KeyError, ValueError, TypeError, AttributeError):
         return None
 
