@@ -20,7 +20,7 @@ waits for a core reads its own stream late, which the shared stream hides (any w
 (b) GPU: `--device cuda --workers 2 --gpu-memory-fraction 0.45` runs two workers on one GPU; start
 the MPS control daemon first (deploy/mps/) so they share it under MPS. The rest is the same.
 
-    python -m bench.fleet --workers 2,4,8 --adapters 1000 --jobs 400 --warmup 1000 --repeats 2 --kill
+    python -m bench.fleet --workers 2,4,8 --adapters 1000 --jobs 400 --warmup 600 --repeats 2 --kill
 """
 
 from __future__ import annotations
@@ -329,7 +329,7 @@ def main() -> None:
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--pool", type=int, default=32, help="adapters in each worker's GPU tier (--max-loras)")
     parser.add_argument("--jobs", type=int, default=400, help="jobs per measured phase (the burst, the arrivals)")
-    parser.add_argument("--warmup", type=int, default=1000, help="jobs each fleet takes before it is measured")
+    parser.add_argument("--warmup", type=int, default=600, help="jobs each fleet takes before it is measured")
     parser.add_argument("--repeats", type=int, default=2, help="fleets per design, the designs alternating")
     parser.add_argument("--load", type=float, default=0.8, help="offered load, of the shared design's saturation")
     parser.add_argument("--max-num-seqs", type=int, default=8)
