@@ -1,19 +1,26 @@
-"""A fleet, not N copies: adapter-aware routing beside the shared stream, on the same workers in one run.
+"""A fleet, not N copies: adapter-aware routing against the shared stream, each on its own fresh fleet.
 
 (a) CPU (default): the random-weight demo model, N worker processes (`--workers 2,4,8`), `--adapters`
-registered adapters, Zipf(`--zipf`) traffic, each worker's GPU tier `--pool` adapters. Two gateways
-share the Redis and the workers: one places adapter jobs (routing on), one puts every job on the
-shared stream (routing off, the design before). Per design: saturation throughput (a burst of
-`--jobs` jobs at once), then queue wait p50/p99 at `--load` of the shared design's saturation
-throughput (open-loop Poisson arrivals), and over both phases the GPU-tier hit rate (the tier each
-job's adapter was in when its worker read it) and how jobs arrived (routed / shared / stolen /
-reclaimed), from the workers' heartbeats. `--kill` then kills one worker -9 mid-run with routing on
-and counts lost jobs.
+registered adapters, Zipf(`--zipf`) traffic, each worker's GPU tier `--pool` adapters. Per worker
+count and design (routing on; routing off: every job on the shared stream, the design before), a
+fresh fleet (Redis, one gateway, N workers) first takes `--warmup` jobs (not measured: the caches
+reach their steady state, past the compulsory misses), then a burst of `--jobs` jobs at once
+(saturation throughput), then `--jobs` open-loop Poisson arrivals at `--load` of the shared design's
+saturation throughput (queue wait p50/p99: created to read by a worker; and end-to-end p99: created
+to finished). Over the burst and the arrivals, the GPU-tier hit rate (the tier each job's adapter was
+in when its worker read it) and how jobs arrived (routed / shared / stolen / reclaimed), from the
+workers' heartbeats. The designs alternate over `--repeats` (shared first, then routed first, ...)
+so that a machine shared with other work loads both alike; the ratios are the medians over repeats.
+`--kill` then kills one worker -9 mid-run in the last routed fleet and counts lost jobs.
+
+On CPU each worker runs one intra-op thread (OMP_NUM_THREADS=1): N processes on a few cores with
+torch's default (a thread per core each) spin against each other, and a worker whose asyncio loop
+waits for a core reads its own stream late, which the shared stream hides (any worker may read it).
 
 (b) GPU: `--device cuda --workers 2 --gpu-memory-fraction 0.45` runs two workers on one GPU; start
 the MPS control daemon first (deploy/mps/) so they share it under MPS. The rest is the same.
 
-    python -m bench.fleet --workers 2,4 --adapters 1000 --jobs 300
+    python -m bench.fleet --workers 2,4,8 --adapters 1000 --jobs 400 --warmup 600 --repeats 2 --kill
 """
 
 from __future__ import annotations
@@ -58,10 +65,15 @@ TARGETS = "hit rate (4 workers) >= 1.6x shared; throughput >= shared; p99 wait <
 
 @dataclass
 class Phase:
+    """One design's measurements in one fleet."""
+
     throughput: float = 0.0  # jobs/s of the burst
-    wait_p50_ms: float = 0.0
+    wait_p50_ms: float = 0.0  # of the arrivals: created → read by a worker
     wait_p99_ms: float = 0.0
-    counts: dict[str, int] | None = None  # arrival/tier → jobs started, over both phases
+    latency_p99_ms: float = 0.0  # of the arrivals: created → finished
+    rate: float = 0.0  # jobs/s the arrivals were offered at
+    killed: str = ""  # with --kill: what a worker killed -9 mid-run lost
+    counts: dict[str, int] | None = None  # arrival/tier → jobs started, over the burst and the arrivals
 
     def tier_share(self, tier: str) -> float:
         with_adapter = {k: n for k, n in (self.counts or {}).items() if not k.endswith("/none")}
@@ -103,11 +115,11 @@ async def provision(redis_url: str, model_dir: Path, adapter_root: Path, count: 
 
 
 @contextmanager
-def process(args: list[str], log: Path):
+def process(args: list[str], log: Path, env: dict[str, str] | None = None):
     with log.open("wb") as out:
         child = subprocess.Popen(
             [sys.executable, "-m", "cli", *args], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )  # fmt: skip
         try:
             yield child
@@ -192,7 +204,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_phase(args, client, url, api_key, workers, rng, rate: float | None) -> Phase:
-    """A burst (saturation throughput); then, given `rate`, Poisson arrivals at it (queue waits)."""
+    """A warm-up burst (not measured), a measured burst (saturation throughput), then Poisson arrivals
+    at `rate` jobs/s (queue waits); `rate` None: at `--load` of this burst's throughput."""
+    if args.warmup:
+        finished(client, asyncio.run(submit(url, api_key, zipf_names(args.warmup, args.adapters, args.zipf, rng),
+                                            None)), 900)  # fmt: skip
+    time.sleep(args.heartbeat * 3)  # the workers' counts so far reach their heartbeats
     before = started_counts(client, workers)
     names = zipf_names(args.jobs, args.adapters, args.zipf, rng)
     start = time.time()
@@ -200,31 +217,38 @@ def run_phase(args, client, url, api_key, workers, rng, rate: float | None) -> P
     records = finished(client, ids, 600)
     ends = [int(r[b"finished_ms"]) for r in records]
     phase = Phase(throughput=len(ids) / max(1e-3, max(ends) / 1000 - start))
-    if rate:
+    phase.rate = rate if rate is not None else args.load * phase.throughput
+    if phase.rate:
         names = zipf_names(args.jobs, args.adapters, args.zipf, rng)
-        gaps = [rng.expovariate(rate) for _ in names]
+        gaps = [rng.expovariate(phase.rate) for _ in names]
         ids = asyncio.run(submit(url, api_key, names, gaps))
-        records = finished(client, ids, 600)
-        waits = [int(r[b"started_ms"]) - int(r[b"created_ms"]) for r in records if r.get(b"started_ms")]
+        records = [r for r in finished(client, ids, 600) if r.get(b"started_ms")]
+        waits = [int(r[b"started_ms"]) - int(r[b"created_ms"]) for r in records]
+        latencies = [int(r[b"finished_ms"]) - int(r[b"created_ms"]) for r in records]
         phase.wait_p50_ms, phase.wait_p99_ms = percentile(waits, 0.5), percentile(waits, 0.99)
-    time.sleep(args.heartbeat * 3)  # the workers' last counts reach their heartbeats
+        phase.latency_p99_ms = percentile(latencies, 0.99)
+    time.sleep(args.heartbeat * 3)
     after = started_counts(client, workers)
     phase.counts = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     return phase
 
 
-def run_fleet(args, assets: tuple[Path, Path], n_workers: int, log_dir: Path) -> None:
+def run_design(args, assets: tuple[Path, Path], n_workers: int, design: str, rate: float | None, log_dir: Path,
+               *, kill: bool) -> Phase:  # fmt: skip
+    """A fresh fleet of `n_workers` for `design` ("shared": routing off; "routed"), measured by run_phase;
+    with `kill`, then a worker killed -9 mid-run (routing on) and the lost jobs counted."""
     model_dir, adapter_root = assets
-    rng = random.Random(args.seed)
+    log_dir.mkdir(parents=True)
+    rng = random.Random(args.seed)  # both designs see the same names and gaps
+    worker_env = {"OMP_NUM_THREADS": "1"} if args.device == "cpu" else {}
     with ExitStack() as stack:
         server = stack.enter_context(RedisServer(log_dir, append_only=False))
         api_key = asyncio.run(provision(server.url, model_dir, adapter_root, args.adapters))
-        urls = {}
-        for design, routing in (("shared", "off"), ("routed", "on")):
-            port = free_port()
-            urls[design] = f"http://127.0.0.1:{port}"
-            flags = ["gateway", "--redis-url", server.url, "--port", str(port), "--adapter-routing", routing]
-            stack.enter_context(process([*flags, *GATEWAY_FLAGS], log_dir / f"gateway-{design}.log"))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        routing = "on" if design == "routed" else "off"
+        flags = ["gateway", "--redis-url", server.url, "--port", str(port), "--adapter-routing", routing]
+        stack.enter_context(process([*flags, *GATEWAY_FLAGS], log_dir / "gateway.log"))
         workers = [f"w{i}" for i in range(n_workers)]
         children = {}
         for worker in workers:
@@ -236,35 +260,17 @@ def run_fleet(args, assets: tuple[Path, Path], n_workers: int, log_dir: Path) ->
             ]  # fmt: skip
             if args.gpu_memory_fraction:
                 flags += ["--gpu-memory-fraction", str(args.gpu_memory_fraction)]
-            children[worker] = stack.enter_context(process(flags, log_dir / f"{worker}.log"))
+            children[worker] = stack.enter_context(process(flags, log_dir / f"{worker}.log", worker_env))
         client = stack.enter_context(redis.Redis.from_url(server.url))
-        for url in urls.values():
-            wait_for(lambda url=url: healthy(url), 60, "a gateway")
-        wait_for(lambda: all(client.exists(keys.worker(w)) for w in workers), 300, "the workers")
-        shared = run_phase(args, client, urls["shared"], api_key, workers, rng, None)
-        rate = args.load * shared.throughput
-        shared = run_phase(args, client, urls["shared"], api_key, workers, rng, rate)
-        routed = run_phase(args, client, urls["routed"], api_key, workers, rng, rate)
-        print(f"\n{n_workers} workers, {args.adapters} adapters, Zipf({args.zipf}), pool {args.pool}, "
-              f"{args.jobs} jobs per phase, load {rate:.1f} jobs/s ({args.load:.0%} of shared saturation)")  # fmt: skip
-        print(
-            f"{'design':8} {'gpu hit':>8} {'host':>6} {'disk':>6} {'jobs/s':>8} {'wait p50':>9} {'p99 ms':>8}  arrivals"
-        )
-        for name, phase in (("shared", shared), ("routed", routed)):
-            print(
-                f"{name:8} {phase.tier_share('gpu'):8.1%} {phase.tier_share('cpu'):6.1%}"
-                f" {phase.tier_share('disk'):6.1%} {phase.throughput:8.1f} {phase.wait_p50_ms:9.0f}"
-                f" {phase.wait_p99_ms:8.0f}  {phase.arrivals()}"
-            )
-        hit_ratio = routed.tier_share("gpu") / max(1e-9, shared.tier_share("gpu"))
-        print(f"routed/shared: hit rate x{hit_ratio:.2f}, throughput x{routed.throughput / shared.throughput:.2f}, "
-              f"p99 wait x{routed.wait_p99_ms / max(1.0, shared.wait_p99_ms):.2f}")  # fmt: skip
-        if args.kill:
+        wait_for(lambda: healthy(url), 60, "the gateway")
+        wait_for(lambda: all(client.exists(keys.worker(w)) for w in workers), 600, "the workers")
+        phase = run_phase(args, client, url, api_key, workers, rng, rate)
+        if kill:
             names = zipf_names(args.jobs, args.adapters, args.zipf, rng)
-            gaps = [rng.expovariate(rate) for _ in names]
+            gaps = [rng.expovariate(phase.rate) for _ in names]
 
             async def submit_and_kill() -> list[str]:
-                submitting = asyncio.create_task(submit(urls["routed"], api_key, names, gaps))
+                submitting = asyncio.create_task(submit(url, api_key, names, gaps))
                 await asyncio.sleep(sum(gaps) / 2)
                 children[workers[0]].send_signal(signal.SIGKILL)
                 return await submitting
@@ -272,8 +278,48 @@ def run_fleet(args, assets: tuple[Path, Path], n_workers: int, log_dir: Path) ->
             ids = asyncio.run(submit_and_kill())
             records = finished(client, ids, 600)
             lost = sum(r.get(b"status") != b"succeeded" for r in records)
-            print(f"kill -9 of {workers[0]} mid-run (routing on): {lost} of {len(ids)} jobs lost")
-    print(f"targets: {TARGETS}")
+            phase.killed = f"kill -9 of {workers[0]} mid-run (routing on): {lost} of {len(ids)} jobs lost"
+    return phase
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def run_fleet(args, assets: tuple[Path, Path], n_workers: int, log_dir: Path) -> None:
+    """Both designs with `n_workers`, alternating over the repeats; a table row per design and repeat."""
+    print(f"\n{n_workers} workers, {args.adapters} adapters, Zipf({args.zipf}), pool {args.pool}, warm-up "
+          f"{args.warmup} jobs, then {args.jobs} jobs per phase")  # fmt: skip
+    print(f"{'rep':>3} {'design':8} {'gpu hit':>8} {'host':>6} {'disk':>6} {'jobs/s':>8} {'load/s':>7}"
+          f" {'wait p50':>9} {'p99 ms':>7} {'e2e p99':>8}  arrivals")  # fmt: skip
+    rate: float | None = None  # set by the first fleet (shared): the load is a share of its saturation
+    ratios: dict[str, list[float]] = {"hit": [], "throughput": [], "p99": []}
+    for repeat in range(args.repeats):
+        designs = ("shared", "routed") if repeat % 2 == 0 else ("routed", "shared")
+        phases = {}
+        for design in designs:
+            kill = args.kill and design == "routed" and repeat == args.repeats - 1
+            phase = run_design(args, assets, n_workers, design, rate, log_dir / f"{design}-{repeat}", kill=kill)
+            rate = phase.rate
+            phases[design] = phase
+            print(
+                f"{repeat:>3} {design:8} {phase.tier_share('gpu'):8.1%} {phase.tier_share('cpu'):6.1%}"
+                f" {phase.tier_share('disk'):6.1%} {phase.throughput:8.1f} {phase.rate:7.1f} {phase.wait_p50_ms:9.0f}"
+                f" {phase.wait_p99_ms:7.0f} {phase.latency_p99_ms:8.0f}  {phase.arrivals()}",
+                flush=True,
+            )
+            if phase.killed:
+                print(phase.killed, flush=True)
+        shared, routed = phases["shared"], phases["routed"]
+        ratios["hit"].append(routed.tier_share("gpu") / max(1e-9, shared.tier_share("gpu")))
+        ratios["throughput"].append(routed.throughput / shared.throughput)
+        ratios["p99"].append(routed.wait_p99_ms / max(1.0, shared.wait_p99_ms))
+    each = " ".join(f"{h:.2f}/{t:.2f}/{w:.2f}" for h, t, w in zip(*ratios.values(), strict=True))
+    print(f"routed/shared, median of {args.repeats}: hit rate x{median(ratios['hit']):.2f}, "
+          f"throughput x{median(ratios['throughput']):.2f}, p99 wait x{median(ratios['p99']):.2f}"
+          f" (each repeat, hit/throughput/p99: {each})")  # fmt: skip
 
 
 def main() -> None:
@@ -282,7 +328,9 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=1000)
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--pool", type=int, default=32, help="adapters in each worker's GPU tier (--max-loras)")
-    parser.add_argument("--jobs", type=int, default=400, help="jobs per phase")
+    parser.add_argument("--jobs", type=int, default=400, help="jobs per measured phase (the burst, the arrivals)")
+    parser.add_argument("--warmup", type=int, default=600, help="jobs each fleet takes before it is measured")
+    parser.add_argument("--repeats", type=int, default=2, help="fleets per design, the designs alternating")
     parser.add_argument("--load", type=float, default=0.8, help="offered load, of the shared design's saturation")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--steal-after-ms", type=int, default=500)
@@ -296,10 +344,9 @@ def main() -> None:
     print(f"logs: {tmp}")
     assets = write_assets(tmp, args.adapters)
     for n in (int(part) for part in args.workers.split(",")):
-        log_dir = tmp / f"fleet-{n}"
-        log_dir.mkdir()
-        run_fleet(args, assets, n, log_dir)
+        run_fleet(args, assets, n, tmp / f"fleet-{n}")
     shutil.rmtree(tmp / "adapters")
+    print(f"targets: {TARGETS}")
 
 
 if __name__ == "__main__":

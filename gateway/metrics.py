@@ -31,7 +31,7 @@ class GatewayMetrics:
             "lorafleet_gateway_jobs_placed",
             "jobs queued, by where routing put them: shared (any worker), gpu / host (a worker holding the "
             "adapter in that tier), home (the adapter's consistent-hash worker), spill (its home had no room), "
-            "overflow (no worker had room: the shared stream)",
+            "backlog (no worker had room: the first preferred worker within the bounded load)",
             ["model", "placement"],
             registry=self.registry,
         )

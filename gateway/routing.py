@@ -10,17 +10,26 @@ worker's own stream (`lf:wq:{model}:{worker}`), the first of:
    home to a stable share of the adapters and a worker joining or leaving moves only its share;
 4. if the home has no room while another worker has, the worker with most room (a spill: rather
    that than a wait the steal bound would only shorten);
-5. if no worker has room, the shared stream (overflow): the fleet's backlog then waits where the
-   first worker to free a slot takes it, as it would without routing. A worker reads its own stream
-   up to its capacity at once, so a backlog placed on one worker's stream could only be stolen
-   from what it has not read yet.
+5. if no worker has room (a burst, or the fleet saturated), the backlog waits on the workers'
+   own streams all the same, by consistent hashing with bounded loads: the first of A's holders
+   (GPU, then host) and then of A's rendezvous order whose load stays under BALANCE times the
+   fleet's mean load. The backlog keeps the locality the rules above give (sent to the shared
+   stream, the first worker to free a slot would take it, and a burst would undo the partition of
+   adapters), and no worker's queue grows past BALANCE times the mean, so none is left with more
+   than its share while another empties; a worker that empties early steals what waited longest.
 
 Room is a worker's job capacity less its running jobs and the jobs waiting on its own stream, as of
-its last heartbeat, less what this gateway placed on it since. A job that still ends up waiting on
-a busy worker is taken by a worker with free slots after `steal_after_ms` (worker/routed_streams.py).
+its last heartbeat, less what this gateway placed on it after that heartbeat; load is capacity less
+room. A job that still ends up waiting on a busy worker is taken by a worker with free slots after
+`steal_after_ms` (worker/routed_streams.py).
 
 The fleet's view is read at most every REFRESH_S per gateway process (one SMEMBERS and one
-pipelined HGETALL per worker), not per job.
+pipelined HGETALL per worker), not per job. A read often finds a heartbeat it has seen (workers beat
+every 0.5 s by default, twice REFRESH_S), so what this gateway placed is kept per worker with the
+time it placed it, and only what was placed before the heartbeat it reads is dropped: the record
+counts those already. The times compare the gateway's clock with the worker's (`updated_ms`), which
+agree to a few ms on hosts kept in time (NTP); a skew only counts the few jobs placed within it
+twice or not at all.
 """
 
 from __future__ import annotations
@@ -38,6 +47,10 @@ from redis.asyncio import Redis
 from shared import keys
 
 REFRESH_S = 0.25
+# bounded loads (rule 5): a worker takes a backlog job only while its load is under this times the mean;
+# 1.25 is the balance Mirrokni, Thorup and Zadimoghaddam's consistent hashing with bounded loads uses,
+# which keeps the moves when workers come and go few
+BALANCE = 1.25
 
 
 class Placement(StrEnum):
@@ -46,7 +59,7 @@ class Placement(StrEnum):
     HOST = "host"
     HOME = "home"
     SPILL = "spill"
-    OVERFLOW = "overflow"
+    BACKLOG = "backlog"
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +70,8 @@ class WorkerView:
     gpu: frozenset[str]  # adapter uids in its device slots
     host: frozenset[str]  # adapter uids in its pinned host tier
     room: int  # jobs it can take before it has more than its capacity
+    capacity: int  # jobs it holds at most (running and read ahead)
+    beat_ms: int = 0  # when the heartbeat this view is of was written (unix ms, the worker's clock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +104,21 @@ def place(model: str, adapter_uid: str | None, workers: list[WorkerView], placed
         if with_room:
             chosen = max(with_room, key=room)
             return Route(keys.worker_queue(model, chosen.worker_id), placement, chosen.worker_id)
-    home = max(workers, key=lambda w: rendezvous_rank(adapter_uid, w.worker_id))
+    by_rank = sorted(workers, key=lambda w: rendezvous_rank(adapter_uid, w.worker_id), reverse=True)
+    home = by_rank[0]
     if room(home) > 0:
         return Route(keys.worker_queue(model, home.worker_id), Placement.HOME, home.worker_id)
     roomiest = max(workers, key=room)
     if room(roomiest) > 0:
         return Route(keys.worker_queue(model, roomiest.worker_id), Placement.SPILL, roomiest.worker_id)
-    return Route(None, Placement.OVERFLOW)
+
+    def load(worker: WorkerView) -> int:
+        return worker.capacity - room(worker)
+
+    bound = BALANCE * (sum(load(w) for w in workers) + 1) / len(workers)
+    holders = [w for w in workers if adapter_uid in w.gpu] + [w for w in workers if adapter_uid in w.host]
+    chosen = next((w for w in holders + by_rank if load(w) < bound), min(workers, key=load))
+    return Route(keys.worker_queue(model, chosen.worker_id), Placement.BACKLOG, chosen.worker_id)
 
 
 def parse_worker(model: str, worker_id: str, raw: dict[bytes, bytes]) -> WorkerView | None:
@@ -106,8 +129,10 @@ def parse_worker(model: str, worker_id: str, raw: dict[bytes, bytes]) -> WorkerV
         if resident is None:
             return None
         waiting = json.loads(raw.get(b"routed_waiting", b"{}")).get(model, 0)
-        room = int(raw[b"capacity"]) - int(raw[b"in_flight"]) - int(waiting)
-        return WorkerView(worker_id, frozenset(resident["gpu"]), frozenset(resident["cpu"]), room)
+        capacity = int(raw[b"capacity"])
+        room = capacity - int(raw[b"in_flight"]) - int(waiting)
+        beat_ms = int(raw.get(b"updated_ms", 0))
+        return WorkerView(worker_id, frozenset(resident["gpu"]), frozenset(resident["cpu"]), room, capacity, beat_ms)
     except (KeyError, ValueError, TypeError, AttributeError):
         return None
 
@@ -123,7 +148,8 @@ class FleetView:
         self._read_at = -float("inf")
         self._records: dict[str, dict[bytes, bytes]] = {}
         self._by_model: dict[str, list[WorkerView]] = {}
-        self._placed: dict[str, int] = {}
+        # per worker, the unix ms of each job this gateway placed on it that its last heartbeat read may not count
+        self._placed_ms: dict[str, list[int]] = {}
         self._reading: asyncio.Task[None] | None = None
 
     async def route(self, model: str, adapter_uid: str | None) -> Route:
@@ -139,11 +165,22 @@ class FleetView:
         if workers is None:
             workers = [w for w in (parse_worker(model, i, r) for i, r in self._records.items()) if w is not None]
             self._by_model[model] = workers
-        route = place(model, adapter_uid, workers, self._placed)
+        placed = {worker.worker_id: self._placed_since(worker) for worker in workers}
+        route = place(model, adapter_uid, workers, placed)
         if route.worker is not None:
-            self._placed[route.worker] = self._placed.get(route.worker, 0) + 1
+            self._placed_ms.setdefault(route.worker, []).append(int(time.time() * 1000))
         self._counter.labels(model, route.placement).inc()
         return route
+
+    def _placed_since(self, worker: WorkerView) -> int:
+        """Jobs this gateway placed on `worker` after the heartbeat `worker` was read from (the others
+        are dropped: that heartbeat and every later one count them)."""
+        times = self._placed_ms.get(worker.worker_id)
+        if not times:
+            return 0
+        if times[0] <= worker.beat_ms:
+            times[:] = [t for t in times if t > worker.beat_ms]
+        return len(times)
 
     async def _read(self) -> None:
         worker_ids = sorted(member.decode() for member in await self._redis.smembers(keys.WORKERS))
@@ -153,6 +190,6 @@ class FleetView:
             records = await pipe.execute()
         # a worker whose hash expired is gone (its heartbeat stopped), whatever the set still says
         self._records = {worker_id: raw for worker_id, raw in zip(worker_ids, records, strict=True) if raw}
+        self._placed_ms = {w: times for w, times in self._placed_ms.items() if w in self._records}
         self._by_model = {}
-        self._placed = {}
         self._read_at = time.monotonic()

@@ -2,8 +2,9 @@
 
 Each worker of a model reads the model's shared streams and its own stream `lf:wq:{model}:{worker}`,
 where the gateway puts interactive jobs whose adapter this worker holds, or whose consistent-hash home
-it is (batch jobs wait on the model's shared batch stream `lf:qb:{model}`, never routed: they fill the
-room interactive work leaves, wherever it is).
+it is, and with the fleet full its bounded share of the backlog (batch jobs wait on the model's
+shared batch stream `lf:qb:{model}`, never routed: they fill the room interactive work leaves,
+wherever it is).
 Every worker stream of a model is listed in `lf:wqs:{model}`, so any worker can reach the others':
 
 - steal: a worker with free batch slots takes entries that have waited undelivered on another

@@ -13,6 +13,7 @@ import yaml
 
 from gateway.metrics import GatewayMetrics
 from tests.deploy.conftest import DEPLOY, REPO_ROOT, interpolate, parse_lorafleet_args
+from worker.metrics import WorkerMetrics
 
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 SAMPLE_ENV = {"LORAFLEET_MODEL": "llama3-8b=/models/Meta-Llama-3-8B"}
@@ -180,15 +181,23 @@ def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard(services
 
 
 def exported_metric_names() -> set[str]:
-    """Every series name the gateway exports (counters' _total, histograms' _bucket/_sum/_count, ...)."""
-    metrics = GatewayMetrics()
-    metrics.observe_request("GET", "/healthz", 200, 0.01)
-    metrics.queue_depth.labels("demo", "interactive").set(1)
-    metrics.queue_wait.labels("demo", "interactive").set(1)
-    return {sample.name for family in metrics.registry.collect() for sample in family.samples}
+    """Every series name a gateway or a worker exports (counters' _total, histograms' _bucket/_sum/_count, ...)."""
+    gateway = GatewayMetrics()
+    gateway.observe_request("GET", "/healthz", 200, 0.01)
+    gateway.queue_depth.labels("demo", "interactive").set(1)
+    gateway.queue_wait.labels("demo", "interactive").set(1)
+    gateway.jobs_placed.labels("demo", "home").inc()
+    worker = WorkerMetrics("cpu")
+    worker.job_started("demo", "routed", "gpu")
+    return {
+        sample.name
+        for registry in (gateway.registry, worker.registry)
+        for family in registry.collect()
+        for sample in family.samples
+    }
 
 
-def test_the_dashboard_queries_only_metrics_the_gateway_exports():
+def test_the_dashboard_queries_only_metrics_the_gateways_and_workers_export():
     dashboard = (DEPLOY / "grafana" / "dashboards" / "lorafleet.json").read_text()
     used = set(re.findall(r"\b(lorafleet_[a-z_]+)", dashboard))
     assert used, "the dashboard queries no lorafleet metric"

@@ -1,17 +1,19 @@
 """deploy/k8s, checked offline: every object is well formed, selectors match pod labels, what one
 object references (Secrets and their keys, claims, scale targets, trigger auth) exists, workers ask
-for a GPU and probe their heartbeat, and KEDA watches the stream the worker's model is queued on."""
+for a GPU and probe their heartbeat, and KEDA watches every stream the worker's model is queued on."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
 
+from gateway.metrics import GatewayMetrics
 from shared import keys
-from shared.schema import PRIORITIES, Priority
+from shared.schema import Priority
 from tests.deploy.conftest import DEPLOY, parse_lorafleet_args
 
 K8S = DEPLOY / "k8s"
@@ -179,24 +181,45 @@ def test_workers_serve_metrics_on_the_port_their_pods_announce_for_scraping(name
     assert annotations["prometheus.io/path"] == "/metrics"
 
 
-@pytest.mark.parametrize("name", sorted(WORKERS))
-def test_keda_scales_each_worker_on_its_models_stream_of_each_priority_class(name: str):
-    (model,) = parse_lorafleet_args(worker_args(WORKERS[name])).model
+# the interactive trigger's query: the largest of the gateways' (equal) counts of all the class's streams
+QUEUE_DEPTH_QUERY = re.compile(r'max\((?P<metric>\w+)\{model="(?P<model>[^"]+)",priority="(?P<priority>\w+)"\}\)')
+
+
+def triggers_of(name: str) -> dict[str, dict[str, Any]]:
+    """The ScaledObject of worker Deployment `name`: its triggers by type."""
     (scaled,) = [s for s in of_kind("ScaledObject").values() if s["spec"]["scaleTargetRef"]["name"] == name]
-    triggers = {trigger["metadata"]["stream"]: trigger for trigger in scaled["spec"]["triggers"]}
-    assert set(triggers) == {keys.queue(model.name, priority) for priority in PRIORITIES}
-    for trigger in triggers.values():
-        assert trigger["type"] == "redis-streams"
-        assert trigger["metadata"]["consumerGroup"] == keys.WORKER_GROUP
-        assert int(trigger["metadata"]["streamLength"]) >= 1
-        auth = of_kind("TriggerAuthentication")[trigger["authenticationRef"]["name"]]
-        for ref in auth["spec"]["secretTargetRef"]:
-            assert ref["key"] in secret_keys(ref["name"])
-        assert {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]} >= {"address"}
     assert scaled["spec"]["minReplicaCount"] >= 1, "keep one worker warm: loading a model takes minutes"
+    triggers = {trigger["type"]: trigger for trigger in scaled["spec"]["triggers"]}
+    assert len(triggers) == len(scaled["spec"]["triggers"]), "one trigger per type"
+    return triggers
+
+
+@pytest.mark.parametrize("name", sorted(WORKERS))
+def test_keda_scales_each_worker_on_its_models_batch_stream(name: str):
+    (model,) = parse_lorafleet_args(worker_args(WORKERS[name])).model
+    trigger = triggers_of(name)["redis-streams"]
+    assert trigger["metadata"]["stream"] == keys.queue(model.name, Priority.BATCH)  # never routed: the whole class
+    assert trigger["metadata"]["consumerGroup"] == keys.WORKER_GROUP
+    assert int(trigger["metadata"]["streamLength"]) >= 1
+    auth = of_kind("TriggerAuthentication")[trigger["authenticationRef"]["name"]]
+    for ref in auth["spec"]["secretTargetRef"]:
+        assert ref["key"] in secret_keys(ref["name"])
+    assert {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]} >= {"address"}
+
+
+@pytest.mark.parametrize("name", sorted(WORKERS))
+def test_keda_scales_each_worker_on_every_stream_of_its_models_interactive_jobs(name: str):
+    """Routed jobs wait on one stream per worker beside the shared one: the trigger reads the gateway's
+    sum of them all, a series the gateway really exports under those labels."""
+    (model,) = parse_lorafleet_args(worker_args(WORKERS[name])).model
+    triggers = triggers_of(name)
+    query = QUEUE_DEPTH_QUERY.fullmatch(triggers["prometheus"]["metadata"]["query"])
+    assert query is not None, triggers["prometheus"]["metadata"]["query"]
+    assert (query["model"], query["priority"]) == (model.name, Priority.INTERACTIVE.value)
+    metrics = GatewayMetrics()
+    metrics.queue_depth.labels(model.name, Priority.INTERACTIVE.value).set(3)
+    assert metrics.registry.get_sample_value(query["metric"], {"model": model.name, "priority": "interactive"}) == 3
+    assert triggers["prometheus"]["metadata"]["ignoreNullValues"] == "false"  # a lost target is no empty queue
     # batch work scales out more slowly: a worker takes more batch jobs than interactive ones before another is due
-    batch, interactive = (
-        int(triggers[keys.queue(model.name, p)]["metadata"]["streamLength"])
-        for p in (Priority.BATCH, Priority.INTERACTIVE)
-    )
-    assert batch > interactive
+    interactive = float(triggers["prometheus"]["metadata"]["threshold"])
+    assert 1 <= interactive < int(triggers["redis-streams"]["metadata"]["streamLength"])

@@ -1,7 +1,7 @@
 """deploy/k8s against the schemas the API server would apply: every built-in object validated strictly
 (no unknown field anywhere) by kubernetes-validate, offline; KEDA's objects, for which it has no schema,
-against the fields KEDA documents (keda.sh/docs/2.16: ScaledObject, TriggerAuthentication and the
-redis-streams scaler), also with no unknown field."""
+against the fields KEDA documents (keda.sh/docs/2.16: ScaledObject, TriggerAuthentication, the
+redis-streams and the prometheus scalers), also with no unknown field."""
 
 from __future__ import annotations
 
@@ -53,7 +53,40 @@ REDIS_STREAMS_FIELDS = [
     "unsafeSsl",
 ]
 REDIS_STREAMS_METADATA = _closed(dict.fromkeys(REDIS_STREAMS_FIELDS, _STRING), ("stream",))
+# the prometheus scaler's metadata (all strings)
+PROMETHEUS_FIELDS = [
+    "serverAddress",
+    "query",
+    "queryParameters",
+    "threshold",
+    "activationThreshold",
+    "namespace",
+    "customHeaders",
+    "ignoreNullValues",
+    "unsafeSsl",
+    "timeout",
+    "authModes",
+]
+PROMETHEUS_METADATA = _closed(dict.fromkeys(PROMETHEUS_FIELDS, _STRING), ("serverAddress", "query", "threshold"))
 REDIS_AUTH_PARAMETERS = ("address", "host", "port", "username", "password", "tls", "ca", "cert", "key")
+# the scalers these manifests use
+TRIGGER_METADATA = {"redis-streams": REDIS_STREAMS_METADATA, "prometheus": PROMETHEUS_METADATA}
+
+
+def _trigger(kind: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    return _closed(
+        {
+            "type": {"const": kind},
+            "name": _STRING,
+            "metadata": metadata,
+            "authenticationRef": _closed({"name": _STRING, "kind": _STRING}, ("name",)),
+            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+            "useCachedMetrics": _BOOL,
+        },
+        ("type", "metadata"),
+    )
+
+
 SCALED_OBJECT = _closed(
     {
         "apiVersion": {"const": "keda.sh/v1alpha1"},
@@ -76,17 +109,7 @@ SCALED_OBJECT = _closed(
                 "triggers": {
                     "type": "array",
                     "minItems": 1,
-                    "items": _closed(
-                        {
-                            "type": {"const": "redis-streams"},  # the only scaler these manifests use
-                            "name": _STRING,
-                            "metadata": REDIS_STREAMS_METADATA,
-                            "authenticationRef": _closed({"name": _STRING, "kind": _STRING}, ("name",)),
-                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
-                            "useCachedMetrics": _BOOL,
-                        },
-                        ("type", "metadata"),
-                    ),
+                    "items": {"oneOf": [_trigger(kind, metadata) for kind, metadata in TRIGGER_METADATA.items()]},
                 },
             },
             ("scaleTargetRef", "triggers"),

@@ -1,6 +1,6 @@
 """A real worker process serves its Prometheus metrics over HTTP (`--metrics-port`): after jobs of a
 base model and an adapter ran, the text exposition shows their tokens and batches, an empty KV
-cache, and (on this CPU worker) no GPU series."""
+cache, the jobs started by arrival and adapter tier, and (on this CPU worker) no GPU series."""
 
 from __future__ import annotations
 
@@ -60,6 +60,13 @@ def test_a_worker_serves_its_engine_metrics_over_http(fleet: Fleet):
     assert not any(name.startswith("lorafleet_worker_gpu_") for name, _ in after)
     for stage in JOB_STAGES:  # every job passed every stage once
         assert after[("lorafleet_worker_job_stage_seconds_count", (("model", MODEL), ("stage", stage)))] == 4
+    # each job counted once, by arrival and by its adapter's tier when read: the adapter jobs routed to this
+    # worker's own stream (the only worker: their home), the base-model jobs read from the shared stream
+    started = {dict(labels)["arrival"] + "/" + dict(labels)["tier"]: value for (name, labels), value in after.items()
+               if name == "lorafleet_worker_jobs_started_total"}  # fmt: skip
+    assert sum(started.values()) == 4
+    assert started["shared/none"] == 2
+    assert sum(value for key, value in started.items() if key.startswith("routed/")) == 2
 
 
 def test_a_finished_job_s_record_traces_its_way_through_the_worker_in_order(fleet: Fleet):

@@ -4,17 +4,20 @@ leaving moves; and the fleet view read from real heartbeat records."""
 from __future__ import annotations
 
 import json
+import time
 
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.routing import FleetView, Placement, WorkerView, place, rendezvous_rank
+from gateway.routing import BALANCE, FleetView, Placement, WorkerView, place, rendezvous_rank
 from shared import keys
 
 MODEL = "m"
 
 
-def worker(worker_id: str, *, gpu: tuple[str, ...] = (), host: tuple[str, ...] = (), room: int = 8) -> WorkerView:
-    return WorkerView(worker_id, frozenset(gpu), frozenset(host), room)
+def worker(
+    worker_id: str, *, gpu: tuple[str, ...] = (), host: tuple[str, ...] = (), room: int = 8, capacity: int = 16
+) -> WorkerView:
+    return WorkerView(worker_id, frozenset(gpu), frozenset(host), room, capacity)
 
 
 def home_of(adapter: str, worker_ids: list[str]) -> str:
@@ -63,14 +66,55 @@ def test_an_unheld_adapter_goes_to_its_home_every_time():
     assert set(homes.values()) == set(ids)  # every worker is home to a share
 
 
-def test_a_full_home_spills_to_the_worker_with_most_room_and_a_full_fleet_overflows_to_the_shared_stream():
+def test_a_full_home_spills_to_the_worker_with_most_room():
     ids = ["a", "b", "c"]
     home = home_of("x", ids)
-    workers = [worker(w, room=0 if w == home else 3) for w in ids]
-    assert place(MODEL, "x", workers, {}).placement is Placement.SPILL
-    full = [worker(w, room=0) for w in ids]
+    workers = [worker(w, room=0 if w == home else 3 + (w == "c")) for w in ids]
+    route = place(MODEL, "x", workers, {})
+    assert route.placement is Placement.SPILL
+    assert route.worker == max((w for w in ids if w != home), key=lambda w: 3 + (w == "c"))
+
+
+def rendezvous_order(adapter: str, worker_ids: list[str]) -> list[str]:
+    return sorted(worker_ids, key=lambda w: rendezvous_rank(adapter, w), reverse=True)
+
+
+def test_a_full_fleet_queues_the_backlog_on_the_adapters_home_while_its_load_is_under_the_bound():
+    ids = ["a", "b", "c", "d"]
+    full = [worker(w, room=-4) for w in ids]  # every worker 4 jobs past its capacity of 16: load 20
     route = place(MODEL, "x", full, {})
-    assert (route.placement, route.queue) == (Placement.OVERFLOW, None)
+    assert (route.placement, route.worker) == (Placement.BACKLOG, home_of("x", ids))
+    assert route.queue == keys.worker_queue(MODEL, home_of("x", ids))  # never the shared stream
+
+
+def test_a_backlog_job_passes_a_home_over_the_bound_to_the_next_worker_of_the_adapters_rendezvous_order():
+    ids = ["a", "b", "c", "d"]
+    first, second, *_ = rendezvous_order("x", ids)
+    # loads 16 everywhere but the home's 30: the mean with this job is (3 * 16 + 30 + 1) / 4 = 19.75, the
+    # bound 1.25 times that = 24.7; the home is over it, the next one is not
+    workers = [worker(w, room=-14 if w == first else 0) for w in ids]
+    assert place(MODEL, "x", workers, {}).worker == second
+    # what this gateway placed counts: with 14 more jobs on the second (load 30, bound 1.25 * 93 / 4 = 29.1),
+    # the third in the order takes it
+    assert place(MODEL, "x", workers, {second: 14}).worker == rendezvous_order("x", ids)[2]
+
+
+def test_a_backlog_job_goes_to_a_holder_of_its_adapter_within_the_bound_before_its_home():
+    ids = ["a", "b", "c"]
+    holder = next(w for w in ids if w != home_of("x", ids))
+    full = [worker(w, room=0, gpu=("x",) if w == holder else ()) for w in ids]
+    assert (place(MODEL, "x", full, {}).worker, place(MODEL, "x", full, {}).placement) == (holder, Placement.BACKLOG)
+
+
+def test_the_backlog_never_leaves_a_worker_with_more_than_the_bound_while_another_has_less():
+    ids = [f"w{i}" for i in range(4)]
+    placed: dict[str, int] = {}
+    full = [worker(w, room=0) for w in ids]
+    for index in range(400):  # a burst of one popular adapter's jobs onto a full fleet
+        route = place(MODEL, "hot" if index % 2 else f"adapter-{index}", full, placed)
+        placed[route.worker] = placed.get(route.worker, 0) + 1
+    loads = [16 + placed.get(w, 0) for w in ids]
+    assert max(loads) <= BALANCE * sum(loads) / len(ids) + 1
 
 
 def test_a_worker_joining_or_leaving_moves_only_its_share_of_adapters():
@@ -107,3 +151,33 @@ async def test_the_fleet_view_routes_from_heartbeat_records_and_ignores_workers_
     assert (route.placement, route.worker) == (Placement.GPU, "w1")
     assert other.placement is Placement.SHARED
     assert registry.get_sample_value("placed_total", {"model": MODEL, "placement": "gpu"}) == 1
+
+
+async def test_jobs_placed_since_a_heartbeat_count_against_its_room_until_a_newer_heartbeat_counts_them(aredis):
+    """A re-read that finds the same heartbeat must not forget what this gateway placed since it."""
+    beat_ms = int(time.time() * 1000) - 100
+
+    async def beat(worker_id: str, room: int, updated_ms: int) -> None:
+        await aredis.sadd(keys.WORKERS, worker_id)
+        await aredis.hset(
+            keys.worker(worker_id),
+            mapping={
+                "adapters": json.dumps({MODEL: {"gpu": ["x"] if worker_id == "holder" else [], "cpu": []}}),
+                "capacity": 16,
+                "in_flight": 16 - room,
+                "routed_waiting": json.dumps({MODEL: 0}),
+                "updated_ms": updated_ms,
+            },
+        )
+
+    await beat("holder", 2, beat_ms)
+    await beat("other", 16, beat_ms)
+    registry = CollectorRegistry()
+    fleet = FleetView(aredis, Counter("placed", "", ["model", "placement"], registry=registry), refresh_s=0)
+
+    # refresh_s=0: every route re-reads the records, which still say what the first read said
+    routes = [await fleet.route(MODEL, "x") for _ in range(3)]
+    assert [r.worker for r in routes] == ["holder", "holder", "other"]
+
+    await beat("holder", 2, int(time.time() * 1000) + 1)  # a newer heartbeat: it counts what was placed
+    assert (await fleet.route(MODEL, "x")).worker == "holder"

@@ -1,5 +1,6 @@
 """A Redis restart (SHUTDOWN, then a new server on the same port and AOF data dir) loses no job:
-the gateway and the worker reconnect by themselves and every accepted job completes once."""
+the gateway and the worker reconnect by themselves and every accepted job completes once, those
+routed to the worker's own stream (adapter routing, the gateway's default) as those on the shared one."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from cli.redis_server import RedisServer
+from shared import keys
 from shared.schema import JobStatus
 from tests.e2e.processes import wait_until
-from tests.fleet import CLAIM_IDLE_MS, assert_equal_jobs_equal_outputs, jobs_for, open_fleet
+from tests.fleet import CLAIM_IDLE_MS, MODEL, assert_equal_jobs_equal_outputs, jobs_for, open_fleet
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +32,15 @@ def test_jobs_queued_and_running_across_a_redis_restart_all_complete(demo_assets
         worker = fleet.start_worker("w1")
         jobs = jobs_for(30, max_tokens=16)
         job_ids = fleet.submit(jobs)
-        wait_until(lambda: fleet.running_on("w1", job_ids) >= 2, timeout_s=30, what="running jobs")
+        adapter_ids = [job_id for job, job_id in zip(jobs, job_ids, strict=True) if "adapter" in job]
+        wait_until(
+            lambda: fleet.running_on("w1", job_ids) >= 2 and fleet.running_on("w1", adapter_ids) >= 1,
+            timeout_s=30,
+            what="running jobs, one of them routed",
+        )
         before = [r.status for r in fleet.records(job_ids)]
+        with fleet.redis() as client:  # adapter jobs are routed (the gateway's default) to w1's own stream
+            assert client.xlen(keys.worker_queue(MODEL, "w1")) >= 1
 
         server.stop()  # SIGTERM: Redis writes its AOF and exits
         time.sleep(DOWNTIME_S)

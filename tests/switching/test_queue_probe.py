@@ -8,6 +8,7 @@ import pytest
 from redis.asyncio import Redis
 
 from shared import keys
+from shared.schema import Priority
 from worker.switching.queue_probe import probe_queue
 
 STREAM = keys.queue("m")
@@ -62,3 +63,18 @@ async def test_a_dead_workers_pending_entries_count_as_waiting_once_idle_past_th
     await asyncio.sleep(0.08)
     state = await probe(aredis, entry_ms(entry) + 3000, claim_idle_ms=50)
     assert state.waiting == 1 and state.oldest_wait_s == pytest.approx(3.0)
+
+
+async def test_jobs_routed_to_a_workers_stream_wait_beside_the_shared_streams(aredis: Redis) -> None:
+    routed = keys.worker_queue("m", "w1")
+    await aredis.sadd(keys.worker_queues("m"), routed)
+    await aredis.xgroup_create(routed, keys.WORKER_GROUP, id="0", mkstream=True)
+    await aredis.xadd(routed, {"job": b"1"})
+    unread = await aredis.xadd(routed, {"job": b"2"})
+    await aredis.xreadgroup(keys.WORKER_GROUP, "w1", {routed: ">"}, count=1)  # running on w1
+    await asyncio.sleep(0.01)
+    await aredis.xadd(STREAM, {"job": b"3"})
+    await aredis.xadd(keys.queue("m", Priority.BATCH), {"job": b"4"})
+    state = await probe(aredis, entry_ms(unread) + 4000)
+    assert state.waiting == 3  # the routed one not read yet, the shared interactive one, the batch one
+    assert state.oldest_wait_s == pytest.approx(4.0)  # the oldest waiting is the routed one

@@ -5,7 +5,9 @@ Works on Redis 6.2 (no XINFO GROUPS lag there): waiting = XLEN - pending (worker
 once finished, so the stream holds only queued and running jobs) plus pending entries idle past the
 claim time (their worker died; the next worker to serve the model takes them over). The oldest
 waiting job's age comes from its stream id, which starts with the ms time it was added. A model's
-queue is its streams of both priority classes together: batch work is work to switch for too.
+queue is its streams of both priority classes together, each class's shared stream and (interactive)
+every worker's routed stream (shared/model_queues.py): batch work is work to switch for too, and so
+are jobs routed to a worker of the model that cannot take them as fast as they come.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import keys
+from shared.model_queues import model_queues
 from shared.schema import PRIORITIES
 from worker.switching.switch_policy import QueueState
 
@@ -25,8 +28,9 @@ def _entry_ms(entry_id: bytes | str) -> int:
 
 async def probe_queue(redis: Redis, model: str, *, now_ms: int, claim_idle_ms: int) -> QueueState:
     states = [
-        await _probe_stream(redis, keys.queue(model, priority), now_ms=now_ms, claim_idle_ms=claim_idle_ms)
+        await _probe_stream(redis, stream, now_ms=now_ms, claim_idle_ms=claim_idle_ms)
         for priority in PRIORITIES
+        for stream in await model_queues(redis, model, priority)
     ]
     return QueueState(sum(s.waiting for s in states), max(s.oldest_wait_s for s in states))
 
