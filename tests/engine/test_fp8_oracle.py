@@ -24,11 +24,11 @@ from safetensors.torch import load_file, save_file
 from kernels.quant import W8A16_MAX_TOKENS
 from shared.errors import LorafleetError
 from shared.model_info import ModelInfo
-from tests.engine.engine_driver import BlockPool, PagedSequence, build_step, make_kv_cache, prefill
+from tests.engine.engine_driver import BlockPool, PagedSequence, make_kv_cache, prefill
 from tests.engine.engines import load_model
 from tests.engine.fp8_oracle import fp8_oracle, save_fp8_checkpoint
-from tests.engine.test_model_oracle import MIXED, SLOTS, mixed_sequences, random_prompt
-from tests.engine.tiny_hf import TinyCheckpoint, oracle_greedy, oracle_logits
+from tests.engine.test_model_oracle import SLOTS, assert_greedy_decode_matches, mixed_sequences, random_prompt
+from tests.engine.tiny_hf import TinyCheckpoint, oracle_logits
 from worker.model.model import CausalLM
 
 TOLERANCE = 1e-4
@@ -64,22 +64,8 @@ def test_a_long_prefill_takes_w8a8_as_the_oracle_does(llama: TinyCheckpoint) -> 
 
 
 def test_fp8_greedy_decode_matches_the_quantized_oracle(llama: TinyCheckpoint) -> None:
-    steps = 5
     model = fp8_model(llama.model_dir, llama.info, llama.adapters)
-    oracle = fp8_oracle(llama.oracle)
-    kv_cache = make_kv_cache(model, num_blocks=64, block_size=4)
-    pool = BlockPool(64, seed=1)
-    seqs = mixed_sequences()[:4]
-    tokens = prefill([seq for _, seq in seqs], model, kv_cache, pool).argmax(-1).tolist()
-    for _ in range(steps - 1):
-        for (_, seq), token in zip(seqs, tokens, strict=True):
-            seq.token_ids.append(token)
-        tokens = model(build_step([(seq, 1) for _, seq in seqs], model, kv_cache, pool), kv_cache).argmax(-1).tolist()
-    for (_, seq), token in zip(seqs, tokens, strict=True):
-        seq.token_ids.append(token)
-    for seed, (adapter, seq) in enumerate(seqs):
-        prompt = random_prompt(MIXED[seed][1], seed)
-        assert seq.token_ids[len(prompt) :] == oracle_greedy(oracle, prompt, adapter, steps)
+    assert_greedy_decode_matches(model, fp8_oracle(llama.oracle), steps=5)
 
 
 @pytest.mark.parametrize(

@@ -25,11 +25,11 @@ from safetensors.torch import load_file, save_file
 from shared.config import EngineConfig, ModelSpec
 from shared.errors import LorafleetError
 from shared.model_info import ModelInfo
-from tests.engine.engine_driver import BlockPool, build_step, make_kv_cache, prefill
+from tests.engine.engine_driver import BlockPool, make_kv_cache, prefill
 from tests.engine.engines import load_model
 from tests.engine.int4_oracle import INT4_SHAPE, int4_oracle, quantization_config, save_int4_checkpoint
-from tests.engine.test_model_oracle import MIXED, SLOTS, mixed_sequences, random_prompt
-from tests.engine.tiny_hf import TinyCheckpoint, build_checkpoint, oracle_greedy, oracle_logits
+from tests.engine.test_model_oracle import SLOTS, assert_greedy_decode_matches, mixed_sequences
+from tests.engine.tiny_hf import TinyCheckpoint, build_checkpoint, oracle_logits
 from worker.model.model import CausalLM
 from worker.switching.loader import served_info
 
@@ -71,21 +71,8 @@ def test_int4_at_load_matches_the_dequantized_oracle_in_a_mixed_batch(wide_llama
 
 
 def test_int4_greedy_decode_matches_the_dequantized_oracle(wide_llama: TinyCheckpoint, oracle) -> None:
-    steps = 5
     model = int4_model(wide_llama.model_dir, wide_llama.info, wide_llama.adapters)
-    kv_cache = make_kv_cache(model, num_blocks=64, block_size=4)
-    pool = BlockPool(64, seed=1)
-    seqs = mixed_sequences()[:4]
-    tokens = prefill([seq for _, seq in seqs], model, kv_cache, pool).argmax(-1).tolist()
-    for _ in range(steps - 1):
-        for (_, seq), token in zip(seqs, tokens, strict=True):
-            seq.token_ids.append(token)
-        tokens = model(build_step([(seq, 1) for _, seq in seqs], model, kv_cache, pool), kv_cache).argmax(-1).tolist()
-    for (_, seq), token in zip(seqs, tokens, strict=True):
-        seq.token_ids.append(token)
-    for seed, (adapter, seq) in enumerate(seqs):
-        prompt = random_prompt(MIXED[seed][1], seed)
-        assert seq.token_ids[len(prompt) :] == oracle_greedy(oracle, prompt, adapter, steps)
+    assert_greedy_decode_matches(model, oracle, steps=5)
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])

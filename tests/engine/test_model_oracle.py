@@ -48,9 +48,9 @@ def test_mixed_batch_of_adapters_and_base_matches_hf(checkpoint: TinyCheckpoint)
         assert (logits[row] - expected).abs().max() <= TOLERANCE, f"sequence {row} ({adapter})"
 
 
-def test_greedy_decode_through_paged_cache_matches_hf(checkpoint: TinyCheckpoint) -> None:
-    steps = 6
-    model = engine_for(checkpoint)
+def assert_greedy_decode_matches(model, oracle, steps: int) -> None:
+    """The first four mixed sequences decoded greedily `steps` tokens through the paged cache (one
+    prefill, then one-token steps) give the oracle's tokens, adapter by adapter."""
     kv_cache = make_kv_cache(model, num_blocks=64, block_size=4)
     pool = BlockPool(64, seed=1)
     seqs = mixed_sequences()[:4]
@@ -66,7 +66,11 @@ def test_greedy_decode_through_paged_cache_matches_hf(checkpoint: TinyCheckpoint
 
     for seed, (adapter, seq) in enumerate(seqs):
         prompt = random_prompt(MIXED[seed][1], seed)
-        assert seq.token_ids[len(prompt) :] == oracle_greedy(checkpoint.oracle, prompt, adapter, steps)
+        assert seq.token_ids[len(prompt) :] == oracle_greedy(oracle, prompt, adapter, steps)
+
+
+def test_greedy_decode_through_paged_cache_matches_hf(checkpoint: TinyCheckpoint) -> None:
+    assert_greedy_decode_matches(engine_for(checkpoint), checkpoint.oracle, steps=6)
 
 
 def test_chunked_prefill_beside_a_decode_matches_hf(llama: TinyCheckpoint) -> None:
