@@ -35,7 +35,8 @@ from gateway.ttl_cache import TtlCache
 from shared.adapter_aliases import get_alias
 from shared.adapter_registry import get_adapter, track_adapter_job
 from shared.errors import ErrorCode
-from shared.jobstore import JobStore, end_record
+from shared.job_events import end_record
+from shared.jobstore import JobStore
 from shared.model_info import ModelInfo
 from shared.model_registry import AdapterLimits, adapter_limits, get_chat_template, get_model, served_ms
 from shared.rate_limits import Admission, AdmissionDenied, Denial
