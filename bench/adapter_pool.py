@@ -56,8 +56,9 @@ from pathlib import Path
 import torch
 
 from bench.disk_floor import drop_page_cache, read_floor
-from bench.engine import LLAMA3_8B, load_adapters, prompts, random_engine, random_model, random_runner, word_tokenizer
-from bench.engine import write_adapter as write_bench_adapter
+from bench.random_adapters import load_adapters
+from bench.random_adapters import write_adapter as write_bench_adapter
+from bench.random_engine import LLAMA3_8B, prompts, random_engine, random_model, random_runner, word_tokenizer
 from shared.adapter_digest import HASH_THREADS
 from shared.adapter_format import WEIGHTS_FILE
 from shared.config import EngineConfig
