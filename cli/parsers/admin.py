@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cli import commands
-from cli import config_from_args as cfa
+from cli import commands, flag_types
 from cli.parsers.common import ENGINE_DEFAULTS, add_redis_flags
 
 
@@ -28,7 +27,7 @@ def add_admin(subparsers: argparse._SubParsersAction) -> None:
     register.add_argument("--model-path", type=Path, help="the model's HF dir, if no worker has published it yet")
     register.add_argument(
         "--max-lora-rank",
-        type=cfa.positive_int,
+        type=flag_types.positive_int,
         default=ENGINE_DEFAULTS.max_lora_rank,
         help="refuse larger ranks (default: %(default)s)",
     )
@@ -48,7 +47,7 @@ def add_admin(subparsers: argparse._SubParsersAction) -> None:
         dest="versions",
         action="append",
         required=True,
-        type=cfa.alias_version,
+        type=flag_types.alias_version,
         metavar="ADAPTER=WEIGHT",
         help="a registered adapter and its weight (repeat: e.g. support-v2=95 support-v3=5; 0 keeps it listed, unused)",
     )

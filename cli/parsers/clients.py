@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cli import commands
-from cli import config_from_args as cfa
+from cli import commands, flag_types
 from cli.parsers.common import add_target_flags
 from cli.state import DEFAULT_STATE_DIR
 
@@ -20,7 +19,7 @@ def add_submit(subparsers: argparse._SubParsersAction) -> None:
     submit.add_argument("--tenant", help="demo tenant whose key to take from STATE_DIR/demo.json")
     submit.add_argument("--model", required=True)
     submit.add_argument("--adapter")
-    submit.add_argument("--max-tokens", type=cfa.positive_int)
+    submit.add_argument("--max-tokens", type=flag_types.positive_int)
     submit.add_argument("--temperature", type=float)
     submit.add_argument("--seed", type=int)
     submit.add_argument(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cli import config_from_args as cfa
+from cli import flag_types
 from cli.state import DEFAULT_STATE_DIR
 from shared.config import EngineConfig, GatewayConfig, WorkerConfig
 
@@ -34,13 +34,13 @@ def add_replica_wait_flags(parser: argparse.ArgumentParser) -> None:
     durable = parser.add_argument_group("durable writes (Redis with replicas)")
     durable.add_argument(
         "--redis-wait-replicas",
-        type=cfa.count,
+        type=flag_types.count,
         default=GATEWAY_DEFAULTS.replica_wait.replicas,
         help="replicas that must confirm a new job or a result (Redis WAIT); 0: no wait (default: %(default)s)",
     )
     durable.add_argument(
         "--redis-wait-timeout-ms",
-        type=cfa.positive_int,
+        type=flag_types.positive_int,
         default=GATEWAY_DEFAULTS.replica_wait.timeout_ms,
         help="longest wait for that confirmation; a job unconfirmed by then is withdrawn, 503 (default: %(default)s)",
     )

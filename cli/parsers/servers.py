@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cli import commands
+from cli import commands, flag_types
 from cli import config_from_args as cfa
 from cli.parsers.common import GATEWAY_DEFAULTS, add_redis_flags, add_replica_wait_flags, add_sentinel_flags
 from cli.state import DEFAULT_STATE_DIR
@@ -17,7 +17,7 @@ def add_up(subparsers: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--host", default=GATEWAY_DEFAULTS.host, help="gateway bind address (default: %(default)s)")
     up.add_argument(
-        "--port", type=cfa.port_number, default=GATEWAY_DEFAULTS.port, help="gateway port (default: %(default)s)"
+        "--port", type=flag_types.port_number, default=GATEWAY_DEFAULTS.port, help="gateway port (default: %(default)s)"
     )
     up.add_argument(
         "--state-dir",
@@ -28,12 +28,16 @@ def add_up(subparsers: argparse._SubParsersAction) -> None:
     add_sentinel_flags(up.add_argument_group("a Redis watched by Sentinels, instead of starting one"))
     up.add_argument(
         "--redis-replicas",
-        type=cfa.count,
+        type=flag_types.count,
         default=0,
         help="start a primary, this many replicas and three Sentinels; jobs wait for one replica (default: 0)",
     )
     up.add_argument(
-        "--model", type=cfa.model_spec, action="append", metavar="NAME=PATH", help="HF model dir to serve (repeatable)"
+        "--model",
+        type=flag_types.model_spec,
+        action="append",
+        metavar="NAME=PATH",
+        help="HF model dir to serve (repeatable)",
     )
     up.add_argument("--adapter-root", type=Path, help="adapters live under here (default: STATE_DIR/adapters)")
     up.add_argument(
@@ -41,7 +45,7 @@ def add_up(subparsers: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--worker-metrics-port",
-        type=cfa.port_or_off,
+        type=flag_types.port_or_off,
         default=cfa.DEFAULT_WORKER_METRICS_PORT,
         help="Prometheus metrics of the first worker (the next ones count up); 0: off (default: %(default)s)",
     )
@@ -54,7 +58,7 @@ def add_gateway(subparsers: argparse._SubParsersAction) -> None:
     add_replica_wait_flags(gateway)
     gateway.add_argument("--host", default=GATEWAY_DEFAULTS.host, help="bind address (default: %(default)s)")
     gateway.add_argument(
-        "--port", type=cfa.port_number, default=GATEWAY_DEFAULTS.port, help="port (default: %(default)s)"
+        "--port", type=flag_types.port_number, default=GATEWAY_DEFAULTS.port, help="port (default: %(default)s)"
     )
     gateway.add_argument(
         "--admin-key-file",
@@ -78,7 +82,7 @@ def add_gateway(subparsers: argparse._SubParsersAction) -> None:
         ("--max-concurrent-jobs", GATEWAY_DEFAULTS.tenant_limits.max_concurrent_jobs),
         ("--max-queue-per-model", GATEWAY_DEFAULTS.tenant_limits.max_queue_per_model),
     ):
-        limits.add_argument(flag, type=cfa.positive_int, default=default, help="(default: %(default)s)")
+        limits.add_argument(flag, type=flag_types.positive_int, default=default, help="(default: %(default)s)")
     batches = gateway.add_argument_group("files and batches (the OpenAI Files and Batch APIs; files live in Redis)")
     for flag, default, what in (
         ("--max-file-bytes", GATEWAY_DEFAULTS.batches.max_file_bytes, "largest file upload"),
@@ -89,7 +93,7 @@ def add_gateway(subparsers: argparse._SubParsersAction) -> None:
             "lines of one batch queued or running at once",
         ),
     ):
-        batches.add_argument(flag, type=cfa.positive_int, default=default, help=f"{what} (default: %(default)s)")
+        batches.add_argument(flag, type=flag_types.positive_int, default=default, help=f"{what} (default: %(default)s)")
     webhooks = gateway.add_argument_group("job webhooks (off unless a host is allowed)")
     webhooks.add_argument(
         "--webhook-allow-host",

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cli import commands
-from cli import config_from_args as cfa
+from cli import commands, flag_types
 from cli.parsers.common import ENGINE_DEFAULTS, WORKER_DEFAULTS, add_redis_flags, add_replica_wait_flags
 
 
@@ -15,12 +14,12 @@ def add_worker(subparsers: argparse._SubParsersAction) -> None:
     add_redis_flags(worker)
     add_replica_wait_flags(worker)
     worker.add_argument(
-        "--model", type=cfa.model_spec, action="append", metavar="NAME=PATH", help="model to serve (repeatable)"
+        "--model", type=flag_types.model_spec, action="append", metavar="NAME=PATH", help="model to serve (repeatable)"
     )
     worker.add_argument("--adapter-root", type=Path, help="adapter paths are relative to this")
     worker.add_argument(
         "--device",
-        type=cfa.device_name,
+        type=flag_types.device_name,
         default="auto",
         help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)",
     )
@@ -28,39 +27,39 @@ def add_worker(subparsers: argparse._SubParsersAction) -> None:
     delivery = worker.add_argument_group("delivery")
     delivery.add_argument(
         "--heartbeat-interval",
-        type=cfa.seconds,
+        type=flag_types.seconds,
         default=WORKER_DEFAULTS.heartbeat_interval_s,
         help="seconds between heartbeats, which also renew the claim on running jobs (default: %(default)s)",
     )
     delivery.add_argument(
         "--claim-idle-ms",
-        type=cfa.positive_int,
+        type=flag_types.positive_int,
         default=WORKER_DEFAULTS.claim_idle_ms,
         help="a running job not renewed for this long is taken over by another worker (default: %(default)s)",
     )
     delivery.add_argument(
         "--steal-after-ms",
-        type=cfa.positive_int,
+        type=flag_types.positive_int,
         default=WORKER_DEFAULTS.steal_after_ms,
         help="a job routed to another worker that waited there unread this long is taken by a worker with "
         "free batch slots (default: %(default)s)",
     )
     delivery.add_argument(
         "--max-deliveries",
-        type=cfa.positive_int,
+        type=flag_types.positive_int,
         default=WORKER_DEFAULTS.max_deliveries,
         help="a job started more often than this is failed and dead-lettered (default: %(default)s)",
     )
     delivery.add_argument(
         "--drain-grace",
-        type=cfa.seconds,
+        type=flag_types.seconds,
         default=WORKER_DEFAULTS.drain_grace_s,
         help="on SIGTERM, seconds running jobs get to finish before they are handed back (default: %(default)s)",
     )
     metrics = worker.add_argument_group("Prometheus metrics")
     metrics.add_argument(
         "--metrics-port",
-        type=cfa.port_or_off,
+        type=flag_types.port_or_off,
         default=WORKER_DEFAULTS.metrics_port,
         help="serve the worker's metrics over HTTP on this port; 0: off (default: %(default)s)",
     )
@@ -72,7 +71,7 @@ def add_worker(subparsers: argparse._SubParsersAction) -> None:
     engine = worker.add_argument_group("engine sizes")
     engine.add_argument(
         "--tensor-parallel",
-        type=cfa.positive_int,
+        type=flag_types.positive_int,
         default=ENGINE_DEFAULTS.tensor_parallel,
         help="split one model over this many GPUs (from --device's on), one process each; this process is "
         "rank 0 and starts the others (default: %(default)s)",
@@ -95,35 +94,38 @@ def add_worker(subparsers: argparse._SubParsersAction) -> None:
     )
     engine.add_argument(
         "--max-num-seqs",
-        type=cfa.positive_int,
+        type=flag_types.positive_int,
         default=ENGINE_DEFAULTS.max_num_seqs,
         help="sequences in the running batch (default: %(default)s)",
     )
     engine.add_argument(
         "--max-num-batched-tokens",
-        type=cfa.positive_int,
+        type=flag_types.positive_int,
         default=ENGINE_DEFAULTS.max_num_batched_tokens,
         help="tokens one engine step may process (default: %(default)s)",
     )
     engine.add_argument(
         "--max-loras",
-        type=cfa.count,
+        type=flag_types.count,
         default=ENGINE_DEFAULTS.max_loras,
         help="the device's LoRA pool, in adapters of --max-lora-rank; it is paged by 16 ranks, so more adapters "
         "of lower rank fit. 0: LoRA off (no LoRA memory, jobs naming an adapter refused) (default: %(default)s)",
     )
     engine.add_argument(
-        "--max-lora-rank", type=cfa.positive_int, default=ENGINE_DEFAULTS.max_lora_rank, help="(default: %(default)s)"
+        "--max-lora-rank",
+        type=flag_types.positive_int,
+        default=ENGINE_DEFAULTS.max_lora_rank,
+        help="(default: %(default)s)",
     )
     engine.add_argument(
         "--adapter-host-cache-gb",
-        type=cfa.gigabytes,
+        type=flag_types.gigabytes,
         help="pinned host memory for adapters read from disk, at least the device pool's --max-loras max-rank "
         "adapters (default: twice that)",
     )
     engine.add_argument(
         "--preload-adapters",
-        type=cfa.adapter_names,
+        type=flag_types.adapter_names,
         default=(),
         metavar="NAME[,NAME...]",
         help="registered adapters read into the host cache at start, before serving, so the first requests "
@@ -135,16 +137,18 @@ def add_worker(subparsers: argparse._SubParsersAction) -> None:
         default=ENGINE_DEFAULTS.adapter_eviction,
         help="which idle adapter a full tier gives up: least recently or least frequently used (default: %(default)s)",
     )
-    engine.add_argument("--num-kv-blocks", type=cfa.positive_int, help="KV-cache blocks (default: sized from memory)")
+    engine.add_argument(
+        "--num-kv-blocks", type=flag_types.positive_int, help="KV-cache blocks (default: sized from memory)"
+    )
     engine.add_argument(
         "--gpu-memory-utilization",
-        type=cfa.fraction,
+        type=flag_types.fraction,
         default=ENGINE_DEFAULTS.gpu_memory_utilization,
         help="share of GPU memory the worker may use (default: %(default)s)",
     )
     engine.add_argument(
         "--gpu-memory-fraction",
-        type=cfa.fraction,
+        type=flag_types.fraction,
         help="hard cap on this process's share of the GPU, for workers sharing one under MPS "
         "(torch's per-process memory fraction; the KV cache is sized within it)",
     )
@@ -156,7 +160,7 @@ def add_worker(subparsers: argparse._SubParsersAction) -> None:
     )
     plans.add_argument(
         "--kernel-tune-budget-s",
-        type=cfa.seconds,
+        type=flag_types.seconds,
         default=ENGINE_DEFAULTS.kernel_tune_budget_s,
         help="seconds a model's start may spend tuning the LoRA plans this GPU lacks; what is left is tuned "
         "at the next start; 0: none (default: %(default)s)",
@@ -164,18 +168,18 @@ def add_worker(subparsers: argparse._SubParsersAction) -> None:
     models = worker.add_argument_group("several base models (switching)")
     models.add_argument(
         "--max-resident-models",
-        type=cfa.positive_int,
+        type=flag_types.positive_int,
         help="base models on the device at once; the others wait warm or cold (default: as many as fit)",
     )
     models.add_argument(
         "--cpu-model-cache-gb",
-        type=cfa.gigabytes,
+        type=flag_types.gigabytes,
         default=WORKER_DEFAULTS.cpu_model_cache_bytes / (1 << 30),
         help="pinned host memory for warm checkpoints, least recently used evicted first (default: %(default)s)",
     )
     models.add_argument(
         "--switch-grace",
-        type=cfa.seconds,
+        type=flag_types.seconds,
         default=WORKER_DEFAULTS.switch_grace_s,
         help="seconds an outgoing model's running jobs get before they are handed back (default: %(default)s)",
     )
