@@ -66,7 +66,8 @@ from shared.model_info import ModelInfo
 from shared.schema import AdapterRef, SamplingParams
 from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
-from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.engine import LLMEngine
+from worker.engine.engine_request import EngineRequest
 from worker.engine.model_runner import ModelRunner
 from worker.metrics import WorkerMetrics
 from worker.model.model import CausalLM

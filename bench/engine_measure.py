@@ -20,7 +20,7 @@ from shared.config import EngineConfig
 from shared.model_info import PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef, SamplingParams
 from worker.engine.block_manager import BlockManager
-from worker.engine.engine import EngineRequest
+from worker.engine.engine_request import EngineRequest
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
 from worker.memory_plan import DeviceMemory, plan_memory

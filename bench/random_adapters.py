@@ -15,7 +15,8 @@ from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.model_info import PROJECTIONS, ModelInfo
 from shared.schema import AdapterRef, SamplingParams
 from worker.adapter_pool.peft_adapter import peft_key
-from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.engine import LLMEngine
+from worker.engine.engine_request import EngineRequest
 
 
 def write_adapter(directory: Path, info: ModelInfo, rank: int, seed: int) -> AdapterRef:
