@@ -56,8 +56,9 @@ from pathlib import Path
 import torch
 
 from bench.disk_floor import drop_page_cache, read_floor
-from bench.engine import LLAMA3_8B, load_adapters, prompts, random_engine, random_model, random_runner, word_tokenizer
-from bench.engine import write_adapter as write_bench_adapter
+from bench.random_adapters import load_adapters
+from bench.random_adapters import write_adapter as write_bench_adapter
+from bench.random_engine import LLAMA3_8B, prompts, random_engine, random_model, random_runner, word_tokenizer
 from shared.adapter_digest import HASH_THREADS
 from shared.adapter_format import WEIGHTS_FILE
 from shared.config import EngineConfig
@@ -65,7 +66,8 @@ from shared.model_info import ModelInfo
 from shared.schema import AdapterRef, SamplingParams
 from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
-from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.engine import LLMEngine
+from worker.engine.engine_request import EngineRequest
 from worker.engine.model_runner import ModelRunner
 from worker.metrics import WorkerMetrics
 from worker.model.model import CausalLM

@@ -12,7 +12,7 @@ from shared.model_info import PROJECTIONS, ModelInfo
 from worker.model.lora_linear import LoRALinear
 
 if TYPE_CHECKING:
-    from bench.engine import Row
+    from bench.engine_report import Row
 
 # issue 22: 4-bit decode >= 2.5x bf16 at batch 1-8
 DECODE_OVER_BF16 = 2.5

@@ -53,7 +53,8 @@ from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from shared.schema import SamplingParams
 from worker.engine.capture_pacer import CapturePacer
-from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.engine import LLMEngine
+from worker.engine.engine_request import EngineRequest
 from worker.engine.model_runner import ModelRunner
 from worker.memory_plan import kv_storage_bytes, model_footprint
 from worker.metrics import WorkerMetrics

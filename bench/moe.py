@@ -5,7 +5,7 @@ top-8, expert width 768, 32 q / 4 kv heads of 128) in random bf16 weights: base-
     python -m bench.moe [--concurrency 1 8 32] [--prompt 1600] [--new-tokens 600] [--rank 32] [--adapters 8]
                         [--adapter-dir DIR] [--quantization none|fp8]
 
-Each row: `concurrency` requests added at once to an LLMEngine (bench/engine.py's harness) and
+Each row: `concurrency` requests added at once to an LLMEngine (bench/engine_measure.py's EngineBench) and
 stepped to completion (greedy, ignore_eos). The adapters are PEFT files in the per-expert form
 written under --adapter-dir (~4 GB each at rank 32; kept, so a later run reuses them) and loaded
 through the engine's adapter pool before any row. tok/s/req = 1 / TPOT (the decode speed one request
@@ -31,7 +31,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bench.engine import EngineBench, adapter_dir, copy_bandwidth, served
+from bench.engine_measure import EngineBench
+from bench.random_adapters import adapter_dir
+from bench.random_engine import served
+from bench.roofline import copy_bandwidth
 from shared.adapter_digest import file_digest
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.expert_adapter_keys import expert_key

@@ -35,7 +35,11 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import LLAMA3_8B, EngineBench, Row, adapter_dir, copy_bandwidth, engine_config, random_runner
+from bench.engine_measure import EngineBench
+from bench.engine_report import Row
+from bench.random_adapters import adapter_dir
+from bench.random_engine import LLAMA3_8B, engine_config, random_runner
+from bench.roofline import copy_bandwidth
 from shared.config import EngineConfig, ModelSpec, WorkerConfig
 from shared.model_info import ModelInfo
 from worker.engine.cuda_graphs import capture, capture_session

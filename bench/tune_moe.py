@@ -28,7 +28,7 @@ from functools import partial
 import torch
 import triton.testing
 
-from bench.engine import copy_bandwidth
+from bench.roofline import copy_bandwidth
 from kernels.moe import ExpertLoRA, route
 from kernels.moe.align import adapter_expert_blocks, expert_blocks
 from kernels.moe.configs import GemmConfig, MoEPlan, ShrinkConfig, config_file, entry

@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from prometheus_client import Counter
 from redis.asyncio import Redis
 
 from gateway.chat import render_chat
 from gateway.errors import RequestError
+from gateway.job_checks import admission_refusal, checked_sampling
 from gateway.job_events import JobEventReader
+from gateway.job_ids import JOB_ID, new_job_id
 from gateway.job_request import JobRequest
 from gateway.routing import FleetView
 from gateway.tokenization import TokenizerCache
@@ -35,90 +35,19 @@ from gateway.ttl_cache import TtlCache
 from shared.adapter_aliases import get_alias
 from shared.adapter_registry import get_adapter, track_adapter_job
 from shared.errors import ErrorCode
-from shared.jobstore import JobStore, end_record
+from shared.job_events import end_record
+from shared.jobstore import JobStore
 from shared.model_info import ModelInfo
 from shared.model_registry import AdapterLimits, adapter_limits, get_chat_template, get_model, served_ms
-from shared.rate_limits import Admission, AdmissionDenied, Denial
-from shared.schema import AdapterRef, JobMessage, JobRecord, JobStatus, Priority, SamplingParams
+from shared.rate_limits import Admission, AdmissionDenied
+from shared.schema import AdapterRef, JobMessage, JobRecord, JobStatus, Priority
 from shared.tenants import Tenant
 
-_JOB_ID = re.compile(r"^job_[0-9a-f]{32}$")
 MODEL_CACHE_TTL_S = 5.0
-
-
-# Job ids are cut from blocks of the OS's random bytes, 4 KiB a read: each id's 128 bits are its own,
-# as unguessable as a read per id, without a system call per submit (bench/gateway.py)
-_JOB_ID_BYTES = 16
-_JOB_IDS_PER_READ = 256
-_unused_job_ids: list[str] = []
-os.register_at_fork(after_in_child=_unused_job_ids.clear)  # a forked process never shares its parent's
-
-
-def new_job_id() -> str:
-    """An unguessable job id: `job_` + 128 random bits as hex."""
-    if not _unused_job_ids:
-        block = os.urandom(_JOB_ID_BYTES * _JOB_IDS_PER_READ).hex()
-        width = 2 * _JOB_ID_BYTES
-        _unused_job_ids.extend(f"job_{block[i : i + width]}" for i in range(0, len(block), width))
-    return _unused_job_ids.pop()
 
 
 def _job_not_found() -> RequestError:
     return RequestError(ErrorCode.JOB_NOT_FOUND, "job not found")
-
-
-def _refusal(denial: Denial, model: ModelInfo, cost_tokens: int) -> RequestError:
-    """The error for a job the submit script did not admit."""
-    if denial.limit == "invalid_api_key":  # rotated since this gateway cached the key
-        return RequestError(ErrorCode.INVALID_API_KEY, "the API key is not valid")
-    if denial.limit == "tenant_disabled":
-        return RequestError(ErrorCode.TENANT_DISABLED, "this tenant is disabled")
-    if denial.limit == "tokens_per_request":
-        return RequestError(
-            ErrorCode.INVALID_REQUEST,
-            f"prompt + max_tokens ({cost_tokens} tokens) exceeds your tokens-per-minute limit ({denial.value})",
-            param="max_tokens",
-        )
-    if denial.limit == "queue":
-        return RequestError(
-            ErrorCode.QUEUE_FULL,
-            f"model {model.name!r} has {denial.value} jobs queued or running, its limit; retry later",
-            retry_after_s=denial.retry_after_s,
-        )
-    return RequestError(
-        ErrorCode.RATE_LIMITED,
-        f"over your {denial.limit.replace('_', ' ')} limit ({denial.value}); retry after {denial.retry_after_s} s",
-        retry_after_s=denial.retry_after_s,
-    )
-
-
-def _checked_prompt(model: ModelInfo, request: JobRequest, token_ids: tuple[int, ...]) -> SamplingParams:
-    """The request's sampling parameters once its prompt's token ids are checked against the vocabulary
-    (ids the client gave) and the model's context length, max_tokens lowered to the context's room when
-    the request allows."""
-    sampling = request.sampling
-    if not token_ids:
-        raise RequestError(ErrorCode.EMPTY_PROMPT, "prompt encodes to no tokens", param="prompt")
-    if not isinstance(request.prompt, str):
-        bad = next((t for t in token_ids if not 0 <= t < model.vocab_size), None)
-        if bad is not None:
-            raise RequestError(
-                ErrorCode.INVALID_TOKEN_ID,
-                f"token id {bad} is outside the vocabulary of {model.name!r} [0, {model.vocab_size})",
-                param="prompt",
-            )
-    room = model.max_context - len(token_ids)
-    if request.fit_context and 1 <= room < sampling.max_tokens:
-        sampling = replace(sampling, max_tokens=room)
-    total = len(token_ids) + sampling.max_tokens
-    if total > model.max_context:
-        raise RequestError(
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} tokens, "
-            f"over the context length of {model.name!r} ({model.max_context} tokens)",
-            param="prompt",
-        )
-    return sampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +135,7 @@ class JobService:
             prompt_token_ids = tuple(encoded)
         else:
             prompt_token_ids = request.prompt
-        sampling = _checked_prompt(model, request, prompt_token_ids)
+        sampling = checked_sampling(model, request, prompt_token_ids)
         job_id = new_job_id()
         created_at = time.time()
         record = JobRecord(
@@ -250,7 +179,7 @@ class JobService:
         try:
             job_id, created = await self._store.create(record, message, idempotency_key, admission, queue)
         except AdmissionDenied as denied:
-            raise _refusal(denied.denial, model, cost_tokens) from None
+            raise admission_refusal(denied.denial, model, cost_tokens) from None
         if created:
             if alias is not None and self._alias_jobs is not None:
                 self._alias_jobs.labels(alias, record.adapter).inc()
@@ -259,7 +188,7 @@ class JobService:
 
     async def get(self, tenant: Tenant, job_id: str) -> JobRecord:
         """The tenant's job, or JOB_NOT_FOUND (also for another tenant's job)."""
-        record = await self._store.get(job_id) if _JOB_ID.match(job_id) else None
+        record = await self._store.get(job_id) if JOB_ID.match(job_id) else None
         if record is None or record.tenant != tenant.tenant_id:
             raise _job_not_found()
         return record

@@ -1,9 +1,10 @@
 """Job state in Redis: creation, the worker's start and finish, cancel, and long-poll waits.
 
-Every status change is one Lua script, so a cancel racing a finish, or a job redelivered after a
-worker crash, can never overwrite a terminal state: the first terminal write wins and the job has
-exactly one stored result. The same script that writes the terminal state queues the job's webhook
-(if it has one) on `lf:webhooks`, so a webhook is queued exactly once, whoever ends the job.
+Every status change is one Lua script (shared/job_scripts.py), so a cancel racing a finish, or a
+job redelivered after a worker crash, can never overwrite a terminal state: the first terminal write
+wins and the job has exactly one stored result. The same script that writes the terminal state
+queues the job's webhook (if it has one) on `lf:webhooks`, so a webhook is queued exactly once,
+whoever ends the job.
 
 With replicas to wait for (`ReplicaWait`), a new job counts as created only once that many replicas
 acknowledged it (WAIT): one that none confirms in time is withdrawn, every key its creation wrote
@@ -31,8 +32,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
 from shared.config import ReplicaWait
-from shared.errors import ErrorCode, LorafleetError
-from shared.rate_limits import ADMIT_LUA, AdmissionCheck, AdmissionDenied, denial
+from shared.job_events import EVENTS_CAP
+from shared.job_scripts import register_job_scripts
+from shared.jobstore_errors import ReplicaUnavailable, raise_if_unreadable, raise_on_error
+from shared.rate_limits import AdmissionCheck, AdmissionDenied, denial
 from shared.schema import (
     JobError,
     JobMessage,
@@ -48,123 +51,6 @@ from shared.schema import (
 )
 
 log = structlog.get_logger(__name__)
-
-_CREATE = (
-    ADMIT_LUA
-    + """
--- KEYS: job hash, the job's queue (the model's shared stream or a worker's), idempotency key, the model's
--- worker streams (set), then the admit function's keys when admitting
--- ARGV: payload, then one msgpack array: use_idem, ttl_s, job_id, record [field, value, ...], admit's
--- args (nil: no admission), routed (the queue is a worker's stream: listed, so that it is never stranded)
-local use_idem, ttl_s, job_id, record, admit_args, routed = unpack(cmsgpack.unpack(ARGV[2]), 1, 6)
-if use_idem then
-  local existing = redis.call('GET', KEYS[3])
-  if existing then return {0, existing} end
-end
-if admit_args then
-  local verdict = admit({unpack(KEYS, 5)}, admit_args)
-  if verdict[1] ~= 'ok' then return {2, verdict[1], verdict[2], verdict[3]} end
-end
-redis.call('HSET', KEYS[1], unpack(record))
-redis.call('EXPIRE', KEYS[1], ttl_s)
-local entry_id = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
-if routed then redis.call('SADD', KEYS[4], KEYS[2]) end
-if use_idem then redis.call('SET', KEYS[3], job_id, 'EX', ttl_s) end
-return {1, job_id, entry_id}
-"""
-)
-
-_WITHDRAW = """
--- KEYS: job hash, model queue, idempotency key, tenant's active set, job events
--- ARGV: job id, queue entry id, use_idem
--- Undo a creation no replica confirmed. A worker may have started the job meanwhile: it finds the record
--- gone, stops the job and acknowledges its entry, as for an expired record.
-redis.call('DEL', KEYS[1], KEYS[5])
-redis.call('XDEL', KEYS[2], ARGV[2])
-if ARGV[3] == '1' and redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('DEL', KEYS[3]) end
-redis.call('ZREM', KEYS[4], ARGV[1])
-return 1
-"""
-
-_START = """
--- KEYS: job hash   ARGV: worker id, now_ms
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {'missing', 0} end
-if status == 'queued' or status == 'running' then
-  -- counted first: attempts that are no integer fail the script before it writes anything
-  local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-  redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
-  redis.call('HSETNX', KEYS[1], 'started_ms', ARGV[2])
-  return {'running', attempts}
-end
-return {status, redis.call('HGET', KEYS[1], 'attempts')}
-"""
-
-# Lua shared by the terminal transitions: queue the job's webhook, if it asked for one (KEYS[3]: lf:webhooks)
-_QUEUE_WEBHOOK = """
-if redis.call('HEXISTS', KEYS[1], 'webhook') == 1 then
-  redis.call('XADD', KEYS[3], '*', 'job', redis.call('HGET', KEYS[1], 'job_id'))
-end
-"""
-
-_FINISH = (
-    f"""
--- KEYS: job hash, job events, webhooks[, job queue]   ARGV: ttl_s, new status, events cap, queue entry id
--- ('' with no queue), field/value...
--- With a queue, its entry is acknowledged (and deleted) in the same script: a result is never stored
--- without its ack nor acked without its result, whatever the primary that survives has of them.
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'queued' and status ~= 'running' then
-  if KEYS[4] then
-    redis.call('XACK', KEYS[4], '{keys.WORKER_GROUP}', ARGV[4])
-    redis.call('XDEL', KEYS[4], ARGV[4])
-  end
-  return 0
-end
--- an events key of another type fails the script before the record changes
-local events = redis.call('TYPE', KEYS[2])['ok']
-if events ~= 'stream' and events ~= 'none' then
-  return redis.error_reply('WRONGTYPE the job events key holds ' .. events)
-end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 5))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
--- the end event carries the final record: its reader has the result without reading the record again
-local record = cmsgpack.pack(redis.call('HGETALL', KEYS[1]))
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', ARGV[2], 'record', record)
-redis.call('EXPIRE', KEYS[2], ARGV[1])
-if KEYS[4] then
-  redis.call('XACK', KEYS[4], '{keys.WORKER_GROUP}', ARGV[4])
-  redis.call('XDEL', KEYS[4], ARGV[4])
-end
-"""
-    + _QUEUE_WEBHOOK
-    + "return 1"
-)
-
-_RELEASE = """
--- KEYS: job hash   ARGV: worker id
--- A draining worker hands a job it started back: queued again, and this delivery does not count.
-if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
-if redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'queued')
-redis.call('HINCRBY', KEYS[1], 'attempts', -1)
-return 1
-"""
-
-_CANCEL = (
-    """
--- KEYS: job hash, job events, webhooks   ARGV: ttl_s, now_ms, events cap
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return false end
-if status ~= 'queued' and status ~= 'running' then return status end
-redis.call('HSET', KEYS[1], 'status', 'canceled', 'finished_ms', ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'type', 'end', 'status', 'canceled')
-redis.call('EXPIRE', KEYS[2], ARGV[1])
-"""
-    + _QUEUE_WEBHOOK
-    + "return 'canceled'"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,20 +90,6 @@ class BatchedClient(Protocol):
     def wait_replicas(self, replicas: int, timeout_ms: int) -> Awaitable[int]:
         """WAIT on the connection of the writes issued in the same event-loop turn."""
         ...
-
-
-class ReplicaUnavailable(LorafleetError):
-    """No replica confirmed a new job within the wait: it was withdrawn, and is not queued."""
-
-    def __init__(self, job_id: str, confirmed: int, wait: ReplicaWait) -> None:
-        message = f"{confirmed} of {wait.replicas} Redis replicas confirmed the job within {wait.timeout_ms} ms"
-        super().__init__(ErrorCode.REPLICA_UNAVAILABLE, f"{message}; it was not queued, submit it again")
-        self.job_id = job_id
-
-
-# Events kept per job stream (approximately): a streaming reader further behind than this misses
-# token events; the offsets in the rest (and the final record) let it notice and recover the text.
-EVENTS_CAP = 1000
 
 
 async def _load_and_run(client: BatchedClient, script: AsyncScript, keys: list[Any], args: list[Any]) -> Any:
@@ -260,12 +132,7 @@ class JobStore:
         self._batched: BatchedClient = batched or redis
         self._ttl_s = job_ttl_s
         self._replica_wait = replica_wait
-        self._withdraw = redis.register_script(_WITHDRAW)
-        self._create = redis.register_script(_CREATE)
-        self._start = redis.register_script(_START)
-        self._finish = redis.register_script(_FINISH)
-        self._release = redis.register_script(_RELEASE)
-        self._cancel = redis.register_script(_CANCEL)
+        self._scripts = register_job_scripts(redis)
 
     async def create(
         self,
@@ -299,7 +166,7 @@ class JobStore:
         script_keys += admission.keys if admission else ()
         script_args = [encode_job(message), packed]
         if self._replica_wait.replicas and self._batched is self._redis:
-            reply, confirmed = await self._run_and_wait(self._create, script_keys, script_args)
+            reply, confirmed = await self._run_and_wait(self._scripts.create, script_keys, script_args)
             reply = await self._withdraw_unconfirmed(record, script_keys, reply, confirmed)
         elif self._replica_wait.replicas:
             reply = await self._create_confirmed(record, script_keys, script_args)
@@ -307,9 +174,11 @@ class JobStore:
             # EVALSHA awaited here, not through redis-py's Script call (an import and an isinstance check through
             # typing's Protocol machinery per call) nor a helper coroutine (one more frame to resume on the reply)
             try:
-                reply = await self._batched.evalsha(self._create.sha, len(script_keys), *script_keys, *script_args)
+                reply = await self._batched.evalsha(
+                    self._scripts.create.sha, len(script_keys), *script_keys, *script_args
+                )
             except NoScriptError:
-                reply = await _load_and_run(self._batched, self._create, script_keys, script_args)
+                reply = await _load_and_run(self._batched, self._scripts.create, script_keys, script_args)
         if reply[0] == 2:
             raise AdmissionDenied(denial(*reply[1:]))
         created, job_id = reply[0], reply[1]
@@ -319,13 +188,13 @@ class JobStore:
         """The create script's reply, once `replica_wait.replicas` replicas have its writes; otherwise the
         job is withdrawn and ReplicaUnavailable raised."""
         wait = self._replica_wait
-        reply_future = self._batched.evalsha(self._create.sha, len(script_keys), *script_keys, *script_args)
+        reply_future = self._batched.evalsha(self._scripts.create.sha, len(script_keys), *script_keys, *script_args)
         confirmed_future = self._batched.wait_replicas(wait.replicas, wait.timeout_ms)  # same turn: same batch
         try:
             reply = await reply_future
         except NoScriptError:  # a restarted or promoted Redis: load the script, then create and wait again
             _forget(confirmed_future)
-            self._create.sha = await self._batched.script_load(self._create.script)
+            self._scripts.create.sha = await self._batched.script_load(self._scripts.create.script)
             return await self._create_confirmed(record, script_keys, script_args)
         except BaseException:
             _forget(confirmed_future)
@@ -344,7 +213,7 @@ class JobStore:
         if reply[0] != 1 or confirmed >= wait.replicas:
             return reply
         use_idem = script_keys[2] != keys.job(record.job_id)
-        await self._withdraw(
+        await self._scripts.withdraw(
             keys=[*script_keys[:3], keys.active_jobs(record.tenant), keys.job_events(record.job_id)],
             args=[record.job_id, reply[2], int(use_idem)],
         )
@@ -355,7 +224,7 @@ class JobStore:
         try:
             raw = await self._batched.hgetall(keys.job(job_id))
         except ResponseError as exc:
-            _raise_if_unreadable(f"job {job_id}'s record", exc)
+            raise_if_unreadable(f"job {job_id}'s record", exc)
             raise
         return JobRecord.from_hash(raw) if raw else None
 
@@ -367,9 +236,9 @@ class JobStore:
         (not a hash, a status that is no JobStatus, attempts that are not a count).
         """
         try:
-            status, attempts = await self._start(keys=[keys.job(job_id)], args=[worker_id, now_ms()])
+            status, attempts = await self._scripts.start(keys=[keys.job(job_id)], args=[worker_id, now_ms()])
         except ResponseError as exc:
-            _raise_if_unreadable(f"job {job_id}'s record", exc)
+            raise_if_unreadable(f"job {job_id}'s record", exc)
             raise
         status = status.decode(errors="replace")
         try:
@@ -407,10 +276,10 @@ class JobStore:
         script_keys, script_args = self._finish_call(ending)
         try:
             if not self._replica_wait.replicas:
-                return bool(await self._finish(keys=script_keys, args=script_args))
-            stored, confirmed = await self._run_and_wait(self._finish, script_keys, script_args)
+                return bool(await self._scripts.finish(keys=script_keys, args=script_args))
+            stored, confirmed = await self._run_and_wait(self._scripts.finish, script_keys, script_args)
         except ResponseError as exc:
-            _raise_if_unreadable(f"job {job_id}'s record or events", exc)
+            raise_if_unreadable(f"job {job_id}'s record or events", exc)
             raise
         if confirmed < self._replica_wait.replicas:
             log.warning("result_not_replicated", job=job_id, confirmed=confirmed, wanted=self._replica_wait.replicas)
@@ -431,12 +300,12 @@ class JobStore:
         async with self._redis.pipeline(transaction=False) as pipe:
             self._queue_tokens(pipe, deltas)
             for script_keys, script_args in calls:
-                pipe.evalsha(self._finish.sha, len(script_keys), *script_keys, *script_args)
+                pipe.evalsha(self._scripts.finish.sha, len(script_keys), *script_keys, *script_args)
             replies = await pipe.execute(raise_on_error=False)
         token_replies, finish_replies = replies[: len(replies) - len(calls)], replies[len(replies) - len(calls) :]
         tokens_error = None
         try:
-            _raise_on_error(token_replies, "a job's token events")
+            raise_on_error(token_replies, "a job's token events")
         except SchemaError as exc:
             tokens_error = exc
         stored: list[bool | SchemaError] = []
@@ -448,7 +317,7 @@ class JobStore:
                     reply = exc
             elif isinstance(reply, ResponseError):
                 try:
-                    _raise_if_unreadable(f"job {ending.job_id}'s record or events", reply)
+                    raise_if_unreadable(f"job {ending.job_id}'s record or events", reply)
                 except SchemaError as exc:
                     reply = exc
                 else:
@@ -503,7 +372,7 @@ class JobStore:
         async with self._redis.pipeline(transaction=False) as pipe:
             self._queue_tokens(pipe, deltas)
             replies = await pipe.execute(raise_on_error=False)
-        _raise_on_error(replies, "a job's token events")
+        raise_on_error(replies, "a job's token events")
 
     def _queue_tokens(self, pipe: Pipeline, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -522,47 +391,14 @@ class JobStore:
         """Hand a running job back to the queue without counting its delivery (a graceful drain).
         False when it is no longer this worker's running job; SchemaError when the record cannot be read."""
         try:
-            return bool(await self._release(keys=[keys.job(job_id)], args=[worker_id]))
+            return bool(await self._scripts.release(keys=[keys.job(job_id)], args=[worker_id]))
         except ResponseError as exc:
-            _raise_if_unreadable(f"job {job_id}'s record", exc)
+            raise_if_unreadable(f"job {job_id}'s record", exc)
             raise
 
     async def cancel(self, job_id: str) -> JobStatus | None:
         """Cancel a queued or running job. Returns the status after the call (None: no such job)."""
-        result = await self._cancel(
+        result = await self._scripts.cancel(
             keys=[keys.job(job_id), keys.job_events(job_id), keys.WEBHOOKS], args=[self._ttl_s, now_ms(), EVENTS_CAP]
         )
         return None if result is None else decode_status(result.decode(errors="replace"))
-
-
-def end_record(fields: dict[bytes, bytes]) -> JobRecord | None:
-    """The final record an `end` event carries (the finish script writes it in; a cancel's end, or one
-    a worker of an earlier release wrote, carries none: None, read the record). SchemaError when it is
-    no record."""
-    blob = fields.get(b"record")
-    if blob is None:
-        return None
-    try:
-        flat = msgpack.unpackb(blob, raw=True)  # Lua's strings come as msgpack strings: bytes, as a hash reads
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise SchemaError(f"the end event's record is not msgpack: {exc}") from exc
-    if not isinstance(flat, list) or len(flat) % 2 or not all(isinstance(item, bytes) for item in flat):
-        raise SchemaError("the end event's record is not a list of field, value pairs")
-    return JobRecord.from_hash(dict(zip(flat[::2], flat[1::2], strict=True)))
-
-
-def _raise_on_error(replies: list[Any], what: str) -> None:
-    """Raise the first error among a pipeline's replies: SchemaError when it says `what` cannot be written."""
-    for reply in replies:
-        if isinstance(reply, ResponseError):
-            _raise_if_unreadable(what, reply)
-            raise reply
-
-
-def _raise_if_unreadable(what: str, exc: ResponseError) -> None:
-    """Raise SchemaError when a command failed because the job's record is not one (another Redis
-    type, a field that is no integer or would overflow one); other server errors are the caller's to
-    re-raise."""
-    message = str(exc)
-    if "WRONGTYPE" in message or "not an integer" in message or "would overflow" in message:
-        raise SchemaError(f"{what} cannot be read ({message[:120]})") from exc

@@ -26,7 +26,7 @@ LIMIT_FIELDS = {
     "max_concurrent_jobs": "limit_concurrent",
 }
 
-# A Lua function, not a script: the job store's create script calls it (shared/jobstore.py), so a
+# A Lua function, not a script: the job store's create script calls it (shared/job_scripts.py), so a
 # submit is admitted and queued in one script and one round trip, and a refused job is never queued.
 # It re-checks the API key (still this tenant's) and that the tenant is enabled, so a gateway may cache
 # authentication without letting a rotated key or a disabled tenant submit.

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import structlog
 
 from shared.schema import TokenDelta
-from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
+from worker.engine.engine import LLMEngine
+from worker.engine.engine_request import EngineRequest, EngineResult
 
 log = structlog.get_logger(__name__)
 

@@ -30,7 +30,7 @@ from shared.config import WorkerConfig
 from shared.errors import ErrorCode
 from shared.jobstore import JobStore
 from shared.schema import PRIORITIES, JobError, JobMessage, JobStatus, Priority, SchemaError, decode_job
-from worker.engine.engine import EngineRequest
+from worker.engine.engine_request import EngineRequest
 from worker.engine_thread import EngineThread
 from worker.job_stream import ack, autoclaim_page, dead_letter, ensure_group, requeue, shared_streams
 from worker.metrics import AdapterTier, WorkerMetrics

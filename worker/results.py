@@ -24,7 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared import keys
 from shared.jobstore import Finish, JobStore
 from shared.schema import JobTrace, SchemaError, TokenDelta
-from worker.engine.engine import EngineResult
+from worker.engine.engine_request import EngineResult
 from worker.engine_thread import EngineThread, StepOutput
 from worker.job_stream import ack, dead_letter
 from worker.metrics import WorkerMetrics

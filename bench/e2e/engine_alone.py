@@ -22,7 +22,8 @@ from typing import TypeVar
 from bench.e2e.client import Sample
 from bench.e2e.traffic import PlannedRequest
 from shared.schema import SamplingParams
-from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
+from worker.engine.engine import LLMEngine
+from worker.engine.engine_request import EngineRequest, EngineResult
 
 T = TypeVar("T")
 

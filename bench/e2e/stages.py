@@ -23,7 +23,7 @@ import numpy as np
 
 from bench.e2e.client import Sample
 from shared.schema import JobTrace
-from worker.engine.engine import EngineResult
+from worker.engine.engine_request import EngineResult
 
 
 @dataclass(frozen=True, slots=True)

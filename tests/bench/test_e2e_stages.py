@@ -11,7 +11,7 @@ import pytest
 from bench.e2e.client import Sample
 from bench.e2e.stages import engine_points, stack_points, stage_rows
 from shared.schema import JobStatus, JobTrace
-from worker.engine.engine import EngineResult
+from worker.engine.engine_request import EngineResult
 
 START = 1_700_000_000.0  # the run's start, unix s
 

@@ -10,17 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine import (
-    LLAMA3_8B,
-    LORAFLEET,
-    NO_LORA,
-    EngineBench,
-    Row,
-    build_parser,
-    lora_off_ratios,
-    parse_args,
-    weight_bytes,
-)
+from bench.engine import build_parser, parse_args
+from bench.engine_measure import EngineBench
+from bench.engine_report import LORAFLEET, NO_LORA, Row, lora_off_ratios
+from bench.random_engine import LLAMA3_8B
+from bench.roofline import weight_bytes
 from bench.tensor_parallel import LLAMA_70B, rank_roofline, rank_weight_bytes
 
 

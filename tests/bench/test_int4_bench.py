@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.engine import LLAMA3_8B, LORAFLEET, Row, build_parser, served, weight_bytes
+from bench.engine import build_parser
+from bench.engine_report import LORAFLEET, Row
 from bench.int4 import print_int4_targets, quantize_random
+from bench.random_engine import LLAMA3_8B, served
+from bench.roofline import weight_bytes
 from kernels.quant.int4_reference import dequantize_int4
 from worker.model.lora_linear import LoRALinear, LoRAPages
 

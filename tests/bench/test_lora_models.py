@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from bench.engine import LLAMA3_8B
 from bench.lora_kernels import MODELS
 from bench.moe import QWEN3_30B_A3B
+from bench.random_engine import LLAMA3_8B
 from kernels.lora.tuning.timing import attention_heads
 from shared.model_info import ModelInfo
 from worker.kernel_plans import adapted_layer

@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 
-from cli import config_from_args
+from cli import flag_types
 from cli.main import build_parser
 from shared.config import ModelSpec
 
@@ -45,7 +45,7 @@ def _model_spec_syntax(text: str) -> ModelSpec:
 
 def parse_lorafleet_args(argv: list[str]) -> argparse.Namespace:
     """Parse `lorafleet ARGV` with the real command-line parser; a bad flag or value fails the test."""
-    with mock.patch.object(config_from_args, "model_spec", _model_spec_syntax):
+    with mock.patch.object(flag_types, "model_spec", _model_spec_syntax):
         parser = build_parser()
     try:
         return parser.parse_args(argv)

@@ -20,7 +20,7 @@ from shared.schema import AdapterRef, SamplingParams
 from tests.e2e.processes import wait_until
 from tests.engine.engines import load_engine
 from tests.fleet import MODEL, Fleet
-from worker.engine.engine import EngineRequest
+from worker.engine.engine_request import EngineRequest
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,8 @@ from shared.errors import ErrorCode
 from shared.schema import AdapterRef, FinishReason, JobStatus, SamplingParams
 from tests.engine.engines import load_engine
 from tests.engine.tiny_hf import VOCAB_SIZE, TinyCheckpoint, oracle_greedy, saved_adapter_ref
-from worker.engine.engine import EngineRequest, EngineResult, LLMEngine
+from worker.engine.engine import LLMEngine
+from worker.engine.engine_request import EngineRequest, EngineResult
 from worker.metrics import WorkerMetrics
 
 PROMPTS = {

@@ -12,7 +12,7 @@ import torch
 from tests.engine.engines import load_engine
 from tests.engine.test_engine_generation import NEW_TOKENS, greedy_request
 from tests.engine.tiny_hf import TinyCheckpoint
-from worker.engine.engine import EngineResult
+from worker.engine.engine_request import EngineResult
 from worker.engine_thread import EngineThread, StepOutput
 from worker.gpu_metrics import GpuCollector, cuda_index, nvml_id
 from worker.metrics import AdapterTier, EngineLoad, WorkerMetrics

@@ -18,7 +18,7 @@ from tests.engine.test_engine_generation import (
     run_to_completion,
 )
 from tests.engine.tiny_hf import TinyCheckpoint
-from worker.engine.engine import EngineRequest
+from worker.engine.engine_request import EngineRequest
 
 # base-model requests of several lengths, so steps mix prefill chunks and decodes
 BASE_REQUESTS = {f"base-{index}": prompt for index, prompt in enumerate(PROMPTS.values())}

@@ -34,7 +34,8 @@ from tests.engine.test_engine_generation import run_to_completion
 from tests.engine.test_moe_oracle import NEW_TOKENS, SLOTS, moe_sequences
 from tests.engine.tiny_hf import oracle_greedy, oracle_logits, saved_adapter_ref
 from tests.engine.tiny_moe import MOE_FAMILIES, TinyMoE, build_tiny_moe
-from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.engine import LLMEngine
+from worker.engine.engine_request import EngineRequest
 from worker.model.model import CausalLM
 from worker.model.moe import MoEBlock
 

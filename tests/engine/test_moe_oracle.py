@@ -16,7 +16,7 @@ from tests.engine.test_engine_generation import run_to_completion
 from tests.engine.tiny_hf import oracle_greedy, oracle_logits, saved_adapter_ref
 from tests.engine.tiny_moe import FUSED, MOE_FAMILIES, VOCAB_SIZE, TinyMoE, build_tiny_moe
 from worker.adapter_pool.slot_writer import SlotWriter
-from worker.engine.engine import EngineRequest
+from worker.engine.engine_request import EngineRequest
 
 TOLERANCE = 1e-4
 NEW_TOKENS = 6

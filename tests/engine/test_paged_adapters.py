@@ -25,7 +25,7 @@ from tests.engine.tiny_hf import (
     save_lora_adapter,
     saved_adapter_ref,
 )
-from worker.engine.engine import EngineRequest
+from worker.engine.engine_request import EngineRequest
 
 MAX_RANK = 48  # three pages of 16 rank rows per max-rank adapter
 TOLERANCE = 1e-4

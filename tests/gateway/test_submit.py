@@ -8,7 +8,7 @@ import time
 from aiohttp.test_utils import TestClient
 from structlog.testing import capture_logs
 
-from gateway.job_service import new_job_id
+from gateway.job_ids import new_job_id
 from shared import keys
 from shared.schema import JobMessage, JobRecord, JobStatus, Priority, SamplingParams, decode_job
 from tests.gateway.fleet import BOS_ID, Fleet, submit

@@ -23,7 +23,7 @@ from tests.engine.engines import load_engine
 from tests.engine.tiny_hf import saved_adapter_ref
 from tests.real_model.conftest import MODEL
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.engine import EngineRequest
+from worker.engine.engine_request import EngineRequest
 
 # the base model's greedy answer (float32, CPU)
 PARIS = "The capital of France is Paris."

@@ -11,7 +11,8 @@ import pytest
 from gateway.auto_pipeline import AutoPipeline
 from shared import keys
 from shared.config import ReplicaWait, TenantLimits
-from shared.jobstore import JobStore, ReplicaUnavailable
+from shared.jobstore import JobStore
+from shared.jobstore_errors import ReplicaUnavailable
 from shared.rate_limits import Admission
 from shared.redis_client import resilient_redis
 from shared.schema import JobStatus, Priority

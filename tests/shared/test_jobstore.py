@@ -7,7 +7,8 @@ import pytest
 
 from gateway.auto_pipeline import AutoPipeline
 from shared import keys
-from shared.jobstore import Finish, JobStore, end_record, now_ms
+from shared.job_events import end_record
+from shared.jobstore import Finish, JobStore, now_ms
 from shared.schema import (
     FinishReason,
     JobError,

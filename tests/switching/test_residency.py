@@ -13,7 +13,8 @@ import torch
 from cli.demo_model import write_demo_model
 from shared.config import EngineConfig, ModelSpec, WorkerConfig
 from shared.schema import SamplingParams
-from worker.engine.engine import EngineRequest, LLMEngine
+from worker.engine.engine import LLMEngine
+from worker.engine.engine_request import EngineRequest
 from worker.metrics import WorkerMetrics
 from worker.switching.residency import ModelResidency
 from worker.switching.shard_reader import CheckpointReadError

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from bench.engine import LLAMA3_8B
 from bench.moe import QWEN3_30B_A3B
+from bench.random_engine import LLAMA3_8B
 from shared.config import EngineConfig
 from shared.model_info import PROJECTIONS
 from worker.adapter_pool.limits import adapter_limits

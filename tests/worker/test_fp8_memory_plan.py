@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.engine import LLAMA3_8B
 from bench.moe import QWEN3_30B_A3B
+from bench.random_engine import LLAMA3_8B
 from shared.config import EngineConfig
 from tests.worker.test_memory_plan import GB, plan_one
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.engine import LLAMA3_8B
+from bench.random_engine import LLAMA3_8B
 from shared.config import EngineConfig
 from tests.worker.test_memory_plan import GB, plan_one
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from bench.engine import LLAMA3_8B
 from bench.moe import QWEN3_30B_A3B
+from bench.random_engine import LLAMA3_8B
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from worker.memory_plan import DeviceMemory, MemoryPlanError, model_footprint, plan_memory

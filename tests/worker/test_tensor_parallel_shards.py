@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from bench.engine import LLAMA3_8B
+from bench.random_engine import LLAMA3_8B
 from shared.config import EngineConfig
 from worker.memory_plan import DeviceMemory, MemoryPlanError, model_footprint, plan_memory
 from worker.model.parallel.group import TensorParallel

@@ -19,13 +19,11 @@ from tokenizers import Tokenizer
 from shared.config import EngineConfig
 from shared.errors import ErrorCode, LorafleetError
 from shared.schema import (
-    AdapterRef,
     FinishReason,
     JobError,
     JobOutput,
     JobStatus,
     Priority,
-    SamplingParams,
     TokenDelta,
 )
 from worker.adapter_pool.eviction import make_policy
@@ -34,6 +32,7 @@ from worker.adapter_pool.pool import AdapterPool, LoadFailure
 from worker.engine.admission_pacer import AdmissionPacer
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.engine_request import EngineRequest, EngineResult
 from worker.engine.model_runner import ModelRunner
 from worker.engine.sampled_tokens import SampledTokens
 from worker.engine.scheduler import ScheduledSequence, Scheduler
@@ -42,36 +41,6 @@ from worker.engine.step_channel import RanksOutOfStep
 from worker.metrics import EngineLoad, EngineMetrics, StepStats
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
-    job_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    tenant: str = ""
-    adapter: AdapterRef | None = None
-    deadline: float | None = None  # unix seconds
-    stream: bool = True  # hand out a TokenDelta per token (take_deltas); off, the result alone reports it
-    priority: Priority = Priority.INTERACTIVE
-
-
-@dataclass(frozen=True, slots=True)
-class EngineResult:
-    job_id: str
-    status: JobStatus
-    output: JobOutput | None = None
-    error: JobError | None = None
-    completion_tokens: int = 0
-    # when the request went through the engine, unix seconds (0: not reached): taken in (`add`), its first
-    # token read from a step, and its end (its last token's step, or the failure)
-    added_at: float = 0.0
-    first_token_at: float = 0.0
-    finished_at: float = 0.0
-
-    @property
-    def first_token_ms(self) -> int:
-        return int(self.first_token_at * 1000)
 
 
 @dataclass(slots=True)
