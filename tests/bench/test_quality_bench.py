@@ -7,7 +7,6 @@ Both chunkings (one prefill per window, and chunks of W8A16_MAX_TOKENS) score th
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
