@@ -6,11 +6,19 @@ count and design (routing on; routing off: every job on the shared stream, the d
 fresh fleet (Redis, one gateway, N workers) first takes `--warmup` jobs (not measured: the caches
 reach their steady state, past the compulsory misses), then a burst of `--jobs` jobs at once
 (saturation throughput), then `--jobs` open-loop Poisson arrivals at `--load` of the shared design's
-saturation throughput (queue wait p50/p99: created to read by a worker; and end-to-end p99: created
-to finished). Over the burst and the arrivals, the GPU-tier hit rate (the tier each job's adapter was
+saturation throughput (waits p50/p99: created to read by a worker, the figure recorded before, and
+created to first token, the wait a job has before it is served; and end-to-end p99: created to
+finished). Over the burst and the arrivals, the GPU-tier hit rate (the tier each job's adapter was
 in when its worker read it) and how jobs arrived (routed / shared / stolen / reclaimed), from the
 workers' heartbeats. The designs alternate over `--repeats` (shared first, then routed first, ...)
 so that a machine shared with other work loads both alike; the ratios are the medians over repeats.
+
+The read wait leaves out what a job waits inside its worker: a worker reads up to twice its batch
+(`--max-num-seqs`), so on the shared stream a job is read by whichever worker has read-ahead room and
+then waits in that worker's engine, while a routed job waits on its own worker's stream. The wait to
+the first token (the jobs' traces, shared/schema.py JobTrace) counts both alike; the p99 wait target
+is judged on it. Its last part, in the engine to the first token (the prefill, with what the engine
+ran before it; p50), is printed beside it.
 `--kill` then kills one worker -9 mid-run in the last routed fleet and counts lost jobs.
 
 On CPU each worker runs one intra-op thread (OMP_NUM_THREADS=1): N processes on a few cores with
@@ -51,6 +59,7 @@ from shared import keys
 from shared.adapter_registry import register_adapter
 from shared.model_info import ModelInfo
 from shared.redis_client import plain_redis
+from shared.schema import JobTrace
 from shared.tenants import create_tenant
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +69,10 @@ GATEWAY_FLAGS = [
     "--requests-per-min", "100000000", "--tokens-per-min", "1000000000",
     "--max-concurrent-jobs", "1000000", "--max-queue-per-model", "1000000",
 ]  # fmt: skip
-TARGETS = "hit rate (4 workers) >= 1.6x shared; throughput >= shared; p99 wait <= 1.2x shared at the load; 0 lost"
+TARGETS = (
+    "hit rate (4 workers) >= 1.6x shared; throughput >= shared; p99 wait (created to first token) <= 1.2x shared"
+    " at the load; 0 lost"
+)
 
 
 @dataclass
@@ -70,6 +82,9 @@ class Phase:
     throughput: float = 0.0  # jobs/s of the burst
     wait_p50_ms: float = 0.0  # of the arrivals: created → read by a worker
     wait_p99_ms: float = 0.0
+    served_p50_ms: float = 0.0  # of the arrivals: created → first token (the trace's stamps)
+    served_p99_ms: float = 0.0
+    in_engine_p50_ms: float = 0.0  # of the arrivals: into the engine → first token (prefill, and steps before it)
     latency_p99_ms: float = 0.0  # of the arrivals: created → finished
     rate: float = 0.0  # jobs/s the arrivals were offered at
     killed: str = ""  # with --kill: what a worker killed -9 mid-run lost
@@ -198,6 +213,17 @@ def started_counts(client: redis.Redis, workers: list[str]) -> dict[str, int]:
     return total
 
 
+def job_traces(records: list[dict[bytes, bytes]]) -> list[JobTrace]:
+    """The traces of the job records that carry a complete one (a job not started through a worker's
+    intake has none)."""
+    traces = []
+    for record in records:
+        stamps = [int(record.get(name.encode(), 0)) for name in JobTrace.field_names()]
+        if all(stamps):
+            traces.append(JobTrace(*stamps))
+    return traces
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
@@ -227,6 +253,12 @@ def run_phase(args, client, url, api_key, workers, rng, rate: float | None) -> P
         latencies = [int(r[b"finished_ms"]) - int(r[b"created_ms"]) for r in records]
         phase.wait_p50_ms, phase.wait_p99_ms = percentile(waits, 0.5), percentile(waits, 0.99)
         phase.latency_p99_ms = percentile(latencies, 0.99)
+        traces = job_traces(records)
+        if len(traces) < len(records):
+            raise RuntimeError(f"{len(records) - len(traces)} of {len(records)} started jobs have no trace")
+        served = [(t.first_token - t.created) / 1000 for t in traces]
+        phase.served_p50_ms, phase.served_p99_ms = percentile(served, 0.5), percentile(served, 0.99)
+        phase.in_engine_p50_ms = percentile([(t.first_token - t.engine) / 1000 for t in traces], 0.5)
     time.sleep(args.heartbeat * 3)
     after = started_counts(client, workers)
     phase.counts = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -292,10 +324,12 @@ def run_fleet(args, assets: tuple[Path, Path], n_workers: int, log_dir: Path) ->
     """Both designs with `n_workers`, alternating over the repeats; a table row per design and repeat."""
     print(f"\n{n_workers} workers, {args.adapters} adapters, Zipf({args.zipf}), pool {args.pool}, warm-up "
           f"{args.warmup} jobs, then {args.jobs} jobs per phase")  # fmt: skip
+    print(f"{'':52} {'read wait':>16} {'first-token wait':>16} {'in engine':>9}")
     print(f"{'rep':>3} {'design':8} {'gpu hit':>8} {'host':>6} {'disk':>6} {'jobs/s':>8} {'load/s':>7}"
-          f" {'wait p50':>9} {'p99 ms':>7} {'e2e p99':>8}  arrivals")  # fmt: skip
+          f" {'p50 ms':>8} {'p99 ms':>7} {'p50 ms':>8} {'p99 ms':>7} {'p50 ms':>8}"
+          f" {'e2e p99':>8}  arrivals")  # fmt: skip
     rate: float | None = None  # set by the first fleet (shared): the load is a share of its saturation
-    ratios: dict[str, list[float]] = {"hit": [], "throughput": [], "p99": []}
+    ratios: dict[str, list[float]] = {"hit": [], "throughput": [], "read p99": [], "first-token p99": []}
     for repeat in range(args.repeats):
         designs = ("shared", "routed") if repeat % 2 == 0 else ("routed", "shared")
         phases = {}
@@ -306,8 +340,9 @@ def run_fleet(args, assets: tuple[Path, Path], n_workers: int, log_dir: Path) ->
             phases[design] = phase
             print(
                 f"{repeat:>3} {design:8} {phase.tier_share('gpu'):8.1%} {phase.tier_share('cpu'):6.1%}"
-                f" {phase.tier_share('disk'):6.1%} {phase.throughput:8.1f} {phase.rate:7.1f} {phase.wait_p50_ms:9.0f}"
-                f" {phase.wait_p99_ms:7.0f} {phase.latency_p99_ms:8.0f}  {phase.arrivals()}",
+                f" {phase.tier_share('disk'):6.1%} {phase.throughput:8.1f} {phase.rate:7.1f} {phase.wait_p50_ms:8.0f}"
+                f" {phase.wait_p99_ms:7.0f} {phase.served_p50_ms:8.0f} {phase.served_p99_ms:7.0f}"
+                f" {phase.in_engine_p50_ms:8.1f} {phase.latency_p99_ms:8.0f}  {phase.arrivals()}",
                 flush=True,
             )
             if phase.killed:
@@ -315,11 +350,13 @@ def run_fleet(args, assets: tuple[Path, Path], n_workers: int, log_dir: Path) ->
         shared, routed = phases["shared"], phases["routed"]
         ratios["hit"].append(routed.tier_share("gpu") / max(1e-9, shared.tier_share("gpu")))
         ratios["throughput"].append(routed.throughput / shared.throughput)
-        ratios["p99"].append(routed.wait_p99_ms / max(1.0, shared.wait_p99_ms))
-    each = " ".join(f"{h:.2f}/{t:.2f}/{w:.2f}" for h, t, w in zip(*ratios.values(), strict=True))
+        ratios["read p99"].append(routed.wait_p99_ms / max(1.0, shared.wait_p99_ms))
+        ratios["first-token p99"].append(routed.served_p99_ms / max(1.0, shared.served_p99_ms))
+    each = " ".join("/".join(f"{r:.2f}" for r in repeat) for repeat in zip(*ratios.values(), strict=True))
     print(f"routed/shared, median of {args.repeats}: hit rate x{median(ratios['hit']):.2f}, "
-          f"throughput x{median(ratios['throughput']):.2f}, p99 wait x{median(ratios['p99']):.2f}"
-          f" (each repeat, hit/throughput/p99: {each})")  # fmt: skip
+          f"throughput x{median(ratios['throughput']):.2f}, read-wait p99 x{median(ratios['read p99']):.2f} "
+          f"(the figure recorded before), first-token-wait p99 x{median(ratios['first-token p99']):.2f} "
+          f"(the target's) (each repeat, {'/'.join(ratios)}: {each})")  # fmt: skip
 
 
 def main() -> None:
