@@ -266,12 +266,12 @@ class JobStore:
         result is stored, and if the primary is lost before a replica has it, the job runs again).
         `trace`: when the job passed each point of the worker, written into the record with the result.
         SchemaError: the record or its events stream cannot be written (a key of another type)."""
-        return await self._store_ending(
+        return await self.store_finish(
             Finish(job_id, status, output, error, completion_tokens, first_token_ms, entry, trace)
         )
 
-    async def _store_ending(self, ending: Finish) -> bool:
-        """`finish`, for one ending."""
+    async def store_finish(self, ending: Finish) -> bool:
+        """`finish`, for one ending already gathered (the worker's results)."""
         job_id = ending.job_id
         script_keys, script_args = self._finish_call(ending)
         try:
@@ -312,7 +312,7 @@ class JobStore:
         for ending, reply in zip(endings, finish_replies, strict=True):
             if isinstance(reply, NoScriptError):  # a restarted Redis: the script call loads it
                 try:
-                    reply = await self._store_ending(ending)
+                    reply = await self.store_finish(ending)
                 except SchemaError as exc:
                     reply = exc
             elif isinstance(reply, ResponseError):

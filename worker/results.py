@@ -109,16 +109,7 @@ class ResultPublisher:
             return  # canceled meanwhile: already acknowledged
         ending = _ending(result, job, out_at)
         try:
-            stored: bool | SchemaError = await self._jobs.finish(
-                result.job_id,
-                result.status,
-                output=result.output,
-                error=result.error,
-                completion_tokens=result.completion_tokens,
-                first_token_ms=result.first_token_ms,
-                entry=(job.stream, job.entry_id),
-                trace=ending.trace,
-            )
+            stored: bool | SchemaError = await self._jobs.store_finish(ending)
         except SchemaError as exc:
             stored = exc
         await self._stored(result, job, ending.trace, stored)

@@ -9,19 +9,17 @@ import errno
 import os
 import re
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 from shared import adapter_digest
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.errors import ErrorCode, LorafleetError
-from shared.schema import AdapterRef
 from tests.gateway.fleet import tiny_model
 from tests.shared.hostile_adapters import Lab, piece_digest_of
-from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
+from tests.worker.test_hostile_adapter_load import load as load_as_the_pool
+from worker.adapter_pool.host_adapter import HostAdapter
 
 MODEL = tiny_model("tiny")
 PIECE = 64  # bytes: the test adapter's file (~330 bytes) is read in several pieces
@@ -84,17 +82,7 @@ def interfere(
 
 
 def load(lab: Lab, directory: Path, digest: str) -> HostAdapter:
-    with ThreadPoolExecutor(2) as hasher:
-        return read_host_adapter(
-            AdapterRef("a", 1, lab.rel(directory), digest),
-            adapter_root=lab.root,
-            info=MODEL,
-            dtype=torch.float32,
-            max_rank=8,
-            max_bytes=1 << 22,
-            pin=False,
-            hasher=hasher,
-        )
+    return load_as_the_pool(lab, lab.rel(directory), digest)
 
 
 def registered(lab: Lab) -> tuple[Path, str, bytes]:
