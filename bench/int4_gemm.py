@@ -1,18 +1,19 @@
 """The W4A16 GEMM (kernels/quant/int4_gemm.py) on a CUDA GPU at Llama-3-8B's projection shapes, beside
 bf16 cuBLAS on the same shapes and the memory roofline of its own bytes.
 
-    python -m bench.int4_gemm [--tokens 1 8 16 32 64 256 1024] [--sweep]
+    python -m bench.int4_gemm [--tokens 1 4 8 16 32 64 256 1024] [--sweep]
 
 Each row: microseconds per call (median of CUDA-graph replays, L2 flushed before each call: in a
 model the previous layer's weights have evicted this one's), the bf16 GEMM's, the speedup, and the
 4-bit kernel's bytes (4-bit weights, float16 scales and zero points, x and y) over its time as a
-share of the measured copy bandwidth. --sweep: also every launch of a small grid around the default
-(BLOCK_N, SPLIT_K, num_stages) at decode sizes, the best printed beside the default's time.
+share of the measured copy bandwidth. --sweep: also a grid of launches around the default at decode
+sizes (sweep()), the best printed beside the default's time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from bench.lora_kernels import copy_bandwidth
 from kernels.lora.tuning.timing import Flushed
 from kernels.quant.int4_gemm import Int4Config, int4_config, int4_gemm
-from kernels.quant.int4_reference import quantize_int4
+from kernels.quant.int4_reference import Int4Weight, quantize_int4
 
 GROUP = 128
 # (name, N, K): qkv, o, gate_up, down of Llama-3-8B
@@ -32,27 +33,40 @@ def kernel_bytes(m: int, n: int, k: int) -> int:
     return k * n // 2 + 2 * 2 * (k // GROUP) * n + 2 * m * k + 2 * m * n
 
 
-def sweep(m: int, n: int, k: int) -> list[Int4Config]:
-    """A small grid of decode launches around int4_config's."""
+def sweep(m: int, n: int, k: int, flushed: Flushed, x: torch.Tensor, packed: Int4Weight) -> tuple[float, Int4Config]:
+    """(µs, launch) of the fastest decode launch of a grid around int4_config's: for the CUDA-core
+    kernel (one row) its tiles, warps and stages at the default's split, then the best
+    of those at every split; for the tensor-core kernel (BLOCK_N, SPLIT_K, num_stages)."""
     default = int4_config(m, n, k, GROUP, torch.cuda.get_device_properties(0).multi_processor_count)
+
+    def fastest(configs: list[Int4Config]) -> tuple[float, Int4Config]:
+        return min(((flushed(lambda c=c: int4_gemm(x, packed, c)), c) for c in configs), key=lambda t: t[0])
+
+    if default.gemv:
+        grid = itertools.product((64, 128, 256), (64, 128), (2, 4, 8), (2, 4))
+        tiles = [dataclasses.replace(default, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+                 for block_n, block_k, warps, stages in grid]  # fmt: skip
+        _, best = fastest(tiles)
+        splits = [split for split in (1, 2, 4, 8, 16, 32) if split * 2 <= k // best.block_k]
+        return fastest([dataclasses.replace(best, split_k=split) for split in splits])
     configs = []
     for block_n, split, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (2, 3, 4)):
         if split * 4 <= k // default.block_k:
-            configs.append(Int4Config(default.block_m, block_n, default.block_k, split, 4, stages))
-    return configs
+            configs.append(dataclasses.replace(default, block_n=block_n, split_k=split, num_stages=stages))
+    return fastest(configs)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.int4_gemm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 256, 1024])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256, 1024])
     parser.add_argument("--sweep", action="store_true", help="also try a grid of decode launches")
     args = parser.parse_args(argv)
     bandwidth = copy_bandwidth()
     flushed = Flushed()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(f"{'proj':<8}{'M':>6}{'int4 us':>9}{'bf16 us':>9}{'speedup':>9}{'of copy bw':>11}"
-          + ("   best swept (block_n, split, stages) us" if args.sweep else ""))  # fmt: skip
+          + ("   best swept (kernel, block m n k, split, warps, stages) us" if args.sweep else ""))  # fmt: skip
     for name, n, k in SHAPES:
         for m in args.tokens:
             print(shape_row(name, m, n, k, flushed, bandwidth, sweep_too=args.sweep and m <= 64), flush=True)
@@ -67,9 +81,10 @@ def shape_row(name: str, m: int, n: int, k: int, flushed: Flushed, bandwidth: fl
     share = kernel_bytes(m, n, k) / (int4_us * 1e-6) / bandwidth
     line = f"{name:<8}{m:>6}{int4_us:>9.1f}{bf16_us:>9.1f}{bf16_us / int4_us:>9.2f}{share:>11.2f}"
     if sweep_too:
-        timed = [(flushed(lambda c=c: int4_gemm(x, packed, c)), c) for c in sweep(m, n, k)]
-        best_us, best = min(timed, key=lambda t: t[0])
-        line += f"   ({best.block_n}, {best.split_k}, {best.num_stages}) {best_us:.1f}"
+        best_us, best = sweep(m, n, k, flushed, x, packed)
+        kernel = "gemv" if best.gemv else "mma"
+        line += (f"   ({kernel}, {best.block_m}, {best.block_n}, {best.block_k}, {best.split_k}, {best.num_warps}, "
+                 f"{best.num_stages}) {best_us:.1f}")  # fmt: skip
     return line
 
 

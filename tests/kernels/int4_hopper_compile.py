@@ -1,4 +1,4 @@
-"""Compile the W4A16 GEMM for sm_90 ahead of time, no GPU needed (run by tests/kernels/test_int4.py
+"""Compile the W4A16 kernels for sm_90 ahead of time, no GPU needed (run by tests/kernels/test_int4.py
 outside the interpreter): prints each activation dtype whose launches compiled."""
 
 from __future__ import annotations
@@ -7,13 +7,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.quant.int4_gemm import Int4Config, _int4_gemm_kernel
+from kernels.quant.int4_gemm import Int4Config, _int4_gemm_kernel, _int4_gemv_kernel
 
 LAUNCHES = [
     ("bf16", Int4Config(16, 64, 128, 8, 4, 4)),  # decode, split-K with its arrival counters
     ("fp16", Int4Config(64, 64, 128, 2, 4, 4)),
     ("bf16", Int4Config(64, 128, 64, 2, 4, 4)),  # a batch of 65-256 rows
     ("fp32", Int4Config(128, 128, 64, 1, 8, 4)),  # prefill, float32 products
+    ("bf16", Int4Config(1, 128, 128, 16, 4, 3, gemv=True)),  # decode of one sequence on the CUDA cores
+    ("fp16", Int4Config(1, 64, 64, 2, 2, 2, gemv=True)),
 ]
 
 
@@ -22,8 +24,11 @@ def compile_for_hopper(dtype: str, config: Int4Config) -> None:
                  "qweight_ptr": "*i32", "scales_ptr": "*fp16", "zeros_ptr": "*fp16",
                  "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32"}  # fmt: skip
     constants = {"GROUP": 128, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-                 "SPLIT_K": config.split_k, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}  # fmt: skip
-    source = ASTSource(_int4_gemm_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants)
+                 "SPLIT_K": config.split_k}  # fmt: skip
+    if not config.gemv:
+        constants["DOT_PRECISION"] = "ieee" if dtype == "fp32" else "tf32"
+    kernel = _int4_gemv_kernel if config.gemv else _int4_gemm_kernel
+    source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     if not compiled.asm["cubin"]:

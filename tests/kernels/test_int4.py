@@ -109,13 +109,24 @@ def test_gemm_matches_the_reference(dtype: torch.dtype, m: int, n: int, k: int, 
     weight = random_int4(n, k, group, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype=dtype, device=DEVICE)
     config = int4_config(m, n, k, group, sm_count=132)
-    if DEVICE == "cpu":  # the interpreter runs every program in Python: small tiles keep it quick
-        config = Int4Config(16, 32, min(32, group), 1, 4, 1) if m <= 16 else config
+    assert config.gemv == (m == 1)
+    if DEVICE == "cpu" and m <= 16:  # the interpreter runs every program in Python: small tiles keep it quick
+        config = dataclasses.replace(config, block_n=32, block_k=min(32, group), split_k=1)
     y = int4_gemm(x, weight, config)
     expected = int4_linear_reference(x, weight)
     assert y.dtype == dtype and y.shape == (m, n)
     tolerance = 1e-4 if dtype == torch.float32 else 1e-2  # float32 sums in a different order; one 16-bit rounding
     assert torch.allclose(y.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_the_cuda_core_kernel_multiplies_one_row(split: int):
+    weight = random_int4(40, 384, 64, seed=split)
+    x = torch.randn(1, 384, generator=torch.Generator().manual_seed(split)).to(DEVICE)
+    y = int4_gemm(x, weight, Int4Config(1, 32, 32, split, 4, 1, gemv=True))
+    assert torch.allclose(y, int4_linear_reference(x, weight), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="one row"):
+        int4_gemm(torch.randn(2, 384, device=DEVICE), weight, Int4Config(1, 32, 32, 1, 4, 1, gemv=True))
 
 
 @pytest.mark.parametrize("split", [2, 3])
@@ -160,6 +171,9 @@ def test_mismatched_inner_width_is_refused():
 
 
 def test_decode_configs_split_the_narrow_projections_of_llama3_8b():
+    # one row: the CUDA-core kernel, 128 columns a program, split until two programs per SM
+    assert int4_config(1, 4096, 4096, 128, 132) == Int4Config(1, 128, 128, 16, 4, 3, gemv=True)
+    assert int4_config(1, 28672, 4096, 128, 132).split_k == 2
     # o_proj and down_proj (64 column tiles) split; gate_up (448 tiles) fills the GPU alone
     assert int4_config(8, 4096, 4096, 128, 132).split_k == 8
     assert int4_config(8, 4096, 14336, 128, 132).split_k == 8
@@ -236,4 +250,4 @@ def test_the_kernel_compiles_for_hopper():
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["bf16", "fp16", "bf16", "fp32"]
+    assert done.stdout.split() == ["bf16", "fp16", "bf16", "fp32", "bf16", "fp16"]
