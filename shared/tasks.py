@@ -1,9 +1,11 @@
 """Stopping background tasks without hanging on one that ignores its cancellation.
 
-A cancellation can be lost: redis-py may swallow one that lands inside a command (the task then
-goes on, often into its next loop). So a stop cancels again every RECANCEL_S while it waits, and
-past its time leaves the task behind (logged) rather than wait on it: a process that stops must not
-hang, nor keep a loop (a heartbeat) going.
+A cancellation can be lost: redis-py's asyncio client, given a socket timeout, sends each command
+through `asyncio.wait_for`, and Python 3.11's wait_for returns the send's result instead of raising
+when the cancellation lands as the send completes (CPython gh-86296, fixed in 3.12). The task then
+goes on, often into its next loop, with `cancelling()` still counting the request. So a stop
+cancels again every RECANCEL_S while it waits, and past its time leaves the task behind (logged)
+rather than wait on it: a process that stops must not hang, nor keep a loop (a heartbeat) going.
 """
 
 from __future__ import annotations

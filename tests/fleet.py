@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import urllib.request
+from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,10 @@ from tests.e2e.processes import lorafleet_process, wait_until
 
 MODEL = "demo"
 TENANT = DEMO_ADAPTERS[0].tenant
-# fast failure detection for tests: a dead worker's jobs are taken over after 1.5 s
+# fast failure detection for tests: a dead worker's jobs are taken over after 1.5 s. A live worker's are too
+# whenever its claims are not renewed for that long: an entry read and not yet started (only running ones are
+# renewed), or a whole loaded machine stalling (2 shared cores: gateway, workers and Redis all silent for 3 s).
+# Such a take-over is an ordinary delivery, counted in the job's attempts: `redeliveries` finds them.
 HEARTBEAT_S = 0.3
 CLAIM_IDLE_MS = 1500
 # fault tests submit bursts of 100 jobs as one tenant: admission limits must not be what they measure
@@ -128,6 +132,19 @@ class Fleet:
 
     def log_of(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
+
+    def redeliveries(self, *workers: str) -> Counter[str]:
+        """Per job id, how many times `workers` started it again after taking over its entry from a worker that
+        had started it (XAUTOCLAIM): each was one more attempt. An entry taken over before any start is not one."""
+        starts: Counter[str] = Counter()
+        for worker in workers:
+            for line in self.log_of(worker).read_text().splitlines():
+                if "job_started" not in line:
+                    continue
+                event = json.loads(line)
+                if event["event"] == "job_started" and event["arrival"] == "reclaimed" and event["attempt"] > 1:
+                    starts[event["job"]] += 1
+        return starts
 
     def _log(self, name: str) -> Path:
         self.logs.append(self.log_of(name))

@@ -162,6 +162,8 @@ class Worker:
         return 1 if self._crash is not None else 0
 
     def stop(self) -> None:
+        if not self._stopping.is_set():
+            log.info("worker_stopping", worker=self.id, running=len(self._running))
         self._stopping.set()
         self._running.room.set()  # wake the consumer if it waits for room
 
@@ -260,11 +262,14 @@ class Worker:
         # a graceful stop does not count as a delivery; after an engine crash it does, so a job that
         # crashes every engine it meets ends in the dead-letter stream instead of looping
         try:
-            if self._crash is None:
-                await self._jobs.release(job_id, self.id)
+            ours = self._crash is not None or await self._jobs.release(job_id, self.id)
         except SchemaError as exc:  # its record became unreadable while it ran
             await dead_letter(self._redis, job.model, job.stream, job.entry_id, job.fields, reason=str(exc))
         else:
+            if not ours:  # another worker took its entry over (this one stalled past claim_idle_ms): it runs it
+                self._running.pop(job_id)
+                log.info("job_let_go", job=job_id, request_id=job.request_id)
+                return
             await requeue(self._redis, job.model, job.priority, job.stream, job.entry_id, job.fields)
         self._running.pop(job_id)
         log.info("job_handed_back", job=job_id, request_id=job.request_id)

@@ -57,7 +57,8 @@ def test_killing_a_worker_mid_generation_loses_no_job(fleet: Fleet):
     by_id = {r.job_id: r for r in records}
     for job_id in running_when_killed:  # each was run again by the survivor and stored once
         assert by_id[job_id].attempts == 2 and by_id[job_id].worker == "survivor", by_id[job_id]
-    assert all(r.attempts == 1 for r in records if r.job_id not in running_when_killed)
+    taken_over = fleet.redeliveries("doomed", "survivor")  # beyond the kill: a stall past the claim idle time
+    assert all(r.attempts == 1 + taken_over[r.job_id] for r in records if r.job_id not in running_when_killed)
     # some of what the survivor took over had been routed to the doomed worker's own stream
     log = fleet.log_of("survivor").read_text().splitlines()
     reclaimed = [json.loads(line) for line in log if "job_reclaimed" in line]
@@ -83,7 +84,11 @@ def test_a_sigtermed_worker_drains_within_its_grace_period_and_loses_no_job(flee
     records = fleet.wait_finished(job_ids, timeout_s=90)
     fleet.assert_nothing_lost(job_ids, records)
     assert_equal_jobs_equal_outputs(jobs, records)
-    assert all(r.attempts == 1 for r in records), "a graceful hand-back must not count as a delivery"
+    # a graceful hand-back must not count as a delivery; a take-over of a live worker's entry does, and comes
+    # whenever the loaded machine stalls past the fleet's claim idle time (tests/fleet.py)
+    taken_over = fleet.redeliveries("draining", "steady")
+    deliveries = {r.job_id: r.attempts - taken_over[r.job_id] for r in records}
+    assert set(deliveries.values()) == {1}, f"deliveries beyond the take-overs: {deliveries}"
     # whether any job outlived the grace (and was handed back) depends on the machine's speed: the
     # hand-back itself is asserted in tests/e2e/test_model_switching.py, where it is certain
     with fleet.redis() as client:

@@ -116,9 +116,8 @@ class ModelSwitcher:
     async def _switch_when_worth_it(self) -> None:
         while True:
             decision = await self._decide()
-            # redis-py 8.1's asyncio client at times swallows a cancellation that lands inside a command (a
-            # loop of SMEMBERS lost 27 of 40 cancels, a loop of sleeps none): without this the probe loop
-            # would run on after its worker asked it to stop
+            # a cancellation that lands inside a Redis command can be swallowed (shared/tasks.py says how):
+            # without this the probe loop would run on after its worker asked it to stop
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise asyncio.CancelledError
