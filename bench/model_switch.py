@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -350,7 +351,7 @@ def measure_warm(info: ModelInfo, host: HostWeights, h2d_bps: float, stream: tor
     return SwitchRow(info.name, host.nbytes / 1e9, "warm", seconds, host.nbytes / h2d_bps, detail)
 
 
-SERVING_TOKENS = 2048  # the serving model's requests outlast the preparation beside it
+SERVING_TOKENS = 2048  # each of the serving model's batches: refilled as it finishes, so it has work throughout
 
 
 def kv_storage_for(*infos: ModelInfo) -> torch.Tensor:
@@ -389,7 +390,8 @@ def measure_overlap(
         warm.step()
     del warm
     free_device_memory()
-    add_batch(serving, "before", new_tokens=SERVING_TOKENS)
+    batches = ["before-0"]
+    add_batch(serving, batches[-1], new_tokens=SERVING_TOKENS)
     for _ in range(3):  # prefill, then decode steps only
         serving.step()
     sync()
@@ -399,31 +401,34 @@ def measure_overlap(
     sync()
     before_tok_s = BATCH * steps0 / (time.perf_counter() - t0)
     prepared: dict[str, object] = {}
+    # as ModelResidency.prepare: the captures yield while the serving model has requests (a weak
+    # reference: the hand-over below drops the serving engine, and its memory with it)
+    serving_ref = weakref.ref(serving)
+    pacer = CapturePacer(serving=lambda: (engine := serving_ref()) is not None and engine.num_unfinished > 0)
 
     def prepare() -> None:
         model = new_model(info, config)
         started = time.perf_counter()
         copy_to_model(model, host, stream)
         built = time.perf_counter()
-        # the serving model's requests outlast the preparation (SERVING_TOKENS): it has work throughout
-        prepared["runner"] = new_runner(model, config, kv_storage, CapturePacer(serving=lambda: True))
+        prepared["runner"] = new_runner(model, config, kv_storage, pacer)
         prepared["copy_s"], prepared["build_s"] = built - started, time.perf_counter() - built
 
     loader = threading.Thread(target=prepare)
     t0, steps = time.perf_counter(), 0
     loader.start()
     while loader.is_alive():
-        if serving.num_unfinished:
-            serving.step()
-            steps += 1
-        else:
-            time.sleep(0.001)
+        if not serving.num_unfinished:  # a paced preparation outlasts a batch: the next one arrives
+            batches.append(f"before-{len(batches)}")
+            add_batch(serving, batches[-1], new_tokens=SERVING_TOKENS)
+        serving.step()
+        steps += 1
     loader.join()
     sync()
     prepare_s = time.perf_counter() - t0
     during_tok_s = BATCH * steps / prepare_s
     for i in range(BATCH):  # a switch past its grace: the serving model's jobs are handed back
-        serving.abort(f"before-{i}")
+        serving.abort(f"{batches[-1]}-{i}")
     serving.step()  # the step that retires the aborted sequences: the serving model's last
     sync()
     pause_start = time.perf_counter()
