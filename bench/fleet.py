@@ -52,6 +52,7 @@ from pathlib import Path
 import aiohttp
 import redis
 
+from bench.fleet_placement import PlacementSplit, gateway_placements, placement_split
 from cli.demo_adapters import DemoAdapter, write_demo_adapter
 from cli.demo_model import write_demo_model
 from cli.redis_server import RedisServer, free_port
@@ -89,6 +90,7 @@ class Phase:
     rate: float = 0.0  # jobs/s the arrivals were offered at
     killed: str = ""  # with --kill: what a worker killed -9 mid-run lost
     counts: dict[str, int] | None = None  # arrival/tier → jobs started, over the burst and the arrivals
+    split: PlacementSplit | None = None  # where the burst's and the arrivals' jobs ran (bench/fleet_placement.py)
 
     def tier_share(self, tier: str) -> float:
         with_adapter = {k: n for k, n in (self.counts or {}).items() if not k.endswith("/none")}
@@ -229,7 +231,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def run_phase(args, client, url, api_key, workers, rng, rate: float | None) -> Phase:
+def run_phase(args, client, redis_url, url, api_key, workers, rng, rate: float | None) -> Phase:
     """A warm-up burst (not measured), a measured burst (saturation throughput), then Poisson arrivals
     at `rate` jobs/s (queue waits); `rate` None: at `--load` of this burst's throughput."""
     if args.warmup:
@@ -237,10 +239,12 @@ def run_phase(args, client, url, api_key, workers, rng, rate: float | None) -> P
                                             None)), 900)  # fmt: skip
     time.sleep(args.heartbeat * 3)  # the workers' counts so far reach their heartbeats
     before = started_counts(client, workers)
+    placed_before = gateway_placements(url, MODEL)
     names = zipf_names(args.jobs, args.adapters, args.zipf, rng)
     start = time.time()
     ids = asyncio.run(submit(url, api_key, names, None))
     records = finished(client, ids, 600)
+    measured = list(records)
     ends = [int(r[b"finished_ms"]) for r in records]
     phase = Phase(throughput=len(ids) / max(1e-3, max(ends) / 1000 - start))
     phase.rate = rate if rate is not None else args.load * phase.throughput
@@ -249,6 +253,7 @@ def run_phase(args, client, url, api_key, workers, rng, rate: float | None) -> P
         gaps = [rng.expovariate(phase.rate) for _ in names]
         ids = asyncio.run(submit(url, api_key, names, gaps))
         records = [r for r in finished(client, ids, 600) if r.get(b"started_ms")]
+        measured += records
         waits = [int(r[b"started_ms"]) - int(r[b"created_ms"]) for r in records]
         latencies = [int(r[b"finished_ms"]) - int(r[b"created_ms"]) for r in records]
         phase.wait_p50_ms, phase.wait_p99_ms = percentile(waits, 0.5), percentile(waits, 0.99)
@@ -262,6 +267,8 @@ def run_phase(args, client, url, api_key, workers, rng, rate: float | None) -> P
     time.sleep(args.heartbeat * 3)
     after = started_counts(client, workers)
     phase.counts = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    placed = {k: n - placed_before.get(k, 0) for k, n in gateway_placements(url, MODEL).items()}
+    phase.split = placement_split(client, redis_url, MODEL, workers, measured, placed)
     return phase
 
 
@@ -296,7 +303,7 @@ def run_design(args, assets: tuple[Path, Path], n_workers: int, design: str, rat
         client = stack.enter_context(redis.Redis.from_url(server.url))
         wait_for(lambda: healthy(url), 60, "the gateway")
         wait_for(lambda: all(client.exists(keys.worker(w)) for w in workers), 600, "the workers")
-        phase = run_phase(args, client, url, api_key, workers, rng, rate)
+        phase = run_phase(args, client, server.url, url, api_key, workers, rng, rate)
         if kill:
             names = zipf_names(args.jobs, args.adapters, args.zipf, rng)
             gaps = [rng.expovariate(phase.rate) for _ in names]
@@ -345,6 +352,7 @@ def run_fleet(args, assets: tuple[Path, Path], n_workers: int, log_dir: Path) ->
                 f" {phase.in_engine_p50_ms:8.1f} {phase.latency_p99_ms:8.0f}  {phase.arrivals()}",
                 flush=True,
             )
+            print(f"{'':12} {phase.split.describe() if phase.split else ''}", flush=True)
             if phase.killed:
                 print(phase.killed, flush=True)
         shared, routed = phases["shared"], phases["routed"]
