@@ -1,7 +1,8 @@
 """A fleet, not N copies: adapter-aware routing against the shared stream, each on its own fresh fleet.
 
 (a) CPU (default): the random-weight demo model, N worker processes (`--workers 2,4,8`), `--adapters`
-registered adapters, Zipf(`--zipf`) traffic, each worker's GPU tier `--pool` adapters. Per worker
+registered adapters (rank 4), Zipf(`--zipf`) traffic over one popularity order per fleet (its warm-up,
+burst and arrivals share their popular adapters), each worker's GPU tier `--pool` adapters. Per worker
 count and design (routing on; routing off: every job on the shared stream, the design before), a
 fresh fleet (Redis, one gateway, N workers) first takes `--warmup` jobs (not measured: the caches
 reach their steady state, past the compulsory misses), then a burst of `--jobs` jobs at once
@@ -52,6 +53,7 @@ from pathlib import Path
 import aiohttp
 import redis
 
+from bench.fleet_placement import PlacementSplit, gateway_placements, placement_split
 from cli.demo_adapters import DemoAdapter, write_demo_adapter
 from cli.demo_model import write_demo_model
 from cli.redis_server import RedisServer, free_port
@@ -61,9 +63,14 @@ from shared.model_info import ModelInfo
 from shared.redis_client import plain_redis
 from shared.schema import JobTrace
 from shared.tenants import create_tenant
+from worker.model.lora_linear import PAGE_RANK
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
+ADAPTER_RANK = 4
+# the workers' --max-lora-rank: one pool page per slot, so --max-loras (--pool) is the adapters a GPU tier
+# holds; at the default 64 a slot is 4 pages, and 4 rank-4 adapters fit in each (a pool of 128, not 32)
+SLOT_RANK = PAGE_RANK
 TENANT = "bench"
 GATEWAY_FLAGS = [
     "--requests-per-min", "100000000", "--tokens-per-min", "1000000000",
@@ -89,6 +96,7 @@ class Phase:
     rate: float = 0.0  # jobs/s the arrivals were offered at
     killed: str = ""  # with --kill: what a worker killed -9 mid-run lost
     counts: dict[str, int] | None = None  # arrival/tier → jobs started, over the burst and the arrivals
+    split: PlacementSplit | None = None  # where the burst's and the arrivals' jobs ran (bench/fleet_placement.py)
 
     def tier_share(self, tier: str) -> float:
         with_adapter = {k: n for k, n in (self.counts or {}).items() if not k.endswith("/none")}
@@ -110,7 +118,8 @@ def write_assets(root: Path, count: int) -> tuple[Path, Path]:
     info = ModelInfo.from_pretrained(MODEL, model_dir)
     first = adapter_root / TENANT / "a0000"
     first.mkdir(parents=True)
-    write_demo_adapter(first, DemoAdapter(TENANT, "a0000", 4, 8, ("q_proj", "v_proj"), seed=1), info, model_dir)
+    adapter = DemoAdapter(TENANT, "a0000", ADAPTER_RANK, 2 * ADAPTER_RANK, ("q_proj", "v_proj"), seed=1)
+    write_demo_adapter(first, adapter, info, model_dir)
     for index in range(1, count):
         shutil.copytree(first, adapter_root / TENANT / f"a{index:04d}")
     return model_dir, adapter_root
@@ -163,11 +172,18 @@ def healthy(url: str) -> bool:
         return False
 
 
-def zipf_names(count: int, adapters: int, exponent: float, rng: random.Random) -> list[str]:
-    weights = [1 / (rank**exponent) for rank in range(1, adapters + 1)]
-    order = list(range(adapters))
-    rng.shuffle(order)  # the popular adapters are not the first registered
-    return [f"a{order[i]:04d}" for i in rng.choices(range(adapters), weights=weights, k=count)]
+def popularity(adapters: int, rng: random.Random) -> list[str]:
+    """The adapters' names, most popular first: drawn once per fleet, so its warm-up, burst and arrivals
+    share one head (the popular adapters are not the first registered)."""
+    order = [f"a{index:04d}" for index in range(adapters)]
+    rng.shuffle(order)
+    return order
+
+
+def zipf_names(count: int, ranked: list[str], exponent: float, rng: random.Random) -> list[str]:
+    """`count` adapter names drawn by Zipf(`exponent`) over `ranked` (most popular first)."""
+    weights = [1 / (rank**exponent) for rank in range(1, len(ranked) + 1)]
+    return rng.choices(ranked, weights=weights, k=count)
 
 
 async def submit(url: str, api_key: str, names: list[str], gaps_s: list[float] | None) -> list[str]:
@@ -229,26 +245,30 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def run_phase(args, client, url, api_key, workers, rng, rate: float | None) -> Phase:
+def run_phase(args, client, redis_url, url, api_key, workers, rng, ranked, rate: float | None) -> Phase:
     """A warm-up burst (not measured), a measured burst (saturation throughput), then Poisson arrivals
-    at `rate` jobs/s (queue waits); `rate` None: at `--load` of this burst's throughput."""
+    at `rate` jobs/s (queue waits); `rate` None: at `--load` of this burst's throughput. `ranked`: the
+    adapters, most popular first."""
     if args.warmup:
-        finished(client, asyncio.run(submit(url, api_key, zipf_names(args.warmup, args.adapters, args.zipf, rng),
+        finished(client, asyncio.run(submit(url, api_key, zipf_names(args.warmup, ranked, args.zipf, rng),
                                             None)), 900)  # fmt: skip
     time.sleep(args.heartbeat * 3)  # the workers' counts so far reach their heartbeats
     before = started_counts(client, workers)
-    names = zipf_names(args.jobs, args.adapters, args.zipf, rng)
+    placed_before = gateway_placements(url, MODEL)
+    names = zipf_names(args.jobs, ranked, args.zipf, rng)
     start = time.time()
     ids = asyncio.run(submit(url, api_key, names, None))
     records = finished(client, ids, 600)
+    measured = list(records)
     ends = [int(r[b"finished_ms"]) for r in records]
     phase = Phase(throughput=len(ids) / max(1e-3, max(ends) / 1000 - start))
     phase.rate = rate if rate is not None else args.load * phase.throughput
     if phase.rate:
-        names = zipf_names(args.jobs, args.adapters, args.zipf, rng)
+        names = zipf_names(args.jobs, ranked, args.zipf, rng)
         gaps = [rng.expovariate(phase.rate) for _ in names]
         ids = asyncio.run(submit(url, api_key, names, gaps))
         records = [r for r in finished(client, ids, 600) if r.get(b"started_ms")]
+        measured += records
         waits = [int(r[b"started_ms"]) - int(r[b"created_ms"]) for r in records]
         latencies = [int(r[b"finished_ms"]) - int(r[b"created_ms"]) for r in records]
         phase.wait_p50_ms, phase.wait_p99_ms = percentile(waits, 0.5), percentile(waits, 0.99)
@@ -262,6 +282,8 @@ def run_phase(args, client, url, api_key, workers, rng, rate: float | None) -> P
     time.sleep(args.heartbeat * 3)
     after = started_counts(client, workers)
     phase.counts = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    placed = {k: n - placed_before.get(k, 0) for k, n in gateway_placements(url, MODEL).items()}
+    phase.split = placement_split(client, redis_url, MODEL, workers, measured, placed)
     return phase
 
 
@@ -272,6 +294,7 @@ def run_design(args, assets: tuple[Path, Path], n_workers: int, design: str, rat
     model_dir, adapter_root = assets
     log_dir.mkdir(parents=True)
     rng = random.Random(args.seed)  # both designs see the same names and gaps
+    ranked = popularity(args.adapters, rng)
     worker_env = {"OMP_NUM_THREADS": "1"} if args.device == "cpu" else {}
     with ExitStack() as stack:
         server = stack.enter_context(RedisServer(log_dir, append_only=False))
@@ -287,6 +310,7 @@ def run_design(args, assets: tuple[Path, Path], n_workers: int, design: str, rat
             flags = [
                 "worker", "--redis-url", server.url, "--model", f"{MODEL}={model_dir}", "--adapter-root",
                 str(adapter_root), "--worker-id", worker, "--device", args.device, "--max-loras", str(args.pool),
+                "--max-lora-rank", str(SLOT_RANK),
                 "--max-num-seqs", str(args.max_num_seqs), "--heartbeat-interval", str(args.heartbeat),
                 "--claim-idle-ms", str(int(args.heartbeat * 4000)), "--steal-after-ms", str(args.steal_after_ms),
             ]  # fmt: skip
@@ -296,9 +320,9 @@ def run_design(args, assets: tuple[Path, Path], n_workers: int, design: str, rat
         client = stack.enter_context(redis.Redis.from_url(server.url))
         wait_for(lambda: healthy(url), 60, "the gateway")
         wait_for(lambda: all(client.exists(keys.worker(w)) for w in workers), 600, "the workers")
-        phase = run_phase(args, client, url, api_key, workers, rng, rate)
+        phase = run_phase(args, client, server.url, url, api_key, workers, rng, ranked, rate)
         if kill:
-            names = zipf_names(args.jobs, args.adapters, args.zipf, rng)
+            names = zipf_names(args.jobs, ranked, args.zipf, rng)
             gaps = [rng.expovariate(phase.rate) for _ in names]
 
             async def submit_and_kill() -> list[str]:
@@ -345,6 +369,7 @@ def run_fleet(args, assets: tuple[Path, Path], n_workers: int, log_dir: Path) ->
                 f" {phase.in_engine_p50_ms:8.1f} {phase.latency_p99_ms:8.0f}  {phase.arrivals()}",
                 flush=True,
             )
+            print(f"{'':12} {phase.split.describe() if phase.split else ''}", flush=True)
             if phase.killed:
                 print(phase.killed, flush=True)
         shared, routed = phases["shared"], phases["routed"]

@@ -4,7 +4,7 @@ A base-model job, a job of a model with no live worker known, or any job with ro
 the model's shared stream, which every worker of the model reads. A job for adapter A goes to one
 worker's own stream (`lf:wq:{model}:{worker}`), the first of:
 
-1. a worker holding A in its GPU slots, with room (the one with most room);
+1. a worker holding A in its GPU slots, with room;
 2. a worker holding A in pinned host memory, with room;
 3. A's home: the live worker ranked first by rendezvous hashing of (A, worker), so each worker is
    home to a stable share of the adapters and a worker joining or leaving moves only its share;
@@ -17,6 +17,11 @@ worker's own stream (`lf:wq:{model}:{worker}`), the first of:
    stream, the first worker to free a slot would take it, and a burst would undo the partition of
    adapters), and no worker's queue grows past BALANCE times the mean, so none is left with more
    than its share while another empties; a worker that empties early steals what waited longest.
+
+Among several holders of A (rules 1, 2 and 5) the first in A's rendezvous order takes the job: the
+home when it holds A. A second copy (made by a spill, a backlog overflow, a steal or a re-claim) then
+gets A's jobs only while the first holder is full, and ages out of its worker's cache, rather than
+both copies being kept warm by jobs spread over them by room (docs/benchmarks.md, "A fleet").
 
 Room is a worker's job capacity less its running jobs and the jobs waiting on its own stream, as of
 its last heartbeat, less what this gateway placed on it after that heartbeat; load is capacity less
@@ -96,15 +101,13 @@ def place(model: str, adapter_uid: str | None, workers: list[WorkerView], placed
     def room(worker: WorkerView) -> int:
         return worker.room - placed.get(worker.worker_id, 0)
 
-    for placement, holders in (
-        (Placement.GPU, [w for w in workers if adapter_uid in w.gpu]),
-        (Placement.HOST, [w for w in workers if adapter_uid in w.host]),
-    ):
-        with_room = [w for w in holders if room(w) > 0]
-        if with_room:
-            chosen = max(with_room, key=room)
-            return Route(keys.worker_queue(model, chosen.worker_id), placement, chosen.worker_id)
     by_rank = sorted(workers, key=lambda w: rendezvous_rank(adapter_uid, w.worker_id), reverse=True)
+    gpu_holders = [w for w in by_rank if adapter_uid in w.gpu]
+    host_holders = [w for w in by_rank if adapter_uid in w.host]
+    for placement, holders in ((Placement.GPU, gpu_holders), (Placement.HOST, host_holders)):
+        chosen = next((w for w in holders if room(w) > 0), None)
+        if chosen is not None:
+            return Route(keys.worker_queue(model, chosen.worker_id), placement, chosen.worker_id)
     home = by_rank[0]
     if room(home) > 0:
         return Route(keys.worker_queue(model, home.worker_id), Placement.HOME, home.worker_id)
@@ -116,8 +119,7 @@ def place(model: str, adapter_uid: str | None, workers: list[WorkerView], placed
         return worker.capacity - room(worker)
 
     bound = BALANCE * (sum(load(w) for w in workers) + 1) / len(workers)
-    holders = [w for w in workers if adapter_uid in w.gpu] + [w for w in workers if adapter_uid in w.host]
-    chosen = next((w for w in holders + by_rank if load(w) < bound), min(workers, key=load))
+    chosen = next((w for w in gpu_holders + host_holders + by_rank if load(w) < bound), min(workers, key=load))
     return Route(keys.worker_queue(model, chosen.worker_id), Placement.BACKLOG, chosen.worker_id)
 
 

@@ -24,6 +24,10 @@ def home_of(adapter: str, worker_ids: list[str]) -> str:
     return max(worker_ids, key=lambda w: rendezvous_rank(adapter, w))
 
 
+def rendezvous_order(adapter: str, worker_ids: list[str]) -> list[str]:
+    return sorted(worker_ids, key=lambda w: rendezvous_rank(adapter, w), reverse=True)
+
+
 def test_a_base_model_job_goes_to_the_shared_stream():
     route = place(MODEL, None, [worker("a", gpu=("x",))], {})
     assert route.queue is None and route.placement is Placement.SHARED
@@ -44,10 +48,20 @@ def test_a_host_tier_holder_is_preferred_over_the_home():
     assert place(MODEL, "x", workers, {}).worker == "b"
 
 
-def test_among_gpu_holders_the_one_with_most_room_takes_the_job():
-    workers = [worker("a", gpu=("x",), room=2), worker("b", gpu=("x",), room=5)]
-    assert place(MODEL, "x", workers, {}).worker == "b"
-    assert place(MODEL, "x", workers, {"b": 4}).worker == "a"  # what this gateway placed since counts
+def test_among_gpu_holders_the_first_in_the_adapters_rendezvous_order_takes_the_job_while_it_has_room():
+    ids = ["a", "b", "c", "d"]
+    first, second, *_ = rendezvous_order("x", ids)
+    # the other holder has more room: a copy of x there is not fed while the first holder has room
+    workers = [worker(w, gpu=("x",), room=2 if w == first else 8) for w in (first, second)]
+    assert place(MODEL, "x", workers, {}).worker == first
+    assert place(MODEL, "x", workers, {first: 2}).worker == second  # what this gateway placed since counts
+
+
+def test_among_host_holders_the_first_in_the_adapters_rendezvous_order_takes_the_job():
+    ids = ["a", "b", "c", "d"]
+    first, second, *_ = rendezvous_order("x", ids)
+    workers = [worker(w, host=("x",), room=2 if w == first else 8) for w in (second, first)]
+    assert place(MODEL, "x", workers, {}).worker == first
 
 
 def test_a_holder_without_room_is_passed_over_for_the_home():
@@ -75,10 +89,6 @@ def test_a_full_home_spills_to_the_worker_with_most_room():
     assert route.worker == max((w for w in ids if w != home), key=lambda w: 3 + (w == "c"))
 
 
-def rendezvous_order(adapter: str, worker_ids: list[str]) -> list[str]:
-    return sorted(worker_ids, key=lambda w: rendezvous_rank(adapter, w), reverse=True)
-
-
 def test_a_full_fleet_queues_the_backlog_on_the_adapters_home_while_its_load_is_under_the_bound():
     ids = ["a", "b", "c", "d"]
     full = [worker(w, room=-4) for w in ids]  # every worker 4 jobs past its capacity of 16: load 20
@@ -104,6 +114,14 @@ def test_a_backlog_job_goes_to_a_holder_of_its_adapter_within_the_bound_before_i
     holder = next(w for w in ids if w != home_of("x", ids))
     full = [worker(w, room=0, gpu=("x",) if w == holder else ()) for w in ids]
     assert (place(MODEL, "x", full, {}).worker, place(MODEL, "x", full, {}).placement) == (holder, Placement.BACKLOG)
+
+
+def test_a_backlog_job_goes_to_the_first_of_its_adapters_holders_in_its_rendezvous_order():
+    ids = ["a", "b", "c", "d"]
+    order = rendezvous_order("x", ids)
+    holders = order[1:]  # every worker but the home holds x; the list's order is not the rendezvous order
+    full = [worker(w, room=0, gpu=("x",) if w in holders else ()) for w in sorted(ids, reverse=True)]
+    assert place(MODEL, "x", full, {}).worker == holders[0]
 
 
 def test_the_backlog_never_leaves_a_worker_with_more_than_the_bound_while_another_has_less():
