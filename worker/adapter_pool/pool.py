@@ -331,7 +331,5 @@ class AdapterPool:
         started = time.perf_counter()
         if self._adapter_root is None:
             raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "this engine has no adapter root")
-        adapter = read_for_model(
-            ref, self._model, self._config, self._adapter_root, pin=self._pin, hasher=self._hasher
-        )
+        adapter = read_for_model(ref, self._model, self._config, self._adapter_root, pin=self._pin, hasher=self._hasher)
         return adapter, time.perf_counter() - started

@@ -1,0 +1,85 @@
+"""Calibration of the FP8 KV cache's scales (worker/model/kv_scales.py) for a checkpoint that
+publishes none: one deterministic forward, once, when the engine is built.
+
+The forward runs CALIBRATION_TOKENS fixed tokens into a scratch cache in the activations' dtype, so
+that cache holds every layer's K after RoPE and V exactly as the fp8 cache would receive them before
+rounding; per layer and KV head, scale = amax * MARGIN / FP8_MAX, at least MIN_SCALE. The model
+runner calls it (worker/engine/model_runner.py): the one place every engine, a worker's or a test's,
+is built, after the weights are loaded and before any graph is captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.quant.reference import FP8_MAX, MIN_SCALE
+from worker.model.forward_batch import ForwardBatch
+from worker.model.kv_cache import KVCache, KVLayout
+from worker.model.model import CausalLM
+
+# The calibration input: the first CALIBRATION_TOKENS of the sequence bos, then token ids spread over
+# the whole vocabulary by a fixed stride (calibration_tokens). Why this is representative enough:
+# - each token's hidden state is RMS-normalised before the K/V projection, so K/V magnitudes follow
+#   the projections' weights and the directions of the hidden states, not their length; tokens from
+#   every part of the vocabulary (frequent ids low, rare ones high) give the projections many
+#   directions, over every layer's attention mixing them;
+# - RoPE only rotates pairs of K's dimensions: neither element of a pair ever exceeds the pair's norm,
+#   and at any angle the larger of the two is at least norm / sqrt(2), so positions the calibration
+#   never reached raise a head's amax by at most sqrt(2), inside MARGIN;
+# - position 0 is the sequence start, where real models put large "attention sink" K/V: it is there.
+# A value past the calibrated range saturates at ±448 (a bounded error, never NaN).
+CALIBRATION_TOKENS = 256
+# Headroom over the calibration's largest value: 4 = two binades. It costs values far below amax
+# almost nothing (the subnormals begin at amax * 2**-15 instead of amax * 2**-17, where an error of
+# half a step is at most amax * 2**-17 in absolute terms, negligible beside the 2**-4 relative error
+# every normal value has) and keeps text 4x larger than the calibration input unsaturated. vLLM's
+# dynamic scales (amax / 200 for K, / 100 for V) leave 2.2x and 4.5x.
+MARGIN = 4.0
+# a prime stride (coprime with any vocabulary size it does not divide): consecutive ids far apart, none repeated
+_STRIDE = 20011
+
+
+def calibration_tokens(vocab_size: int, count: int, bos_token_id: int | None) -> list[int]:
+    """`count` token ids: bos (when the model has one), then ids spread over the whole vocabulary."""
+    first = [bos_token_id] if bos_token_id is not None else []
+    return (first + [(1 + i * _STRIDE) % vocab_size for i in range(count)])[:count]
+
+
+def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """float32 scales for amax (any shape): amax * MARGIN / FP8_MAX, at least MIN_SCALE (a head
+    silent on the calibration input still divides finitely)."""
+    amax = amax.float()
+    # a tensor divisor: a true division on every device (kernels/quant/reference.rowwise_scales)
+    return (amax * MARGIN / torch.full_like(amax, FP8_MAX)).clamp_(min=MIN_SCALE)
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(model: CausalLM, *, block_size: int, max_tokens: int) -> None:
+    """Fill every layer's kv_scales from one forward of calibration_tokens (at most `max_tokens`, the
+    batch the memory plan budgets activations for) into a scratch cache in the activations' dtype.
+
+    Under tensor parallelism every rank runs it at once (the forward's collectives) and calibrates
+    its own KV heads. The scratch cache is small (32 MiB for Llama-3-8B's 256 tokens in bf16), freed after."""
+    info = model.local_info
+    device = model.slot_ranks.device
+    count = min(CALIBRATION_TOKENS, max_tokens, model.info.max_context)
+    tokens = calibration_tokens(model.info.vocab_size, count, model.info.bos_token_id)
+    num_blocks = -(-count // block_size)
+    cache = KVCache.allocate(KVLayout(info.num_layers, block_size, info.num_kv_heads, info.head_dim, model.dtype),
+                             num_blocks, device)  # fmt: skip
+    batch = ForwardBatch(
+        input_ids=torch.tensor(tokens, dtype=torch.int64, device=device),
+        positions=torch.arange(count, dtype=torch.int64, device=device),
+        slot_mapping=torch.arange(count, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([count], dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+        logits_indices=torch.tensor([count - 1], dtype=torch.int64, device=device),
+        max_query_len=count,
+        max_context_len=count,
+    )
+    model.forward(batch, cache)
+    # slots past `count` stay zero (the cache is allocated zeroed): they never raise an amax
+    for layer, key, value in zip(model.model.layers, cache.key, cache.value, strict=True):
+        amax = torch.stack([key.abs().amax(dim=(0, 1, 3)), value.abs().amax(dim=(0, 1, 3))])  # [2, H_kv]
+        layer.self_attn.kv_scales.copy_(scales_from_amax(amax))
