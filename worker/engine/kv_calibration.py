@@ -3,7 +3,7 @@ publishes none: one deterministic forward, once, when the engine is built.
 
 The forward runs CALIBRATION_TOKENS fixed tokens into a scratch cache in the activations' dtype, so
 that cache holds every layer's K after RoPE and V exactly as the fp8 cache would receive them before
-rounding; per layer and KV head, scale = amax * MARGIN / FP8_MAX, at least MIN_SCALE. The model
+rounding; per layer and KV head, scale = amax * MARGIN / FP8_MAX, at least MIN_KV_SCALE. The model
 runner calls it (worker/engine/model_runner.py): the one place every engine, a worker's or a test's,
 is built, after the weights are loaded and before any graph is captured.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.quant.reference import FP8_MAX, MIN_SCALE
+from kernels.quant.reference import FP8_MAX
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_cache import KVCache, KVLayout
 from worker.model.model import CausalLM
@@ -29,12 +29,17 @@ from worker.model.model import CausalLM
 # - position 0 is the sequence start, where real models put large "attention sink" K/V: it is there.
 # A value past the calibrated range saturates at ±448 (a bounded error, never NaN).
 CALIBRATION_TOKENS = 256
-# Headroom over the calibration's largest value: 4 = two binades. It costs values far below amax
-# almost nothing (the subnormals begin at amax * 2**-15 instead of amax * 2**-17, where an error of
-# half a step is at most amax * 2**-17 in absolute terms, negligible beside the 2**-4 relative error
-# every normal value has) and keeps text 4x larger than the calibration input unsaturated. vLLM's
-# dynamic scales (amax / 200 for K, / 100 for V) leave 2.2x and 4.5x.
+# Headroom over the calibration's largest value: 4 = two binades. It costs the small values almost
+# nothing: e4m3's normals (3 mantissa bits, a relative error of at most 2**-4) then reach down to
+# amax * 2**-12.8 instead of amax * 2**-14.8, and below that a value's absolute error is at most half
+# a subnormal step, amax * 2**-16.8, negligible beside the normal values' error. It keeps K/V up to
+# 4x the calibration's largest unsaturated. vLLM's dynamic scales (amax / 200 for K, / 100 for V)
+# leave 2.2x and 4.5x.
 MARGIN = 4.0
+# The floor only keeps a head silent on the calibration input (amax 0) dividing finitely (0 / it = 0):
+# the smallest normal float32, so every head with any normal value gets a scale of its own. (The
+# weights' MIN_SCALE, 2**-17.8, would floor heads whose amax is below 5e-4, K/V a model can have.)
+MIN_KV_SCALE = torch.finfo(torch.float32).tiny
 # a prime stride (coprime with any vocabulary size it does not divide): consecutive ids far apart, none repeated
 _STRIDE = 20011
 
@@ -46,11 +51,10 @@ def calibration_tokens(vocab_size: int, count: int, bos_token_id: int | None) ->
 
 
 def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """float32 scales for amax (any shape): amax * MARGIN / FP8_MAX, at least MIN_SCALE (a head
-    silent on the calibration input still divides finitely)."""
+    """float32 scales for amax (any shape): amax * MARGIN / FP8_MAX, at least MIN_KV_SCALE."""
     amax = amax.float()
     # a tensor divisor: a true division on every device (kernels/quant/reference.rowwise_scales)
-    return (amax * MARGIN / torch.full_like(amax, FP8_MAX)).clamp_(min=MIN_SCALE)
+    return (amax * MARGIN / torch.full_like(amax, FP8_MAX)).clamp_(min=MIN_KV_SCALE)
 
 
 @torch.inference_mode()

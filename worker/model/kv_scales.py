@@ -4,7 +4,8 @@ rounded to e4m3 (kernels/attention/__init__.py gives the arithmetic).
 e4m3 holds 3 mantissa bits for magnitudes from 2**-6 to 448 and fewer below (its subnormals reach
 2**-9). Unscaled, a model whose K/V are small (SmolLM2-135M's: docs/benchmarks.md, "Quality on real
 weights") stores many of them as subnormals or zeros; divided by a scale that maps each head's largest
-value near 448, every value above amax * 2**-15 keeps the full 3 bits.
+value into the top of e4m3's range, every value but the smallest (below about amax * 2**-13) keeps
+the full 3 bits.
 
 Two sources, per model:
 - A pre-quantized checkpoint's published scales (compressed-tensors / llm-compressor and vLLM-style
