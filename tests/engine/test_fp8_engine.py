@@ -13,6 +13,8 @@ from kernels.quant import FP8_DTYPE, W8A16_MAX_TOKENS
 from shared.schema import JobStatus
 from tests.engine.fp8_oracle import fp8_oracle, save_published_kv_scales, save_small_kv_checkpoint
 from tests.engine.test_engine_generation import NEW_TOKENS, PROMPTS, greedy_request, make_engine, run_to_completion
+from tests.engine.test_engine_gpu import BLOCK_SIZE, decode_logits, prefilled
+from tests.engine.test_piecewise_gpu import MixedStep
 from tests.engine.tiny_hf import TinyCheckpoint, oracle_greedy
 from tests.kernels.lora_cases import rel_err
 from worker.engine.block_manager import BlockManager
@@ -125,13 +127,18 @@ def test_calibrated_kv_scales_follow_the_k_and_v_magnitudes(llama: TinyCheckpoin
     assert (ours < 2**-10).all()  # far from the unit scale: these K/V would be e4m3 subnormals unscaled
 
 
-def test_kv_scales_keep_small_k_and_v_close_to_the_unquantized_cache(small_kv: TinyCheckpoint):
-    """Prefill logits through an fp8 cache against the float32 cache: with the calibrated scales the
-    error is e4m3's rounding of every value (KV_ROUNDING_TOLERANCE); with unit scales (the
-    unscaled cache this replaces) K and V mostly round to 0 or a subnormal step, many times worse."""
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("cpu", "float32"), pytest.param("cuda", "bfloat16", marks=ON_GPU)])
+def test_kv_scales_keep_small_k_and_v_close_to_the_unquantized_cache(small_kv: TinyCheckpoint, device: str, dtype: str):
+    """Prefill logits through an fp8 cache against a cache in the activations' dtype: with the
+    calibrated scales the error is e4m3's rounding of every value (KV_ROUNDING_TOLERANCE); with unit
+    scales (the unscaled cache this replaces) K and V mostly round to 0 or a subnormal step, many times
+    worse. On the GPU through the Triton kernels and the piecewise graphs."""
     prompts = list(PROMPTS.values())
-    exact = prefill_logits(make_engine(small_kv).runner, prompts)
-    runner = make_engine(small_kv, kv_cache_dtype="fp8").runner
+    exact = prefill_logits(make_engine(small_kv, device=device, dtype=dtype).runner, prompts)
+    runner = make_engine(small_kv, device=device, dtype=dtype, kv_cache_dtype="fp8").runner
     scaled = rel_err(prefill_logits(runner, prompts), exact)
     for layer in runner.model.model.layers:
         layer.self_attn.kv_scales.fill_(1.0)
@@ -157,3 +164,21 @@ def test_a_checkpoint_missing_a_layers_kv_scale_is_refused_naming_it(llama: Tiny
     model_dir = save_published_kv_scales(llama.model_dir, tmp_path / "partial", published)
     with pytest.raises(ValueError, match=r"^llama: .* lacks 1: v_scale of layer 1$"):  # the model served
         make_engine(replace(llama, model_dir=model_dir), kv_cache_dtype="fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_graphs_replay_a_scaled_fp8_cache_as_the_eager_steps_read_it(small_kv: TinyCheckpoint):
+    """The decode and piecewise graphs, captured after the calibration, read the layers' scale
+    tensors: their steps compute what the same steps compute eagerly (bf16: as test_piecewise_gpu)."""
+    runner = make_engine(small_kv, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", max_num_seqs=8,
+                         max_num_batched_tokens=96, block_size=BLOCK_SIZE).runner  # fmt: skip
+    assert runner.graphs is not None and runner.piecewise is not None
+    assert (kv_scales(runner) < 2**-10).all()  # calibrated, far from unit scales
+    step = MixedStep(runner, copies=1)  # prefill chunks beside decodes: the piecewise graphs
+    base = [-1] * (len(PROMPTS) + 2)
+    assert rel_err(step.logits(base, piecewise=True), step.logits(base, piecewise=False)) < 1e-2
+    seqs = prefilled(runner, 5)
+    graph = decode_logits(runner, seqs, [-1] * 5, eager=False)
+    eager = decode_logits(runner, seqs, [-1] * 5, eager=True)
+    assert rel_err(graph, eager) < 1e-2
