@@ -182,3 +182,11 @@ def test_the_graphs_replay_a_scaled_fp8_cache_as_the_eager_steps_read_it(small_k
     graph = decode_logits(runner, seqs, [-1] * 5, eager=False)
     eager = decode_logits(runner, seqs, [-1] * 5, eager=True)
     assert rel_err(graph, eager) < 1e-2
+
+
+def test_the_calibration_prefills_in_steps_the_memory_plan_budgets(llama: TinyCheckpoint):
+    """A step budget below the calibration input prefills it in chunks: the same K/V, the same scales
+    (to the chunked attention's rounding)."""
+    whole = kv_scales(make_engine(llama, kv_cache_dtype="fp8").runner)
+    chunked = kv_scales(make_engine(llama, kv_cache_dtype="fp8", max_num_batched_tokens=5).runner)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=0)

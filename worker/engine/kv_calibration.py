@@ -59,30 +59,35 @@ def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def calibrate_kv_scales(model: CausalLM, *, block_size: int, max_tokens: int) -> None:
-    """Fill every layer's kv_scales from one forward of calibration_tokens (at most `max_tokens`, the
-    batch the memory plan budgets activations for) into a scratch cache in the activations' dtype.
+    """Fill every layer's kv_scales from a forward of calibration_tokens into a scratch cache in the
+    activations' dtype, prefilled in chunks of at most `max_tokens` (the step the memory plan budgets
+    activations for; chunked prefill caches the same K/V as one forward).
 
     Under tensor parallelism every rank runs it at once (the forward's collectives) and calibrates
-    its own KV heads. The scratch cache is small (32 MiB for Llama-3-8B's 256 tokens in bf16), freed after."""
+    its own KV heads. The scratch cache is small (32 MiB for Llama-3-8B's 256 tokens in bf16), freed
+    after."""
     info = model.local_info
     device = model.slot_ranks.device
-    count = min(CALIBRATION_TOKENS, max_tokens, model.info.max_context)
+    count = min(CALIBRATION_TOKENS, model.info.max_context)
     tokens = calibration_tokens(model.info.vocab_size, count, model.info.bos_token_id)
     num_blocks = -(-count // block_size)
-    cache = KVCache.allocate(KVLayout(info.num_layers, block_size, info.num_kv_heads, info.head_dim, model.dtype),
-                             num_blocks, device)  # fmt: skip
-    batch = ForwardBatch(
-        input_ids=torch.tensor(tokens, dtype=torch.int64, device=device),
-        positions=torch.arange(count, dtype=torch.int64, device=device),
-        slot_mapping=torch.arange(count, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=device),
-        context_lens=torch.tensor([count], dtype=torch.int32, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
-        logits_indices=torch.tensor([count - 1], dtype=torch.int64, device=device),
-        max_query_len=count,
-        max_context_len=count,
-    )
-    model.forward(batch, cache)
+    layout = KVLayout(info.num_layers, block_size, info.num_kv_heads, info.head_dim, model.dtype)
+    cache = KVCache.allocate(layout, num_blocks, device)
+    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :]
+    for start in range(0, count, max_tokens):
+        end = min(count, start + max_tokens)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(tokens[start:end], dtype=torch.int64, device=device),
+            positions=torch.arange(start, end, dtype=torch.int64, device=device),
+            slot_mapping=torch.arange(start, end, dtype=torch.int64, device=device),  # blocks in order
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
+            context_lens=torch.tensor([end], dtype=torch.int32, device=device),
+            block_tables=block_table,
+            logits_indices=torch.tensor([end - start - 1], dtype=torch.int64, device=device),
+            max_query_len=end - start,
+            max_context_len=end,
+        )
+        model.forward(batch, cache)
     # slots past `count` stay zero (the cache is allocated zeroed): they never raise an amax
     for layer, key, value in zip(model.model.layers, cache.key, cache.value, strict=True):
         amax = torch.stack([key.abs().amax(dim=(0, 1, 3)), value.abs().amax(dim=(0, 1, 3))])  # [2, H_kv]
