@@ -158,6 +158,25 @@ def test_a_checkpoints_published_kv_scales_are_used_as_they_are(llama: TinyCheck
     assert torch.equal(kv_scales(runner), expected.expand(-1, -1, llama.info.num_kv_heads))  # per tensor: every head
 
 
+def test_published_per_head_kv_scales_go_to_their_heads(llama: TinyCheckpoint, tmp_path: Path):
+    heads = llama.info.num_kv_heads
+    per_head = torch.arange(1, heads + 1, dtype=torch.float32) / 64  # one value per KV head: 1/64, 2/64, …
+    published = {f"model.layers.{i}.self_attn.{kind}_scale": per_head * (i + 1) * (2 if kind == "v" else 1)
+                 for i in range(llama.info.num_layers) for kind in "kv"}  # fmt: skip
+    model_dir = save_published_kv_scales(llama.model_dir, tmp_path / "per_head", published)
+    scales = kv_scales(make_engine(replace(llama, model_dir=model_dir), kv_cache_dtype="fp8").runner)
+    for i in range(llama.info.num_layers):
+        assert torch.equal(scales[i], torch.stack([per_head * (i + 1), per_head * (i + 1) * 2]))
+
+
+def test_a_kv_scale_neither_per_tensor_nor_per_head_is_refused(llama: TinyCheckpoint, tmp_path: Path):
+    published = {f"model.layers.{i}.self_attn.{kind}_scale": torch.ones(3)
+                 for i in range(llama.info.num_layers) for kind in "kv"}  # fmt: skip
+    model_dir = save_published_kv_scales(llama.model_dir, tmp_path / "odd", published)
+    with pytest.raises(ValueError, match=r"k_scale: a KV cache scale of shape \(3,\) is neither per tensor"):
+        make_engine(replace(llama, model_dir=model_dir), kv_cache_dtype="fp8")
+
+
 def test_a_checkpoint_missing_a_layers_kv_scale_is_refused_naming_it(llama: TinyCheckpoint, tmp_path: Path):
     published = {f"model.layers.{i}.self_attn.k_proj.output_scale": torch.tensor(0.1) for i in range(2)}
     published |= {"model.layers.0.self_attn.v_proj.output_scale": torch.tensor(0.1)}  # AutoFP8's names
