@@ -8,7 +8,8 @@ demo adapter by default). Runs on CPU (the references, which emulate fp8 in floa
                             [--new-tokens 32] [--out FILE]
 
 Every (--quantization, --kv-cache-dtype) pair is loaded as a worker loads it (worker/switching/loader:
-the served model info, quantization at load, the adapter through the pool's reader and slot writer);
+the served model info, quantization at load, an fp8 cache's scales calibrated as the model runner
+calibrates them, the adapter through the pool's reader and slot writer);
 the first pair is the baseline the others are compared with. --quantization takes any weight format
 the worker serves (shared/quantization.WEIGHT_FORMATS).
 
@@ -48,6 +49,7 @@ from shared.quantization import KV_CACHE_DTYPES, WEIGHT_FORMATS
 from shared.schema import AdapterRef
 from worker.adapter_pool.host_adapter import read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
+from worker.engine.kv_calibration import calibrate_kv_scales
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_cache import KVCache, KVLayout
 from worker.model.model import CausalLM
@@ -103,6 +105,8 @@ def load(model_dir: Path, adapter: Path | None, config: EngineConfig) -> CausalL
     info = served_info(ModelSpec("quality", model_dir), config)
     model = new_model(info, config)
     stream_to_model(model, info.name, model_dir, StagingRing(pin=config.device == "cuda"), None)
+    if info.kv_cache_dtype == "fp8" and not model.kv_scales_published:  # before the adapter, as a runner does
+        calibrate_kv_scales(model, block_size=BLOCK_SIZE, max_tokens=config.max_num_batched_tokens)
     if adapter is not None:
         ref = AdapterRef(adapter.name, 1, adapter.name, file_digest(adapter / WEIGHTS_FILE))
         host = read_host_adapter(ref, adapter_root=adapter.parent, info=model.info, dtype=model.dtype,

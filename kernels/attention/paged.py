@@ -9,6 +9,8 @@ each position's cache slot from the block table (any block size), with an online
         out[j, h] = softmax(q[j, h] · K[0..p]ᵀ * scale) · V[0..p]        K, V read via block_tables[s]
 
 Decode is the q_len = 1 case (BLOCK_Q = 1); chunked prefill attends over cached context + itself.
+An fp8 cache's K scale of the program's KV head goes into the score scale and its V scale into the
+final division by the softmax sum: two multiplies per program, none per element.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.attention.reference import check_out
+from kernels.attention.reference import check_kv_scales, check_out
 from kernels.quant.reference import FP8_DTYPE
 
 _LOG2E = 1.4426950408889634
@@ -33,6 +35,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # int32 [B, max_blocks_per_seq]
     query_start_loc_ptr,  # int32 [B + 1]
     context_lens_ptr,  # int32 [B]
+    kv_scales_ptr,  # float32 [2, H_kv]: K's then V's per-head scales, read when CACHE_FP8
     qk_scale,  # softmax scale × log2(e): the kernel exponentiates in base 2
     stride_qt,
     stride_qh,
@@ -45,6 +48,7 @@ def _paged_attention_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    num_kv_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     GROUP: tl.constexpr,  # query heads per KV head
@@ -53,6 +57,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # context positions per iteration
     CACHE_BLOCK: tl.constexpr,  # tokens per cache block
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots (no tf32), so fp32 runs match the reference
+    CACHE_FP8: tl.constexpr,  # the caches hold K / V divided by their head's scales
     PDL: tl.constexpr,
 ):
     pdl.wait_for_previous(PDL)
@@ -75,6 +80,9 @@ def _paged_attention_kernel(
 
     q_offsets = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    if CACHE_FP8:  # q · (K8 * k_scale) = (q · K8) * k_scale: one multiply per score, folded into qk_scale
+        qk_scale = qk_scale * tl.load(kv_scales_ptr + kv_head)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -107,7 +115,10 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    norm = tl.where(l_i == 0.0, 1.0, l_i)  # [BLOCK_M] fp32
+    if CACHE_FP8:  # P · (V8 * v_scale) = (P · V8) * v_scale
+        norm = norm / tl.load(kv_scales_ptr + num_kv_heads + kv_head)
+    out = acc / norm[:, None]
     o_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
@@ -122,11 +133,13 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, H, D] for q [T, H, D] over K/V already in the cache; same semantics as the reference.
     Written into `out` [T, H, D] when given (any strides but a contiguous last axis).
 
-    key_cache / value_cache [num_blocks, block_size, H_kv, D] (H a multiple of H_kv);
+    key_cache / value_cache [num_blocks, block_size, H_kv, D] (H a multiple of H_kv); kv_scales
+    float32 [2, H_kv]: an fp8 cache's K and V scales, required with one (check_kv_scales);
     query_start_loc int32 [B + 1]; context_lens int32 [B]; block_tables int32 [B, max_blocks_per_seq];
     max_query_len: the longest q_len in the batch, known on the host (sizes the grid, no device sync).
     """
@@ -150,6 +163,7 @@ def paged_attention_triton(
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     if q.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1 or block_tables.stride(1) != 1:
         raise ValueError("q, the caches and block_tables must be contiguous along their last axis")
+    kv_scales = check_kv_scales(kv_scales, key_cache)
     out = torch.empty_like(q) if out is None else check_out(out, q)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -168,6 +182,7 @@ def paged_attention_triton(
         block_tables,
         query_start_loc,
         context_lens,
+        key_cache if kv_scales is None else kv_scales,  # never read without CACHE_FP8
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -180,6 +195,7 @@ def paged_attention_triton(
         value_cache.stride(1),
         value_cache.stride(2),
         block_tables.stride(0),
+        num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         GROUP=group,
@@ -188,6 +204,7 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         CACHE_BLOCK=block_size,
         IEEE=q.dtype == torch.float32,
+        CACHE_FP8=kv_scales is not None,
         **pdl.launch_options(q.device, num_tokens),
         num_warps=4,
     )

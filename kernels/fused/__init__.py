@@ -58,10 +58,11 @@ def rope_and_cache_kv(
     slot_mapping: torch.Tensor,
     num_heads: int,
     delta: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q (in place in qkv [T, (H + 2 H_kv) * D]) and k by cos/sin [T, D], and write k and v
     into the caches [num_blocks, block_size, H_kv, D] at int64 flat slots [T]; with delta (a LoRA
-    delta computed beside the qkv projection, qkv's shape), of qkv + delta. Returns q [T, H, D]."""
-    if qkv.is_cuda:
-        return rope_and_cache_kv_triton(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, delta)
-    return rope_and_cache_kv_reference(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, delta)
+    delta computed beside the qkv projection, qkv's shape), of qkv + delta. fp8 caches take each
+    value over its head's scale (kv_scales float32 [2, H_kv]: K's, V's). Returns q [T, H, D]."""
+    rope = rope_and_cache_kv_triton if qkv.is_cuda else rope_and_cache_kv_reference
+    return rope(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, delta, kv_scales)

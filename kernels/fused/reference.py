@@ -56,10 +56,12 @@ def rope_and_cache_kv_reference(
     slot_mapping: torch.Tensor,
     num_heads: int,
     delta: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate the q heads of qkv [T, (H + 2 H_kv) * D] in place and write rotated k and v into the
     caches [num_blocks, block_size, H_kv, D] at int64 flat slots [T]; with delta [T, (H + 2 H_kv) * D]
-    (a LoRA delta), qkv + delta is what is rotated and cached. Returns q, a [T, H, D] view of qkv."""
+    (a LoRA delta), qkv + delta is what is rotated and cached. fp8 caches take each value over its
+    head's scale in kv_scales float32 [2, H_kv] (K's, V's; store_kv). Returns q, a [T, H, D] view of qkv."""
     if delta is not None:
         qkv.add_(delta)
     num_tokens = qkv.shape[0]
@@ -68,5 +70,5 @@ def rope_and_cache_kv_reference(
     q = q.view(num_tokens, num_heads, head_dim)
     q.copy_(apply_rope_reference(q, cos, sin))
     k = apply_rope_reference(k.view(num_tokens, num_kv_heads, head_dim), cos, sin)
-    store_kv(k, v.view(num_tokens, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping)
+    store_kv(k, v.view(num_tokens, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping, kv_scales)
     return q

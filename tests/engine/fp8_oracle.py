@@ -12,7 +12,8 @@ MoE experts (W8A16, fp8_moe_oracle): each expert's gate, up and down weights rep
 dequantized fp8 weights, their inputs left unquantized, as the engine's grouped GEMM reads them.
 
 Pre-quantized checkpoints are written here in the two published formats, from a saved tiny model
-(dense or MoE: every expert's projections are quantized too).
+(dense or MoE: every expert's projections are quantized too); for the FP8 KV cache, checkpoints with
+published KV cache scales, and a reparametrisation of a model whose K/V are small.
 """
 
 from __future__ import annotations
@@ -124,3 +125,34 @@ def _quantization_config(method: str, scales: str) -> dict:
         },
         "ignore": ["lm_head"],
     }
+
+
+def save_small_kv_checkpoint(model_dir: Path, directory: Path, *, factor: float) -> Path:
+    """The plain checkpoint in `model_dir` written to `directory` computing the same function with K
+    and V `factor` times smaller: k_proj and v_proj scaled by `factor`, q_proj and o_proj by its
+    inverse (q · k and o_proj(v) unchanged; exactly so for a power of two). Its K/V fall into e4m3's
+    subnormals, where an unscaled fp8 cache loses them."""
+    directory.mkdir(parents=True)
+    tensors = load_file(model_dir / "model.safetensors")
+    rescale = {"k_proj": factor, "v_proj": factor, "q_proj": 1 / factor}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if parts[-2] in rescale:  # weight and bias alike
+            tensors[name] = tensor * rescale[parts[-2]]
+        elif parts[-2] == "o_proj" and parts[-1] == "weight":  # its bias adds after: unchanged
+            tensors[name] = tensor / factor
+    save_file(tensors, directory / "model.safetensors")
+    for file in ("config.json", "tokenizer.json"):
+        shutil.copy(model_dir / file, directory / file)
+    return directory
+
+
+def save_published_kv_scales(model_dir: Path, directory: Path, scales: dict[str, torch.Tensor]) -> Path:
+    """The checkpoint in `model_dir` written to `directory` with `scales` added: checkpoint name →
+    a published KV cache scale (`model.layers.{i}.self_attn.k_scale`, …)."""
+    directory.mkdir(parents=True)
+    tensors = load_file(model_dir / "model.safetensors")
+    save_file({**tensors, **scales}, directory / "model.safetensors")
+    for file in ("config.json", "tokenizer.json"):
+        shutil.copy(model_dir / file, directory / file)
+    return directory

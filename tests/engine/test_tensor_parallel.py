@@ -177,3 +177,20 @@ def evict_then_mix(engine: LLMEngine, adapters: dict[str, Path], names: list[str
 
 def test_an_adapter_loaded_over_an_evicted_one_lands_in_the_same_pages_on_every_rank(llama: TinyCheckpoint) -> None:
     assert_tensor_parallel_matches(llama.model_dir, llama.adapters, DENSE_ADAPTERS, evict_then_mix, max_loras=2)
+
+
+def test_each_rank_calibrates_the_fp8_kv_scales_of_its_own_kv_heads(llama: TinyCheckpoint) -> None:
+    """Every rank runs the calibration's forward at once (its collectives) over its share of the heads:
+    rank 0's scales are the one-process engine's for its KV heads (to the all-reduces' rounding)."""
+    settings = ENGINE | {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "fp8"}
+    root = next(iter(llama.adapters.values())).parent
+
+    def scales(engine: LLMEngine) -> torch.Tensor:  # [layers, 2, local KV heads]
+        return torch.stack([layer.self_attn.kv_scales for layer in engine.runner.model.model.layers])
+
+    whole = scales(load_engine(llama.model_dir, root, **settings))
+    with tensor_parallel_engine(llama.model_dir, root, tensor_parallel=2, **settings) as parallel:
+        ours = scales(parallel)
+        start = parallel.runner.model.shard.kv_head_start
+    assert start == 0 and ours.shape[-1] == llama.info.num_kv_heads // 2
+    torch.testing.assert_close(ours, whole[..., : ours.shape[-1]], rtol=TOLERANCE, atol=0)

@@ -21,11 +21,13 @@ import structlog
 import torch
 
 from kernels.lora import LoRABatch
+from kernels.quant import FP8_DTYPE
 from shared.config import EngineConfig
 from worker.adapter_pool.follower_tier import FollowerAdapters
 from worker.adapter_pool.slot_writer import SlotWriter, Upload
 from worker.engine.capture_pacer import CapturePacer
 from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.kv_calibration import calibrate_kv_scales
 from worker.engine.piecewise_graphs import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from worker.engine.sampled_tokens import SampledTokens
 from worker.engine.sampler import sample
@@ -71,6 +73,12 @@ class ModelRunner:
             num_blocks = channel.smallest(num_blocks)
         self.num_blocks = num_blocks
         self.kv_cache = KVCache.carve(layout, num_blocks + int(on_cuda), kv_storage)
+        # an fp8 cache's scales, where the checkpoint published none: calibrated here, the one place
+        # every engine (a worker's, a test's) is built, with the weights loaded and before any graph
+        # is captured (the graphs read the scale tensors the calibration fills)
+        calibrated = layout.dtype == FP8_DTYPE and not model.kv_scales_published
+        if calibrated:
+            calibrate_kv_scales(model, block_size=config.block_size, max_tokens=config.max_num_batched_tokens)
         # None: those steps run eagerly (CPU; tests compare graphs against eager by clearing them)
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
@@ -97,6 +105,7 @@ class ModelRunner:
             dtype=str(self.dtype),
             device=str(self.device),
             kv_blocks=num_blocks,
+            kv_scales=("calibrated" if calibrated else "checkpoint") if layout.dtype == FP8_DTYPE else None,
             capture_paced_s=None if pacer is None else round(pacer.slept_s, 3),
         )
 

@@ -162,9 +162,10 @@ class StepPieces:
         n = batch.num_tokens
         self.stage(batch, token_slots, size)
         run_piece(0)
-        for index in range(self.num_layers):
+        for index, layer in enumerate(self.model.model.layers):
+            scales = layer.self_attn.kv_scales
             paged_attention(
-                self.q[:n], kv_cache.key[index], kv_cache.value[index], batch, self._scale, out=self.attended[:n]
+                self.q[:n], kv_cache.key[index], kv_cache.value[index], batch, self._scale, scales, self.attended[:n]
             )
             run_piece(index + 1)
         stack, wanted = self.model.model, batch.logits_indices

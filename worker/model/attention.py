@@ -19,10 +19,13 @@ def paged_attention(
     value_cache: torch.Tensor,
     batch: ForwardBatch,
     scale: float,
+    kv_scales: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over each sequence's whole context, this
-    step's tokens included. Returns [T, num_heads, head_dim], written into `out` when given."""
+    step's tokens included. kv_scales float32 [2, num_kv_heads]: the layer's fp8 K and V scales
+    (unread for a cache in the activations' dtype). Returns [T, num_heads, head_dim], written into
+    `out` when given."""
     return attend(
         q,
         key_cache,
@@ -33,4 +36,5 @@ def paged_attention(
         scale,
         batch.max_query_len,
         out,
+        kv_scales,
     )

@@ -104,6 +104,13 @@ class SelfAttention(nn.Module):
             group_size=info.weight_group_size,
             shard=shard.linear("o_proj") if shard else None,
         )
+        # float32 [2, num_kv_heads]: what an fp8 cache divides this layer's K (row 0) and V (row 1) by,
+        # per KV head; from the checkpoint or calibrated when the engine is built (worker/model/kv_scales.py).
+        # A fixed tensor, so the captured graphs read whatever it holds; unread by a cache in the dtype.
+        self.kv_scales: torch.Tensor
+        self.register_buffer(
+            "kv_scales", torch.ones(2, info.num_kv_heads, dtype=torch.float32, device=device), persistent=False
+        )
         # Qwen3 RMS-normalises every q and k head before RoPE
         self.q_norm = RMSNorm(info.head_dim, info.rms_norm_eps, dtype=dtype, device=device) if info.qk_norm else None
         self.k_norm = RMSNorm(info.head_dim, info.rms_norm_eps, dtype=dtype, device=device) if info.qk_norm else None
@@ -127,7 +134,9 @@ class SelfAttention(nn.Module):
                 qkv.add_(delta)
                 delta = None
             self._norm_heads(qkv, self.q_norm, self.k_norm)
-        return rope_and_cache_kv(qkv, *rope, key_cache, value_cache, slot_mapping, self.num_heads, delta)
+        return rope_and_cache_kv(
+            qkv, *rope, key_cache, value_cache, slot_mapping, self.num_heads, delta, self.kv_scales
+        )
 
     def output(self, attended: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor) -> torch.Tensor:
         """The attention's output side: attended [T, num_heads, head_dim] → [T, hidden_size].
@@ -260,5 +269,6 @@ class DecoderLayer(nn.Module):
         q, residual = self.attention_input(
             hidden, residual, rope, batch.slot_mapping, batch.lora, key_cache, value_cache
         )
-        attended = paged_attention(q, key_cache, value_cache, batch, self.self_attn.scale)
+        attention = self.self_attn
+        attended = paged_attention(q, key_cache, value_cache, batch, attention.scale, attention.kv_scales)
         return self.attention_output(attended, residual, batch.lora)

@@ -17,6 +17,7 @@ from torch import nn
 from shared.model_info import ModelInfo
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_cache import KVCache
+from worker.model.kv_scales import KVScaleLoader
 from worker.model.layers import DecoderLayer, RMSNorm, VocabEmbedding
 from worker.model.lora_linear import LoRALinear, LoRAPages
 from worker.model.moe import MoEBlock
@@ -125,6 +126,7 @@ class CausalLM(nn.Module):
         self.pages_per_slot = pages.pages_per_slot
         self.num_pages = pages.num_pages
         self.num_slots = self.num_pages
+        self.kv_scales_published = False  # the checkpoint gave every layer's KV cache scales (kv_scales.py)
         self.model = DecoderStack(self.local_info, pages=pages, dtype=self.dtype, device=device, shard=self.shard)
         self.lm_head = (
             self.model.embed_tokens if info.tie_word_embeddings else _embedding(info, self.shard, self.dtype, device)
@@ -192,8 +194,15 @@ class CausalLM(nn.Module):
             tensors = (
                 (name.removesuffix("_inv") if name.endswith(".weight_scale_inv") else name, t) for name, t in tensors
             )
+        kv_scales = KVScaleLoader(  # published KV cache scales go to the layers' kv_scales
+            [layer.self_attn.kv_scales for layer in self.model.layers],
+            num_kv_heads=self.info.num_kv_heads,
+            kv_head_start=self.shard.kv_head_start if self.shard is not None else 0,
+        )
         with torch.no_grad():
-            load_tensors(tensors, self._checkpoint_loaders(), ignore=self._derived, source=source)
+            load_tensors(kv_scales.divert(tensors), self._checkpoint_loaders(), ignore=self._derived, source=source)
+        kv_scales.check(source)
+        self.kv_scales_published = kv_scales.published
 
     def _derived(self, name: str) -> bool:
         """Checkpoint tensors the model derives itself, or does without: a tied head is the embedding;
