@@ -294,10 +294,10 @@ def worker_flags(args, redis_url: str, model_dir: Path, adapter_root: Path, work
     return flags + [flag for extra in args.worker_flag for flag in extra.split()]
 
 
-def start_fleet(args, fleet: Fleet, redis_url: str, assets: tuple[Path, Path], workers: list[str], design: str
-                ) -> str:  # fmt: skip
-    """Start the gateway (routing on for "routed") and the workers; return the gateway's URL once it answers
-    and every worker has announced itself."""
+def start_fleet(args, fleet: Fleet, redis_url: str, assets: tuple[Path, Path], workers: list[str], design: str,
+                label: str) -> str:  # fmt: skip
+    """Start the gateway (routing on for `design` "routed") and the workers; return the gateway's URL once it
+    answers and every worker has announced itself. `label`: the fleet's name in progress lines."""
     model_dir, adapter_root = assets
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -318,10 +318,10 @@ def start_fleet(args, fleet: Fleet, redis_url: str, assets: tuple[Path, Path], w
                     ready[worker] = time.monotonic() - start
             return len(ready) == len(workers) and answers_ok(f"{url}/healthz")
 
-        fleet.wait_for(all_ready, args.start_timeout_s, f"{design}: the gateway and {len(workers)} workers to start",
+        fleet.wait_for(all_ready, args.start_timeout_s, f"{label}: the gateway and {len(workers)} workers to start",
                        lambda: f"workers ready: {sorted(ready) or 'none'}")  # fmt: skip
     each = ", ".join(f"{worker} {ready[worker]:.0f} s" for worker in workers)
-    say(f"{design}: fleet started, {len(workers)} workers ready in {time.monotonic() - start:.0f} s ({each})")
+    say(f"{label}: fleet started, {len(workers)} workers ready in {time.monotonic() - start:.0f} s ({each})")
     return url
 
 
@@ -342,7 +342,7 @@ def run_design(args, assets: tuple[Path, Path], n_workers: int, design: str, rat
             f"logs in {log_dir}")  # fmt: skip
         fleet = stack.enter_context(Fleet(log_dir))
         workers = [f"w{i}" for i in range(n_workers)]
-        url = start_fleet(args, fleet, server.url, assets, workers, label)
+        url = start_fleet(args, fleet, server.url, assets, workers, design, label)
         client = stack.enter_context(redis.Redis.from_url(server.url))
         phase = run_phase(args, fleet, client, server.url, url, api_key, workers, rng, ranked, rate, label)
         if kill:
