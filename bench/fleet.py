@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="more `lorafleet worker` flags for every worker, after the bench's own (repeatable), "
                              "e.g. --worker-flag='--kernel-tune-budget-s 120'")  # fmt: skip
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, on_sigterm)
+    previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
     tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     logs = args.logs_dir.resolve() if args.logs_dir else tmp
     logs.mkdir(parents=True, exist_ok=True)
@@ -469,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)  # fmt: skip
         return 1
     finally:
+        signal.signal(signal.SIGTERM, previous_handler)
         shutil.rmtree(tmp / "adapters", ignore_errors=True)
         shutil.rmtree(tmp / "model", ignore_errors=True)
     print(f"targets: {TARGETS}")
