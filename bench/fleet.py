@@ -27,7 +27,32 @@ torch's default (a thread per core each) spin against each other, and a worker w
 waits for a core reads its own stream late, which the shared stream hides (any worker may read it).
 
 (b) GPU: `--device cuda --workers 2 --gpu-memory-fraction 0.45` runs two workers on one GPU; start
-the MPS control daemon first (deploy/mps/) so they share it under MPS. The rest is the same.
+the MPS control daemon first (deploy/mps/) and export its CUDA_MPS_PIPE_DIRECTORY in the bench's shell
+(the workers inherit the bench's environment, and the bench prints what they get). The workload is
+the same as on CPU: the random-weight demo model (4 layers, hidden 256), 8-token jobs. What a GPU fleet
+costs is its start, paid twice (a fresh fleet per design): CUDA and MPS client set-up, Triton's first
+compiles (cached for the second fleet), and the CUDA graphs: decode graphs for 1-8 sequences, and
+piecewise prefill graphs for a ladder of token counts up to --max-num-batched-tokens (26 buckets at the
+default 2,048, 6 at 128). So on the GPU each worker also gets `--max-num-batched-tokens 128` (a step
+here runs at most 8 sequences of a few-token prompt: the limit never binds, only the capture shrinks)
+and `--num-kv-blocks 4096` (a sequence needs one 16-token block; the default would carve ~35 GB of
+KV cache per worker out of its 45 %). Whatever their start costs, the jobs are the CPU run's:
+600 warm-up jobs bring both designs' GPU tiers past their compulsory misses, and the burst, the
+arrivals at 80 % of the shared fleet's saturation and the kill -9 measure the hit rate, throughput,
+p99 wait and lost jobs the targets name. With 10-minute device calls:
+
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log
+    bash deploy/mps/start.sh
+    timeout -k 30 480 python3 -m bench.fleet --device cuda --workers 2 --gpu-memory-fraction 0.45 \
+        --adapters 1000 --jobs 400 --warmup 600 --repeats 1 --kill --start-timeout-s 180 --phase-timeout-s 120 \
+        --worker-flag='--max-num-batched-tokens 128 --num-kv-blocks 4096' --logs-dir "$OUT/fleet"
+
+The workers tune no LoRA plans at start (`--kernel-tune-budget-s 0`; the packaged tables have none
+for the demo model's shapes, so each start would tune for up to 120 s, two workers against each other
+on one GPU, and both designs run on the same plans either way; `--worker-flag` overrides it).
+Every wait is bounded (`--start-timeout-s`, `--phase-timeout-s`), a worker that exits fails the bench at
+once (but the one `--kill` kills), a failure prints the log tails of the fleet's processes (as does a
+SIGTERM from an outer `timeout`), and a progress line marks each phase (bench/fleet_processes.py).
 
     python -m bench.fleet --workers 2,4,8 --adapters 1000 --jobs 400 --warmup 600 --repeats 2 --kill
 """
@@ -75,6 +100,7 @@ GATEWAY_FLAGS = [
     "--max-concurrent-jobs", "1000000", "--max-queue-per-model", "1000000",
 ]  # fmt: skip
 STARTED = time.monotonic()
+SUBMIT_TIMEOUT_S = 60.0
 TARGETS = (
     "hit rate (4 workers) >= 1.6x shared; throughput >= shared; p99 wait (created to first token) <= 1.2x shared"
     " at the load; 0 lost"
@@ -155,7 +181,9 @@ async def submit(url: str, api_key: str, names: list[str], gaps_s: list[float] |
     """POST one job per adapter name, all at once or after each gap (open loop); returns their ids."""
     headers = {"Authorization": f"Bearer {api_key}"}
     connector = aiohttp.TCPConnector(limit=64)
-    async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
+    # a gateway that stops answering fails the bench in a minute (aiohttp's default waits 5 per request)
+    timeout = aiohttp.ClientTimeout(total=SUBMIT_TIMEOUT_S)
+    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
 
         async def post(name: str) -> str:
             job = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True,
