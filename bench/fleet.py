@@ -27,7 +27,32 @@ torch's default (a thread per core each) spin against each other, and a worker w
 waits for a core reads its own stream late, which the shared stream hides (any worker may read it).
 
 (b) GPU: `--device cuda --workers 2 --gpu-memory-fraction 0.45` runs two workers on one GPU; start
-the MPS control daemon first (deploy/mps/) so they share it under MPS. The rest is the same.
+the MPS control daemon first (deploy/mps/) and export its CUDA_MPS_PIPE_DIRECTORY in the bench's shell
+(the workers inherit the bench's environment, and the bench prints what they get). The workload is
+the same as on CPU: the random-weight demo model (4 layers, hidden 256), 8-token jobs. What a GPU fleet
+costs is its start, paid twice (a fresh fleet per design): CUDA and MPS client set-up, Triton's first
+compiles (cached for the second fleet), and the CUDA graphs: decode graphs for 1-8 sequences, and
+piecewise prefill graphs for a ladder of token counts up to --max-num-batched-tokens (26 buckets at the
+default 2,048, 6 at 128). So on the GPU each worker also gets `--max-num-batched-tokens 128` (a step
+here runs at most 8 sequences of a few-token prompt: the limit never binds, only the capture shrinks)
+and `--num-kv-blocks 4096` (a sequence needs one 16-token block; the default would carve ~35 GB of
+KV cache per worker out of its 45 %). Whatever their start costs, the jobs are the CPU run's:
+600 warm-up jobs bring both designs' GPU tiers past their compulsory misses, and the burst, the
+arrivals at 80 % of the shared fleet's saturation and the kill -9 measure the hit rate, throughput,
+p99 wait and lost jobs the targets name. With 10-minute device calls:
+
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log
+    bash deploy/mps/start.sh
+    timeout -k 30 480 python3 -m bench.fleet --device cuda --workers 2 --gpu-memory-fraction 0.45 \
+        --adapters 1000 --jobs 400 --warmup 600 --repeats 1 --kill --start-timeout-s 180 --phase-timeout-s 120 \
+        --worker-flag='--max-num-batched-tokens 128 --num-kv-blocks 4096' --logs-dir "$OUT/fleet"
+
+The workers tune no LoRA plans at start (`--kernel-tune-budget-s 0`; the packaged tables have none
+for the demo model's shapes, so each start would tune for up to 120 s, two workers against each other
+on one GPU, and both designs run on the same plans either way; `--worker-flag` overrides it).
+Every wait is bounded (`--start-timeout-s`, `--phase-timeout-s`), a worker that exits fails the bench at
+once (but the one `--kill` kills), a failure prints the log tails of the fleet's processes (as does a
+SIGTERM from an outer `timeout`), and a progress line marks each phase (bench/fleet_processes.py).
 
     python -m bench.fleet --workers 2,4,8 --adapters 1000 --jobs 400 --warmup 600 --repeats 2 --kill
 """
@@ -41,12 +66,10 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +77,7 @@ import aiohttp
 import redis
 
 from bench.fleet_placement import PlacementSplit, gateway_placements, placement_split
+from bench.fleet_processes import Fleet, FleetError, answers_ok
 from cli.demo_adapters import DemoAdapter, write_demo_adapter
 from cli.demo_model import write_demo_model
 from cli.redis_server import RedisServer, free_port
@@ -65,7 +89,6 @@ from shared.schema import JobTrace
 from shared.tenants import create_tenant
 from worker.model.lora_linear import PAGE_RANK
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
 ADAPTER_RANK = 4
 # the workers' --max-lora-rank: one pool page per slot, so --max-loras (--pool) is the adapters a GPU tier
@@ -76,6 +99,8 @@ GATEWAY_FLAGS = [
     "--requests-per-min", "100000000", "--tokens-per-min", "1000000000",
     "--max-concurrent-jobs", "1000000", "--max-queue-per-model", "1000000",
 ]  # fmt: skip
+STARTED = time.monotonic()
+SUBMIT_TIMEOUT_S = 60.0
 TARGETS = (
     "hit rate (4 workers) >= 1.6x shared; throughput >= shared; p99 wait (created to first token) <= 1.2x shared"
     " at the load; 0 lost"
@@ -138,40 +163,6 @@ async def provision(redis_url: str, model_dir: Path, adapter_root: Path, count: 
     return api_key
 
 
-@contextmanager
-def process(args: list[str], log: Path, env: dict[str, str] | None = None):
-    with log.open("wb") as out:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "cli", *args], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )  # fmt: skip
-        try:
-            yield child
-        finally:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-                try:
-                    child.wait(30)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/healthz", timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 def popularity(adapters: int, rng: random.Random) -> list[str]:
     """The adapters' names, most popular first: drawn once per fleet, so its warm-up, burst and arrivals
     share one head (the popular adapters are not the first registered)."""
@@ -190,7 +181,9 @@ async def submit(url: str, api_key: str, names: list[str], gaps_s: list[float] |
     """POST one job per adapter name, all at once or after each gap (open loop); returns their ids."""
     headers = {"Authorization": f"Bearer {api_key}"}
     connector = aiohttp.TCPConnector(limit=64)
-    async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
+    # a gateway that stops answering fails the bench in a minute (aiohttp's default waits 5 per request)
+    timeout = aiohttp.ClientTimeout(total=SUBMIT_TIMEOUT_S)
+    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
 
         async def post(name: str) -> str:
             job = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True,
@@ -210,15 +203,22 @@ async def submit(url: str, api_key: str, names: list[str], gaps_s: list[float] |
         return list(await asyncio.gather(*tasks))
 
 
-def finished(client: redis.Redis, job_ids: list[str], timeout_s: float) -> list[dict[bytes, bytes]]:
-    def records() -> list[dict[bytes, bytes]]:
+def finished(fleet: Fleet, client: redis.Redis, job_ids: list[str], timeout_s: float, what: str
+             ) -> list[dict[bytes, bytes]]:  # fmt: skip
+    """The records of `job_ids` once none is queued or running; FleetError past `timeout_s` or if a
+    worker dies meanwhile."""
+
+    def done() -> int:
         with client.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hgetall(keys.job(job_id))
-            return pipe.execute()
+                pipe.hget(keys.job(job_id), "status")
+            return sum(status not in (b"queued", b"running") for status in pipe.execute())
 
-    wait_for(lambda: all(r.get(b"status") not in (b"queued", b"running") for r in records()), timeout_s, "jobs")
-    return records()
+    fleet.wait_for(lambda: done() == len(job_ids), timeout_s, what, lambda: f"{done()} of {len(job_ids)} jobs done")
+    with client.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hgetall(keys.job(job_id))
+        return pipe.execute()
 
 
 def started_counts(client: redis.Redis, workers: list[str]) -> dict[str, int]:
@@ -240,34 +240,51 @@ def job_traces(records: list[dict[bytes, bytes]]) -> list[JobTrace]:
     return traces
 
 
+def say(message: str) -> None:
+    """A progress line, stamped with the seconds since the bench started (flushed: a time limit may cut it)."""
+    print(f"[{time.monotonic() - STARTED:6.1f} s] {message}", flush=True)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def run_phase(args, client, redis_url, url, api_key, workers, rng, ranked, rate: float | None) -> Phase:
+def run_phase(args, fleet: Fleet, client, redis_url, url, api_key, workers, rng, ranked, rate: float | None,
+              label: str) -> Phase:  # fmt: skip
     """A warm-up burst (not measured), a measured burst (saturation throughput), then Poisson arrivals
     at `rate` jobs/s (queue waits); `rate` None: at `--load` of this burst's throughput. `ranked`: the
     adapters, most popular first."""
     if args.warmup:
-        finished(client, asyncio.run(submit(url, api_key, zipf_names(args.warmup, ranked, args.zipf, rng),
-                                            None)), 900)  # fmt: skip
+        start = time.monotonic()
+        ids = asyncio.run(submit(url, api_key, zipf_names(args.warmup, ranked, args.zipf, rng), None))
+        finished(fleet, client, ids, args.phase_timeout_s, f"{label}: the warm-up")
+        say(f"{label}: warm-up of {args.warmup} jobs done in {time.monotonic() - start:.1f} s")
     time.sleep(args.heartbeat * 3)  # the workers' counts so far reach their heartbeats
     before = started_counts(client, workers)
     placed_before = gateway_placements(url, MODEL)
     names = zipf_names(args.jobs, ranked, args.zipf, rng)
     start = time.time()
     ids = asyncio.run(submit(url, api_key, names, None))
-    records = finished(client, ids, 600)
+    records = finished(fleet, client, ids, args.phase_timeout_s, f"{label}: the burst")
     measured = list(records)
-    ends = [int(r[b"finished_ms"]) for r in records]
+    ends = [int(r[b"finished_ms"]) for r in records if r.get(b"finished_ms")]
+    if len(ends) < len(records):
+        statuses = sorted({r.get(b"status", b"?").decode() for r in records})
+        raise FleetError(f"{label}: {len(records) - len(ends)} of the burst's jobs did not finish ({statuses})\n"
+                         f"{fleet.reports()}")  # fmt: skip
     phase = Phase(throughput=len(ids) / max(1e-3, max(ends) / 1000 - start))
+    say(f"{label}: burst of {len(ids)} jobs done in {time.time() - start:.1f} s ({phase.throughput:.1f} jobs/s)")
     phase.rate = rate if rate is not None else args.load * phase.throughput
     if phase.rate:
         names = zipf_names(args.jobs, ranked, args.zipf, rng)
         gaps = [rng.expovariate(phase.rate) for _ in names]
+        say(f"{label}: {len(names)} arrivals at {phase.rate:.1f} jobs/s (about {sum(gaps):.0f} s)")
+        start = time.time()
         ids = asyncio.run(submit(url, api_key, names, gaps))
-        records = [r for r in finished(client, ids, 600) if r.get(b"started_ms")]
+        records = [r for r in finished(fleet, client, ids, args.phase_timeout_s, f"{label}: the arrivals")
+                   if r.get(b"started_ms")]  # fmt: skip
+        say(f"{label}: arrivals done in {time.time() - start:.1f} s")
         measured += records
         waits = [int(r[b"started_ms"]) - int(r[b"created_ms"]) for r in records]
         latencies = [int(r[b"finished_ms"]) - int(r[b"created_ms"]) for r in records]
@@ -287,6 +304,55 @@ def run_phase(args, client, redis_url, url, api_key, workers, rng, ranked, rate:
     return phase
 
 
+def worker_flags(args, redis_url: str, model_dir: Path, adapter_root: Path, worker: str) -> list[str]:
+    """`lorafleet worker` flags of one worker of the fleet; `--worker-flag`s last, so they win."""
+    flags = [
+        "worker", "--redis-url", redis_url, "--model", f"{MODEL}={model_dir}", "--adapter-root",
+        str(adapter_root), "--worker-id", worker, "--device", args.device, "--max-loras", str(args.pool),
+        "--max-lora-rank", str(SLOT_RANK),
+        "--max-num-seqs", str(args.max_num_seqs), "--heartbeat-interval", str(args.heartbeat),
+        "--claim-idle-ms", str(int(args.heartbeat * 4000)), "--steal-after-ms", str(args.steal_after_ms),
+        # no start-up tune of the LoRA plans (the packaged tables have none for the demo model's shapes): it
+        # would take up to its 120 s budget at every fleet's start, both workers tuning against each other on
+        # one GPU, and both designs run on the same plans either way
+        "--kernel-tune-budget-s", "0",
+    ]  # fmt: skip
+    if args.gpu_memory_fraction:
+        flags += ["--gpu-memory-fraction", str(args.gpu_memory_fraction)]
+    return flags + [flag for extra in args.worker_flag for flag in extra.split()]
+
+
+def start_fleet(args, fleet: Fleet, redis_url: str, assets: tuple[Path, Path], workers: list[str], design: str,
+                label: str) -> str:  # fmt: skip
+    """Start the gateway (routing on for `design` "routed") and the workers; return the gateway's URL once it
+    answers and every worker has announced itself. `label`: the fleet's name in progress lines."""
+    model_dir, adapter_root = assets
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    routing = "on" if design == "routed" else "off"
+    fleet.spawn("gateway", ["gateway", "--redis-url", redis_url, "--port", str(port), "--adapter-routing", routing,
+                            *GATEWAY_FLAGS])  # fmt: skip
+    # on CPU one intra-op thread a worker (the module's docstring says why)
+    worker_env = {"OMP_NUM_THREADS": "1"} if args.device == "cpu" else {}
+    for worker in workers:
+        fleet.spawn(worker, worker_flags(args, redis_url, model_dir, adapter_root, worker), worker_env)
+    start = time.monotonic()
+    ready: dict[str, float] = {}
+    with redis.Redis.from_url(redis_url) as client:
+
+        def all_ready() -> bool:
+            for worker in workers:
+                if worker not in ready and client.exists(keys.worker(worker)):
+                    ready[worker] = time.monotonic() - start
+            return len(ready) == len(workers) and answers_ok(f"{url}/healthz")
+
+        fleet.wait_for(all_ready, args.start_timeout_s, f"{label}: the gateway and {len(workers)} workers to start",
+                       lambda: f"workers ready: {sorted(ready) or 'none'}")  # fmt: skip
+    each = ", ".join(f"{worker} {ready[worker]:.0f} s" for worker in workers)
+    say(f"{label}: fleet started, {len(workers)} workers ready in {time.monotonic() - start:.0f} s ({each})")
+    return url
+
+
 def run_design(args, assets: tuple[Path, Path], n_workers: int, design: str, rate: float | None, log_dir: Path,
                *, kill: bool) -> Phase:  # fmt: skip
     """A fresh fleet of `n_workers` for `design` ("shared": routing off; "routed"), measured by run_phase;
@@ -295,44 +361,31 @@ def run_design(args, assets: tuple[Path, Path], n_workers: int, design: str, rat
     log_dir.mkdir(parents=True)
     rng = random.Random(args.seed)  # both designs see the same names and gaps
     ranked = popularity(args.adapters, rng)
-    worker_env = {"OMP_NUM_THREADS": "1"} if args.device == "cpu" else {}
+    label = f"{design} ({n_workers} workers)"
     with ExitStack() as stack:
         server = stack.enter_context(RedisServer(log_dir, append_only=False))
+        start = time.monotonic()
         api_key = asyncio.run(provision(server.url, model_dir, adapter_root, args.adapters))
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        routing = "on" if design == "routed" else "off"
-        flags = ["gateway", "--redis-url", server.url, "--port", str(port), "--adapter-routing", routing]
-        stack.enter_context(process([*flags, *GATEWAY_FLAGS], log_dir / "gateway.log"))
+        say(f"{label}: Redis up, {args.adapters} adapters registered in {time.monotonic() - start:.1f} s; "
+            f"logs in {log_dir}")  # fmt: skip
+        fleet = stack.enter_context(Fleet(log_dir))
         workers = [f"w{i}" for i in range(n_workers)]
-        children = {}
-        for worker in workers:
-            flags = [
-                "worker", "--redis-url", server.url, "--model", f"{MODEL}={model_dir}", "--adapter-root",
-                str(adapter_root), "--worker-id", worker, "--device", args.device, "--max-loras", str(args.pool),
-                "--max-lora-rank", str(SLOT_RANK),
-                "--max-num-seqs", str(args.max_num_seqs), "--heartbeat-interval", str(args.heartbeat),
-                "--claim-idle-ms", str(int(args.heartbeat * 4000)), "--steal-after-ms", str(args.steal_after_ms),
-            ]  # fmt: skip
-            if args.gpu_memory_fraction:
-                flags += ["--gpu-memory-fraction", str(args.gpu_memory_fraction)]
-            children[worker] = stack.enter_context(process(flags, log_dir / f"{worker}.log", worker_env))
+        url = start_fleet(args, fleet, server.url, assets, workers, design, label)
         client = stack.enter_context(redis.Redis.from_url(server.url))
-        wait_for(lambda: healthy(url), 60, "the gateway")
-        wait_for(lambda: all(client.exists(keys.worker(w)) for w in workers), 600, "the workers")
-        phase = run_phase(args, client, server.url, url, api_key, workers, rng, ranked, rate)
+        phase = run_phase(args, fleet, client, server.url, url, api_key, workers, rng, ranked, rate, label)
         if kill:
             names = zipf_names(args.jobs, ranked, args.zipf, rng)
             gaps = [rng.expovariate(phase.rate) for _ in names]
+            say(f"{label}: {len(names)} arrivals, {workers[0]} killed -9 after {sum(gaps) / 2:.0f} s")
 
             async def submit_and_kill() -> list[str]:
                 submitting = asyncio.create_task(submit(url, api_key, names, gaps))
                 await asyncio.sleep(sum(gaps) / 2)
-                children[workers[0]].send_signal(signal.SIGKILL)
+                fleet.kill(workers[0])
                 return await submitting
 
             ids = asyncio.run(submit_and_kill())
-            records = finished(client, ids, 600)
+            records = finished(fleet, client, ids, args.phase_timeout_s, f"{label}: the arrivals with the kill")
             lost = sum(r.get(b"status") != b"succeeded" for r in records)
             phase.killed = f"kill -9 of {workers[0]} mid-run (routing on): {lost} of {len(ids)} jobs lost"
     return phase
@@ -384,7 +437,15 @@ def run_fleet(args, assets: tuple[Path, Path], n_workers: int, log_dir: Path) ->
           f"(the target's) (each repeat, {'/'.join(ratios)}: {each})")  # fmt: skip
 
 
-def main() -> None:
+class Terminated(Exception):
+    """SIGTERM (an outer `timeout`): raised where the bench is, so the fleet's logs are printed on the way out."""
+
+
+def on_sigterm(signum, frame) -> None:
+    raise Terminated("terminated by SIGTERM (a time limit?)")
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", default="2,4,8", help="worker counts to run, comma-separated")
     parser.add_argument("--adapters", type=int, default=1000)
@@ -401,15 +462,47 @@ def main() -> None:
     parser.add_argument("--gpu-memory-fraction", type=float, help="each worker's share of the GPU (part b)")
     parser.add_argument("--kill", action="store_true", help="then kill a worker -9 mid-run, routing on")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument("--logs-dir", type=Path, help="keep the fleets' logs here (default: a new temporary directory)")
+    parser.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=300.0,
+        help="a fleet's gateway and workers must be up within this (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--phase-timeout-s",
+        type=float,
+        default=600.0,
+        help="the jobs of each phase (warm-up, burst, arrivals) must finish within this (default: %(default)s)",
+    )
+    parser.add_argument("--worker-flag", action="append", default=[], metavar="FLAGS",
+                        help="more `lorafleet worker` flags for every worker, after the bench's own (repeatable), "
+                             "e.g. --worker-flag='--kernel-tune-budget-s 120'")  # fmt: skip
+    args = parser.parse_args(argv)
+    previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
     tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
-    print(f"logs: {tmp}")
-    assets = write_assets(tmp, args.adapters)
-    for n in (int(part) for part in args.workers.split(",")):
-        run_fleet(args, assets, n, tmp / f"fleet-{n}")
-    shutil.rmtree(tmp / "adapters")
+    logs = args.logs_dir.resolve() if args.logs_dir else tmp
+    logs.mkdir(parents=True, exist_ok=True)
+    say(f"logs: {logs}")
+    if args.device.startswith("cuda"):
+        shown = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY",
+                 "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")  # fmt: skip
+        say("the workers' GPU environment: " + ", ".join(f"{name}={os.environ.get(name, '(unset)')}" for name in shown))
+    try:
+        assets = write_assets(tmp, args.adapters)
+        for n in (int(part) for part in args.workers.split(",")):
+            run_fleet(args, assets, n, logs / f"fleet-{n}")
+    except (FleetError, Terminated) as exc:
+        print(f"bench.fleet FAILED after {time.monotonic() - STARTED:.0f} s: {exc}\nlogs: {logs}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+        shutil.rmtree(tmp / "adapters", ignore_errors=True)
+        shutil.rmtree(tmp / "model", ignore_errors=True)
     print(f"targets: {TARGETS}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 from dataclasses import dataclass
 
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.fleet_processes import LOCAL_HTTP
 from gateway.routing import rendezvous_rank
 from shared import keys
 from shared.adapter_registry import get_adapter
@@ -41,7 +41,7 @@ class PlacementSplit:
 
 def gateway_placements(url: str, model: str) -> dict[str, int]:
     """The gateway's placement counter for `model`, as scraped from its /metrics now."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+    with LOCAL_HTTP.open(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
     counts: dict[str, int] = {}
     for family in text_string_to_metric_families(text):

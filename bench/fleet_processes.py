@@ -1,0 +1,143 @@
+"""The fleet bench's processes (one gateway, the workers) and its waits, none of which can hang silently.
+
+Every wait is bounded and, while it waits, checks that each process of the fleet is still running: a
+worker that exits (a crash at start, a CUDA error mid-run) fails the bench at once, unless the bench
+killed it on purpose (`expect_exit`, the `--kill` run). A failure is a `FleetError` whose message ends
+with the tail of the log of the process that died, or of every process where a wait ran out of time.
+The logs stay in the fleet's log directory either way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TAIL_LINES = 40
+STOP_GRACE_S = 30.0  # a worker's SIGTERM drain; then SIGKILL
+PROGRESS_EVERY_S = 30.0
+# the gateway is on 127.0.0.1: an http_proxy in the environment must not take its requests elsewhere
+LOCAL_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class FleetError(RuntimeError):
+    """The fleet failed (a process died, a wait ran out); the message carries the relevant log tails."""
+
+
+def log_tail(log: Path, lines: int = TAIL_LINES) -> str:
+    if not log.exists():
+        return "(no log)"
+    text = log.read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join(text) if text else "(empty log)"
+
+
+def answers_ok(url: str) -> bool:
+    try:
+        with LOCAL_HTTP.open(url, timeout=1.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@dataclass
+class Child:
+    """One `python -m cli ...` process and its log (stdout and stderr together)."""
+
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def report(self) -> str:
+        return f"--- {self.name} ({self.log}), last {TAIL_LINES} lines:\n{log_tail(self.log)}"
+
+
+@dataclass
+class Fleet:
+    """The fleet's processes, started by `spawn` and stopped together on exit (SIGTERM, then SIGKILL)."""
+
+    log_dir: Path
+    children: dict[str, Child] = field(default_factory=dict)
+    expected_exits: set[str] = field(default_factory=set)  # killed by the bench on purpose
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        """Start `python -m cli *args` from the repository with this process's environment (PYTHONPATH,
+        CUDA_VISIBLE_DEVICES, CUDA_MPS_*, NCCL_* pass through), plus `env`."""
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # the repository first, so `-m cli` finds this checkout from any working directory
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
+        log = self.log_dir / f"{name}.log"
+        with log.open("wb") as sink:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "cli", *args], cwd=REPO_ROOT, env=child_env, stdout=sink,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        self.children[name] = child = Child(name, popen, log)
+        return child
+
+    def kill(self, name: str) -> None:
+        """SIGKILL `name`, as a machine that dies; its exit no longer fails the waits."""
+        self.expected_exits.add(name)
+        self.children[name].popen.send_signal(signal.SIGKILL)
+
+    def check_alive(self) -> None:
+        """Raise FleetError, with its log's tail, if a process exited that the bench did not kill."""
+        for child in self.children.values():
+            code = child.popen.poll()
+            if code is not None and child.name not in self.expected_exits:
+                raise FleetError(f"{child.name} exited with code {code}\n{child.report()}")
+
+    def reports(self) -> str:
+        return "\n".join(child.report() for child in self.children.values())
+
+    def wait_for(
+        self, condition: Callable[[], bool], timeout_s: float, what: str, progress: Callable[[], str] | None = None
+    ) -> float:
+        """Poll `condition` until true, for at most `timeout_s`; returns the seconds it took. Every
+        PROGRESS_EVERY_S, prints `progress()` (what is done so far). Fails at once if a process died."""
+        start = time.monotonic()
+        next_progress = start + PROGRESS_EVERY_S
+        while not condition():
+            self.check_alive()
+            now = time.monotonic()
+            if now - start > timeout_s:
+                done = f" ({progress()})" if progress is not None else ""
+                raise FleetError(f"timed out after {timeout_s:.0f} s waiting for {what}{done}\n{self.reports()}")
+            if progress is not None and now >= next_progress:
+                print(f"    ... {what}: {progress()} after {now - start:.0f} s", flush=True)
+                next_progress = now + PROGRESS_EVERY_S
+            time.sleep(0.1)
+        return time.monotonic() - start
+
+    def stop(self) -> None:
+        """SIGTERM every process still running (the workers drain), SIGKILL those past the grace period."""
+        for child in self.children.values():
+            if child.popen.poll() is None:
+                child.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children.values():
+            try:
+                child.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.popen.kill()
+                child.popen.wait()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc is not None and not isinstance(exc, FleetError):
+                # a failure of the bench itself (a refused submit, SIGTERM from a time limit): what the
+                # processes were doing is the first thing to know
+                print(f"the fleet failed ({exc_type.__name__}: {exc}); its processes' logs:\n{self.reports()}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        finally:
+            self.stop()
