@@ -1,5 +1,5 @@
 """Where the fleet bench's jobs ran against where routing would keep them: the split that says why a
-routed fleet's hit rate is what it is (bench/fleet.py prints it under each design's row).
+routed fleet's hit rate is what it is (bench/fleet_report.py prints it under each design's row).
 
 - placed: the gateway's placements (`lorafleet_gateway_jobs_placed`) over the measured phase: gpu / host
   (a worker held the adapter), home (its rendezvous home had room), spill, backlog, shared;

@@ -1,10 +1,12 @@
-"""The fleet bench's processes (one gateway, the workers) and its waits, none of which can hang silently.
+"""The fleet bench's processes (one gateway, the workers): their flags and logs, the waits on them, none
+of which can hang silently, and the bench's progress lines.
 
-Every wait is bounded and, while it waits, checks that each process of the fleet is still running: a
-worker that exits (a crash at start, a CUDA error mid-run) fails the bench at once, unless the bench
-killed it on purpose (`expect_exit`, the `--kill` run). A failure is a `FleetError` whose message ends
-with the tail of the log of the process that died, or of every process where a wait ran out of time.
-The logs stay in the fleet's log directory either way.
+`start_fleet` starts a fleet's gateway (routing on for the routed design) and its workers with the
+bench's flags, and returns once all are up. Every wait is bounded and, while it waits, checks that each
+process of the fleet is still running: a worker that exits (a crash at start, a CUDA error mid-run)
+fails the bench at once, unless the bench killed it on purpose (`Fleet.kill`, the `--kill` run). A
+failure is a `FleetError` whose message ends with the tail of the log of the process that died, or of
+every process where a wait ran out of time. The logs stay in the fleet's log directory either way.
 """
 
 from __future__ import annotations
@@ -20,12 +22,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
+from bench.fleet_workload import MODEL
+from cli.redis_server import free_port
+from shared import keys
+from worker.model.lora_linear import PAGE_RANK
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TAIL_LINES = 40
 STOP_GRACE_S = 30.0  # a worker's SIGTERM drain; then SIGKILL
 PROGRESS_EVERY_S = 30.0
 # the gateway is on 127.0.0.1: an http_proxy in the environment must not take its requests elsewhere
 LOCAL_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# the workers' --max-lora-rank: one pool page per slot, so --max-loras (--pool) is the adapters a GPU tier
+# holds; at the default 64 a slot is 4 pages, and 4 rank-4 adapters fit in each (a pool of 128, not 32)
+SLOT_RANK = PAGE_RANK
+GATEWAY_FLAGS = [
+    "--requests-per-min", "100000000", "--tokens-per-min", "1000000000",
+    "--max-concurrent-jobs", "1000000", "--max-queue-per-model", "1000000",
+]  # fmt: skip
+STARTED = time.monotonic()
+
+
+def say(message: str) -> None:
+    """A progress line, stamped with the seconds since the bench started (flushed: a time limit may cut it)."""
+    print(f"[{time.monotonic() - STARTED:6.1f} s] {message}", flush=True)
 
 
 class FleetError(RuntimeError):
@@ -141,3 +163,52 @@ class Fleet:
                       file=sys.stderr, flush=True)  # fmt: skip
         finally:
             self.stop()
+
+
+def worker_flags(args, redis_url: str, model_dir: Path, adapter_root: Path, worker: str) -> list[str]:
+    """`lorafleet worker` flags of one worker of the fleet; `--worker-flag`s last, so they win."""
+    flags = [
+        "worker", "--redis-url", redis_url, "--model", f"{MODEL}={model_dir}", "--adapter-root",
+        str(adapter_root), "--worker-id", worker, "--device", args.device, "--max-loras", str(args.pool),
+        "--max-lora-rank", str(SLOT_RANK),
+        "--max-num-seqs", str(args.max_num_seqs), "--heartbeat-interval", str(args.heartbeat),
+        "--claim-idle-ms", str(int(args.heartbeat * 4000)), "--steal-after-ms", str(args.steal_after_ms),
+        # no start-up tune of the LoRA plans (the packaged tables have none for the demo model's shapes): it
+        # would take up to its 120 s budget at every fleet's start, both workers tuning against each other on
+        # one GPU, and both designs run on the same plans either way
+        "--kernel-tune-budget-s", "0",
+    ]  # fmt: skip
+    if args.gpu_memory_fraction:
+        flags += ["--gpu-memory-fraction", str(args.gpu_memory_fraction)]
+    return flags + [flag for extra in args.worker_flag for flag in extra.split()]
+
+
+def start_fleet(args, fleet: Fleet, redis_url: str, assets: tuple[Path, Path], workers: list[str], design: str,
+                label: str) -> str:  # fmt: skip
+    """Start the gateway (routing on for `design` "routed") and the workers; return the gateway's URL once it
+    answers and every worker has announced itself. `label`: the fleet's name in progress lines."""
+    model_dir, adapter_root = assets
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    routing = "on" if design == "routed" else "off"
+    fleet.spawn("gateway", ["gateway", "--redis-url", redis_url, "--port", str(port), "--adapter-routing", routing,
+                            *GATEWAY_FLAGS])  # fmt: skip
+    # on CPU one intra-op thread a worker (bench/fleet.py's docstring says why)
+    worker_env = {"OMP_NUM_THREADS": "1"} if args.device == "cpu" else {}
+    for worker in workers:
+        fleet.spawn(worker, worker_flags(args, redis_url, model_dir, adapter_root, worker), worker_env)
+    start = time.monotonic()
+    ready: dict[str, float] = {}
+    with redis.Redis.from_url(redis_url) as client:
+
+        def all_ready() -> bool:
+            for worker in workers:
+                if worker not in ready and client.exists(keys.worker(worker)):
+                    ready[worker] = time.monotonic() - start
+            return len(ready) == len(workers) and answers_ok(f"{url}/healthz")
+
+        fleet.wait_for(all_ready, args.start_timeout_s, f"{label}: the gateway and {len(workers)} workers to start",
+                       lambda: f"workers ready: {sorted(ready) or 'none'}")  # fmt: skip
+    each = ", ".join(f"{worker} {ready[worker]:.0f} s" for worker in workers)
+    say(f"{label}: fleet started, {len(workers)} workers ready in {time.monotonic() - start:.0f} s ({each})")
+    return url
