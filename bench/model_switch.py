@@ -18,6 +18,9 @@
               serving engine, activate the new one) until the new model's first step is launched; the
               time that step (a 32 x 128-token prefill) then takes is printed beside it
     during    decode tok/s of the serving model while the side-stream copy runs, vs before it
+    timeline  the serving model's tok/s and step times during each kind of the preparation's work
+              (copy, KV carve, warm-up passes, piece and decode captures, the pacer's rests, ...),
+              beside the serving model alone over a whole batch (bench/overlap_timeline.py)
 The cold and warm rows run the code the worker runs (worker/switching/loader.py); the overlap row takes
 the steps ModelResidency takes (prepare on a loader thread, evict, activate) beside a serving LLMEngine.
 
@@ -50,6 +53,7 @@ import torch
 from tokenizers import Tokenizer, models
 
 from bench.disk_floor import drop_page_cache, read_floor
+from bench.overlap_timeline import Step, format_table, split_by_kind, whole
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from shared.schema import SamplingParams
@@ -261,6 +265,13 @@ def add_batch(engine: LLMEngine, tag: str, new_tokens: int = NEW_TOKENS) -> None
         engine.add(EngineRequest(job_id=f"{tag}-{i}", prompt_token_ids=tokens, sampling=params))
 
 
+def timed_step(engine: LLMEngine, steps: list[Step]) -> None:
+    """One engine step, its wall interval and sampled tokens appended to `steps`."""
+    start = time.perf_counter()
+    engine.step()
+    steps.append(Step(start, time.perf_counter(), engine.last_step.num_sampled))
+
+
 def run_batch(engine: LLMEngine, tag: str) -> int:
     """Generated tokens of one batch run to completion."""
     add_batch(engine, tag)
@@ -390,6 +401,13 @@ def measure_overlap(
         warm.step()
     del warm
     free_device_memory()
+    # the serving model alone over one whole batch (its prefill, then SERVING_TOKENS decode steps):
+    # the context lengths the preparation's window sees, unlike the 20 steps after a prefill below
+    alone: list[Step] = []
+    add_batch(serving, "alone", new_tokens=SERVING_TOKENS)
+    while serving.num_unfinished:
+        timed_step(serving, alone)
+    sync()
     batches = ["before-0"]
     add_batch(serving, batches[-1], new_tokens=SERVING_TOKENS)
     for _ in range(3):  # prefill, then decode steps only
@@ -407,26 +425,32 @@ def measure_overlap(
     pacer = CapturePacer(serving=lambda: (engine := serving_ref()) is not None and engine.num_unfinished > 0)
 
     def prepare() -> None:
+        pacer.mark("model allocation")
         model = new_model(info, config)
         started = time.perf_counter()
+        pacer.mark("weight copy")
         copy_to_model(model, host, stream)
         built = time.perf_counter()
         prepared["runner"] = new_runner(model, config, kv_storage, pacer)
         prepared["copy_s"], prepared["build_s"] = built - started, time.perf_counter() - built
 
     loader = threading.Thread(target=prepare)
-    t0, steps = time.perf_counter(), 0
+    during: list[Step] = []
+    t0 = time.perf_counter()
     loader.start()
     while loader.is_alive():
         if not serving.num_unfinished:  # a paced preparation outlasts a batch: the next one arrives
             batches.append(f"before-{len(batches)}")
             add_batch(serving, batches[-1], new_tokens=SERVING_TOKENS)
-        serving.step()
-        steps += 1
+        timed_step(serving, during)
     loader.join()
     sync()
-    prepare_s = time.perf_counter() - t0
-    during_tok_s = BATCH * steps / prepare_s
+    t1 = time.perf_counter()
+    prepare_s = t1 - t0
+    during_tok_s = BATCH * len(during) / prepare_s
+    alone_row = whole(alone, f"alone, one whole batch ({SERVING_TOKENS} tokens)")
+    print(f"\n{info.name} prepared beside the serving model: the serving model during each stretch")
+    print(format_table(split_by_kind(during, pacer.timeline, t0, t1), alone_row), flush=True)
     for i in range(BATCH):  # a switch past its grace: the serving model's jobs are handed back
         serving.abort(f"{batches[-1]}-{i}")
     serving.step()  # the step that retires the aborted sequences: the serving model's last
@@ -443,7 +467,8 @@ def measure_overlap(
     detail = (
         f"prepare {prepare_s:.2f} s beside serving (copy {prepared['copy_s']:.2f} s, KV + graphs "
         f"{prepared['build_s']:.2f} s); pause = evict + activate until the first step is launched; that "
-        f"step (prefill) then took {first_step_s * 1e3:.0f} ms; decode {before_tok_s:.0f} → {during_tok_s:.0f} tok/s"
+        f"step (prefill) then took {first_step_s * 1e3:.0f} ms; decode {before_tok_s:.0f} → {during_tok_s:.0f} tok/s "
+        f"(alone over a whole batch {alone_row.tok_s:.0f} tok/s: × {during_tok_s / alone_row.tok_s:.2f})"
     )
     return SwitchRow(info.name, host.nbytes / 1e9, "overlap", pause_s, pause_s + first_step_s, detail), incoming
 
