@@ -363,13 +363,21 @@ def measure_warm(info: ModelInfo, host: HostWeights, h2d_bps: float, stream: tor
 
 
 SERVING_TOKENS = 2048  # each of the serving model's batches: refilled as it finishes, so it has work throughout
+# the CPU smoke run's: its preparation takes a fraction of a second, and the baseline decodes a whole batch
+SMOKE_SERVING_TOKENS = 64
+
+
+def serving_tokens(info: ModelInfo) -> int:
+    """New tokens per batch of the serving model `info`."""
+    return SMOKE_SERVING_TOKENS if info.name == "tiny" else SERVING_TOKENS
 
 
 def kv_storage_for(*infos: ModelInfo) -> torch.Tensor:
     """One resident slot's KV storage, as ModelResidency keeps it: large enough for the serving
-    model's cache (prompt + SERVING_TOKENS) and the incoming one's (engine_config()'s)."""
+    model's cache (prompt + serving_tokens) and the incoming one's (engine_config()'s)."""
     needs = []
-    for info, context in [(infos[0], PROMPT + SERVING_TOKENS), *[(i, PROMPT + NEW_TOKENS) for i in infos[1:]]]:
+    contexts = [PROMPT + serving_tokens(infos[0])] + [PROMPT + NEW_TOKENS] * (len(infos) - 1)
+    for info, context in zip(infos, contexts, strict=True):
         config = engine_config(context)
         needs.append(kv_storage_bytes(model_footprint(info, config), config.num_kv_blocks, config))
     return torch.empty(max(needs), dtype=torch.uint8, device=device())
@@ -379,7 +387,8 @@ def serving_engine(
     block: torch.Tensor, tiny: bool, stream: torch.cuda.Stream | None, kv_storage: torch.Tensor
 ) -> LLMEngine:
     """The model that serves while another is prepared: 1B-shaped (tiny on a CPU smoke run)."""
-    info, config = SHAPES["tiny" if tiny else "1b"], engine_config(PROMPT + SERVING_TOKENS)
+    info = SHAPES["tiny" if tiny else "1b"]
+    config = engine_config(PROMPT + serving_tokens(info))
     engine = new_engine(new_model(info, config), config, kv_storage)
     copy_to_model(engine.runner.model, host_weights(info, block), stream)
     return engine
@@ -401,15 +410,19 @@ def measure_overlap(
         warm.step()
     del warm
     free_device_memory()
-    # the serving model alone over one whole batch (its prefill, then SERVING_TOKENS decode steps):
-    # the context lengths the preparation's window sees, unlike the 20 steps after a prefill below
+    # the serving model alone over one whole batch (its prefill, then its decode steps): the context
+    # lengths the preparation's window sees, unlike the 20 steps after a prefill below
+    new_tokens = serving_tokens(serving.info)
+    add_batch(serving, "compile", new_tokens=2)  # first uses of the eager prefill's shapes compile kernels
+    while serving.num_unfinished:
+        serving.step()
     alone: list[Step] = []
-    add_batch(serving, "alone", new_tokens=SERVING_TOKENS)
+    add_batch(serving, "alone", new_tokens=new_tokens)
     while serving.num_unfinished:
         timed_step(serving, alone)
     sync()
     batches = ["before-0"]
-    add_batch(serving, batches[-1], new_tokens=SERVING_TOKENS)
+    add_batch(serving, batches[-1], new_tokens=new_tokens)
     for _ in range(3):  # prefill, then decode steps only
         serving.step()
     sync()
@@ -441,14 +454,14 @@ def measure_overlap(
     while loader.is_alive():
         if not serving.num_unfinished:  # a paced preparation outlasts a batch: the next one arrives
             batches.append(f"before-{len(batches)}")
-            add_batch(serving, batches[-1], new_tokens=SERVING_TOKENS)
+            add_batch(serving, batches[-1], new_tokens=new_tokens)
         timed_step(serving, during)
     loader.join()
     sync()
     t1 = time.perf_counter()
     prepare_s = t1 - t0
     during_tok_s = BATCH * len(during) / prepare_s
-    alone_row = whole(alone, f"alone, one whole batch ({SERVING_TOKENS} tokens)")
+    alone_row = whole(alone, f"alone, one whole batch ({new_tokens} tokens)")
     print(f"\n{info.name} prepared beside the serving model: the serving model during each stretch")
     print(format_table(split_by_kind(during, pacer.timeline, t0, t1), alone_row), flush=True)
     for i in range(BATCH):  # a switch past its grace: the serving model's jobs are handed back
