@@ -53,7 +53,7 @@ import torch
 from tokenizers import Tokenizer, models
 
 from bench.disk_floor import drop_page_cache, read_floor
-from bench.overlap_timeline import Step, format_table, split_by_kind, whole
+from bench.overlap_timeline import Step, format_table, percentile, split_by_kind, tok_s_over_time, whole
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from shared.schema import SamplingParams
@@ -463,7 +463,15 @@ def measure_overlap(
     during_tok_s = BATCH * len(during) / prepare_s
     alone_row = whole(alone, f"alone, one whole batch ({new_tokens} tokens)")
     print(f"\n{info.name} prepared beside the serving model: the serving model during each stretch")
-    print(format_table(split_by_kind(during, pacer.timeline, t0, t1), alone_row), flush=True)
+    print(format_table(split_by_kind(during, pacer.timeline, t0, t1), alone_row))
+    tenth = max(1, len(alone) // 10)  # the alone batch's steps in order: contexts from PROMPT up
+    early, late = ([(s.end - s.start) * 1e3 for s in part] for part in (alone[1 : tenth + 1], alone[-tenth:]))
+    print(
+        f"alone, step p50 over the batch's first and last tenth of decode steps (context grows by "
+        f"{new_tokens} tokens): {percentile(early, 50):.2f} → {percentile(late, 50):.2f} ms; "
+        f"tok/s per fifth of the preparation: {', '.join(f'{x:.0f}' for x in tok_s_over_time(during, t0, t1, 5))}",
+        flush=True,
+    )
     for i in range(BATCH):  # a switch past its grace: the serving model's jobs are handed back
         serving.abort(f"{batches[-1]}-{i}")
     serving.step()  # the step that retires the aborted sequences: the serving model's last

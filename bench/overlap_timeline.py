@@ -112,6 +112,24 @@ def split_by_kind(steps: Sequence[Step], timeline: Sequence[Interval], start: fl
     ]
 
 
+def tok_s_over_time(steps: Sequence[Step], start: float, end: float, parts: int) -> list[float]:
+    """The serving tok/s in each of `parts` equal slices of [start, end] (a step's tokens shared by
+    overlap, as split_by_kind shares them): whether the slowdown holds or drifts over the window."""
+    width = (end - start) / parts
+    tokens = [0.0] * parts
+    for step in steps:
+        duration = step.end - step.start
+        if duration <= 0:
+            continue
+        first = max(0, int((step.start - start) // width))
+        for part in range(first, min(parts, int((step.end - start) // width) + 1)):
+            lo, hi = start + part * width, start + (part + 1) * width
+            overlap = min(step.end, hi) - max(step.start, lo)
+            if overlap > 0:
+                tokens[part] += step.tokens * overlap / duration
+    return [t / width for t in tokens]
+
+
 def whole(steps: Sequence[Step], label: str) -> KindRow:
     """One row over every step of `steps` (the serving model alone, say): tokens over their span."""
     step_ms = [(step.end - step.start) * 1e3 for step in steps]

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from bench.overlap_timeline import OUTSIDE, KindRow, Step, covering, format_table, percentile, split_by_kind, whole
+from bench.overlap_timeline import (
+    OUTSIDE,
+    KindRow,
+    Step,
+    covering,
+    format_table,
+    percentile,
+    split_by_kind,
+    tok_s_over_time,
+    whole,
+)
 from worker.engine.capture_pacer import REST, Interval
 
 
@@ -77,3 +87,8 @@ def test_the_table_gives_each_kind_against_the_model_alone():
     assert lines[3] == "| rest | 3.00 | 75.0% | 80 | 0.80 | 30 | 1.20 | 3.00 |"
     assert lines[4] == "| capture | 1.00 | 25.0% | 30 | 0.30 | 5 | 4.00 | 9.00 |"
     assert lines[5] == "| whole preparation | 4.00 | 100.0% | 68 | 0.68 | 35 | – | – |"
+
+
+def test_tok_s_over_time_shares_a_step_between_the_slices_it_spans():
+    steps = [Step(0.0, 1.0, 10), Step(1.0, 3.0, 10), Step(3.0, 4.0, 0)]
+    assert tok_s_over_time(steps, 0.0, 4.0, 2) == pytest.approx([7.5, 2.5])
