@@ -1,6 +1,6 @@
 """Model switching and GPU sharing on one GPU, with bf16 random-weight Llama-shaped models.
 
-    python -m bench.model_switch --part switch [--shapes 1b 8b 14b] [--cold 1b 8b] [--dir DIR]
+    python -m bench.model_switch --part switch [--shapes 1b 8b 14b] [--cold 1b 8b] [--dir DIR] [--switch-interval-ms 5]
     python -m bench.model_switch --part share  [--pair 1b 8b] [--seconds 20] [--mps]
     python -m bench.model_switch --serve 8b --seconds 20 --memory-fraction 0.45   (one co-located process)
 
@@ -650,7 +650,16 @@ def main() -> None:
     parser.add_argument("--mps", action="store_true", help="co-located run only, under a running MPS daemon")
     parser.add_argument("--serve", choices=list(SHAPES), help="internal: one co-located process")
     parser.add_argument("--out", type=Path, help="append result rows as JSON lines")
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        help="the process's GIL switch interval (sys.setswitchinterval; Python's default 5 ms): how long a "
+        "thread waiting for the GIL lets another one run Python (bench/gil_handoff.py)",
+    )
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    print(f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
     if args.serve:
         if torch.cuda.is_available():
             torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
