@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from worker.engine.capture_pacer import REST, CapturePacer, Interval
@@ -135,3 +137,16 @@ def test_no_rest_is_recorded_while_nothing_beside_the_capture_has_requests():
     pacer.finish()
     assert [i.kind for i in pacer.timeline] == ["capture", "capture"]
     assert pacer.timeline[-1].end == pytest.approx(0.020)
+
+
+def test_the_timeline_leaves_no_gap_between_stretches():
+    clock = Clock()
+    pacer = pacer_on(clock, 0.25, serving=lambda: clock.now < 1.0)
+    pacer.mark("setup")
+    for _ in range(4):
+        clock.now += 0.3
+        pacer.pause("capture")
+    pacer.finish()
+    timeline = pacer.timeline
+    assert all(a.end == b.start for a, b in itertools.pairwise(timeline))
+    assert [i.kind for i in timeline] == ["setup", "capture", REST, "capture", "capture", "capture"]

@@ -75,9 +75,10 @@ class CapturePacer:
             if rest > 0.0:
                 self._sleep(rest)
                 self.slept_s += rest
-                self.timeline.append(Interval(now, self._clock(), REST))
-        self._resumed = self._clock()
-        self._open = (self._resumed, kind)
+                rested, now = now, self._clock()
+                self.timeline.append(Interval(rested, now, REST))
+        self._resumed = now
+        self._open = (now, kind)
 
     def mark(self, kind: str) -> None:
         """From now on the work is of `kind`, for the timeline only: no rest here. Before the first
