@@ -413,7 +413,7 @@ def measure_overlap(
     # the serving model alone over one whole batch (its prefill, then its decode steps): the context
     # lengths the preparation's window sees, unlike the 20 steps after a prefill below
     new_tokens = serving_tokens(serving.info)
-    add_batch(serving, "compile", new_tokens=2)  # first uses of the eager prefill's shapes compile kernels
+    add_batch(serving, "compile", new_tokens=2)  # a first eager prefill's shapes may compile kernels
     while serving.num_unfinished:
         serving.step()
     alone: list[Step] = []
