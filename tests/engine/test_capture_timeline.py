@@ -43,8 +43,9 @@ def test_a_cuda_runner_records_every_stretch_of_its_captures_in_order(llama: Tin
     kinds = [interval.kind for interval in timeline]
     piecewise_end = kinds.index("decode setup")
     assert kinds[:4] == ["kv carve", "piece setup", "gc.collect", "piece warm-up"]
-    assert set(kinds[3:piecewise_end]) == {"piece warm-up", "piece capture"}
+    assert set(kinds[3:piecewise_end]) == {"piece warm-up", "piece capture", "graph instantiate"}
     assert kinds[piecewise_end : piecewise_end + 3] == ["decode setup", "gc.collect", "decode warm-up"]
-    assert set(kinds[piecewise_end + 2 :]) == {"decode warm-up", "decode capture"}
-    assert kinds[-1] == "decode capture"
+    assert set(kinds[piecewise_end + 2 :]) == {"decode warm-up", "decode capture", "graph instantiate"}
+    assert kinds[-2:] == ["decode capture", "graph instantiate"]
+    assert all(kind == "graph instantiate" for before, kind in itertools.pairwise(kinds) if "capture" in before)
     assert all(a.end == b.start for a, b in itertools.pairwise(timeline)), "stretches leave gaps"

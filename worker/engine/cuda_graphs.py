@@ -76,13 +76,15 @@ def capture_session(device: torch.device, pacer: CapturePacer | None = None) -> 
         stream.synchronize()
 
 
-def capture(run: Callable[[], None], pool: tuple[int, int]) -> torch.cuda.CUDAGraph:
-    """A graph of what `run` launches, its memory from `pool` (inside a capture_session)."""
+def capture(run: Callable[[], None], pool: tuple[int, int], pacer: CapturePacer | None = None) -> torch.cuda.CUDAGraph:
+    """A graph of what `run` launches, its memory from `pool` (inside a capture_session). On `pacer`'s
+    timeline the graph's instantiation (the driver's work in capture_end) is a stretch of its own."""
     graph = torch.cuda.CUDAGraph()
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     try:
         run()
     finally:
+        mark(pacer, "graph instantiate")
         graph.capture_end()
     return graph
 
@@ -224,7 +226,7 @@ class DecodeGraphs:
                     stream.synchronize()
                     pace(pacer, "decode capture")
                     self._graphs[size, with_lora] = capture(
-                        functools.partial(self._forward, size, with_lora, self.kv_cache), pool
+                        functools.partial(self._forward, size, with_lora, self.kv_cache), pool, pacer
                     )
             self._stage_padding(scratch_block=self.scratch_block)
         log.info("decode_graphs_captured", sizes=self.sizes)

@@ -237,6 +237,7 @@ class PiecewiseGraphs:
                     graphs = self._graphs[size, with_lora] = []
                     for index in range(pieces.num_layers + 1):
                         pace(pacer, "piece capture")
-                        graphs.append(capture(functools.partial(pieces.piece, index, size, state, self.kv_cache), pool))
+                        piece = functools.partial(pieces.piece, index, size, state, self.kv_cache)
+                        graphs.append(capture(piece, pool, pacer))
             pieces.slot_mapping.fill_(pieces.scratch_slot)
         log.info("piecewise_graphs_captured", sizes=self.sizes, graphs=sum(map(len, self._graphs.values())))
