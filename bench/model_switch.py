@@ -46,7 +46,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -395,12 +395,18 @@ def serving_engine(
 
 
 def measure_overlap(
-    serving: LLMEngine, info: ModelInfo, host: HostWeights, stream: torch.cuda.Stream | None, kv_storage: torch.Tensor
+    serving: LLMEngine,
+    info: ModelInfo,
+    host: HostWeights,
+    stream: torch.cuda.Stream | None,
+    kv_storage: torch.Tensor,
+    timeline_out: Path | None = None,
 ) -> tuple[SwitchRow, LLMEngine]:
     """Prepare `info` beside `serving` while it decodes, as ModelResidency.prepare does (paced weight
     copy on a side stream, then the runner: KV cache carved from `serving`'s KV storage, decode graphs
     captured), then hand over as the switcher does (evict, activate); returns the row and the new
-    engine. Takes `serving` over: it is dropped in the hand-over (the caller keeps no reference)."""
+    engine. Takes `serving` over: it is dropped in the hand-over (the caller keeps no reference).
+    `timeline_out`: where to append the raw timeline and steps as one JSON line, for slicing later."""
     config = engine_config()
     # a worker switching between models it served before has their kernels compiled (Triton JITs
     # each new shape once per process): compile them here so the pause below is the steady state
@@ -464,6 +470,11 @@ def measure_overlap(
     alone_row = whole(alone, f"alone, one whole batch ({new_tokens} tokens)")
     print(f"\n{info.name} prepared beside the serving model: the serving model during each stretch")
     print(format_table(split_by_kind(during, pacer.timeline, t0, t1), alone_row))
+    if timeline_out is not None:
+        with timeline_out.open("a") as f:
+            raw = {"alone": alone, "during": during, "timeline": pacer.timeline}
+            record = {name: [astuple(item) for item in items] for name, items in raw.items()}
+            f.write(json.dumps({"model": info.name, "window": [t0, t1], **record}) + "\n")
     tenth = max(1, len(alone) // 10)  # the alone batch's steps in order: contexts from PROMPT up
     early, late = ([(s.end - s.start) * 1e3 for s in part] for part in (alone[1 : tenth + 1], alone[-tenth:]))
     print(
@@ -517,7 +528,7 @@ def part_switch(args: argparse.Namespace) -> None:
         serving_info = SHAPES["tiny" if "tiny" in args.shapes else "1b"]
         kv_storage = kv_storage_for(serving_info, SHAPES[shape])
         serving = serving_engine(block, "tiny" in args.shapes, stream, kv_storage)
-        row, incoming = measure_overlap(serving, SHAPES[shape], host, stream, kv_storage)
+        row, incoming = measure_overlap(serving, SHAPES[shape], host, stream, kv_storage, args.timeline_out)
         del serving  # measure_overlap dropped its own reference at the hand-over
         rows.append(row)
         print(rows[-1], flush=True)
@@ -650,6 +661,12 @@ def main() -> None:
     parser.add_argument("--mps", action="store_true", help="co-located run only, under a running MPS daemon")
     parser.add_argument("--serve", choices=list(SHAPES), help="internal: one co-located process")
     parser.add_argument("--out", type=Path, help="append result rows as JSON lines")
+    parser.add_argument(
+        "--timeline-out",
+        type=Path,
+        help="append each overlap's raw timeline as a JSON line: the serving steps alone and during the "
+        "preparation as [start, end, tokens], the preparation's stretches as [start, end, kind]",
+    )
     parser.add_argument(
         "--switch-interval-ms",
         type=float,
