@@ -1,6 +1,6 @@
 """Model switching and GPU sharing on one GPU, with bf16 random-weight Llama-shaped models.
 
-    python -m bench.model_switch --part switch [--shapes 1b 8b 14b] [--cold 1b 8b] [--dir DIR]
+    python -m bench.model_switch --part switch [--shapes 1b 8b 14b] [--cold 1b 8b] [--dir DIR] [--switch-interval-ms 5]
     python -m bench.model_switch --part share  [--pair 1b 8b] [--seconds 20] [--mps]
     python -m bench.model_switch --serve 8b --seconds 20 --memory-fraction 0.45   (one co-located process)
 
@@ -18,6 +18,9 @@
               serving engine, activate the new one) until the new model's first step is launched; the
               time that step (a 32 x 128-token prefill) then takes is printed beside it
     during    decode tok/s of the serving model while the side-stream copy runs, vs before it
+    timeline  the serving model's tok/s and step times during each kind of the preparation's work
+              (copy, KV carve, warm-up passes, piece and decode captures, the pacer's rests, ...),
+              beside the serving model alone over a whole batch (bench/overlap_timeline.py)
 The cold and warm rows run the code the worker runs (worker/switching/loader.py); the overlap row takes
 the steps ModelResidency takes (prepare on a loader thread, evict, activate) beside a serving LLMEngine.
 
@@ -43,13 +46,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models
 
 from bench.disk_floor import drop_page_cache, read_floor
+from bench.overlap_timeline import Step, format_table, percentile, split_by_kind, tok_s_over_time, whole
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from shared.schema import SamplingParams
@@ -261,6 +265,13 @@ def add_batch(engine: LLMEngine, tag: str, new_tokens: int = NEW_TOKENS) -> None
         engine.add(EngineRequest(job_id=f"{tag}-{i}", prompt_token_ids=tokens, sampling=params))
 
 
+def timed_step(engine: LLMEngine, steps: list[Step]) -> None:
+    """One engine step, its wall interval and sampled tokens appended to `steps`."""
+    start = time.perf_counter()
+    engine.step()
+    steps.append(Step(start, time.perf_counter(), engine.last_step.num_sampled))
+
+
 def run_batch(engine: LLMEngine, tag: str) -> int:
     """Generated tokens of one batch run to completion."""
     add_batch(engine, tag)
@@ -352,13 +363,21 @@ def measure_warm(info: ModelInfo, host: HostWeights, h2d_bps: float, stream: tor
 
 
 SERVING_TOKENS = 2048  # each of the serving model's batches: refilled as it finishes, so it has work throughout
+# the CPU smoke run's: its preparation takes a fraction of a second, and the baseline decodes a whole batch
+SMOKE_SERVING_TOKENS = 64
+
+
+def serving_tokens(info: ModelInfo) -> int:
+    """New tokens per batch of the serving model `info`."""
+    return SMOKE_SERVING_TOKENS if info.name == "tiny" else SERVING_TOKENS
 
 
 def kv_storage_for(*infos: ModelInfo) -> torch.Tensor:
     """One resident slot's KV storage, as ModelResidency keeps it: large enough for the serving
-    model's cache (prompt + SERVING_TOKENS) and the incoming one's (engine_config()'s)."""
+    model's cache (prompt + serving_tokens) and the incoming one's (engine_config()'s)."""
     needs = []
-    for info, context in [(infos[0], PROMPT + SERVING_TOKENS), *[(i, PROMPT + NEW_TOKENS) for i in infos[1:]]]:
+    contexts = [PROMPT + serving_tokens(infos[0])] + [PROMPT + NEW_TOKENS] * (len(infos) - 1)
+    for info, context in zip(infos, contexts, strict=True):
         config = engine_config(context)
         needs.append(kv_storage_bytes(model_footprint(info, config), config.num_kv_blocks, config))
     return torch.empty(max(needs), dtype=torch.uint8, device=device())
@@ -368,19 +387,26 @@ def serving_engine(
     block: torch.Tensor, tiny: bool, stream: torch.cuda.Stream | None, kv_storage: torch.Tensor
 ) -> LLMEngine:
     """The model that serves while another is prepared: 1B-shaped (tiny on a CPU smoke run)."""
-    info, config = SHAPES["tiny" if tiny else "1b"], engine_config(PROMPT + SERVING_TOKENS)
+    info = SHAPES["tiny" if tiny else "1b"]
+    config = engine_config(PROMPT + serving_tokens(info))
     engine = new_engine(new_model(info, config), config, kv_storage)
     copy_to_model(engine.runner.model, host_weights(info, block), stream)
     return engine
 
 
 def measure_overlap(
-    serving: LLMEngine, info: ModelInfo, host: HostWeights, stream: torch.cuda.Stream | None, kv_storage: torch.Tensor
+    serving: LLMEngine,
+    info: ModelInfo,
+    host: HostWeights,
+    stream: torch.cuda.Stream | None,
+    kv_storage: torch.Tensor,
+    timeline_out: Path | None = None,
 ) -> tuple[SwitchRow, LLMEngine]:
     """Prepare `info` beside `serving` while it decodes, as ModelResidency.prepare does (paced weight
     copy on a side stream, then the runner: KV cache carved from `serving`'s KV storage, decode graphs
     captured), then hand over as the switcher does (evict, activate); returns the row and the new
-    engine. Takes `serving` over: it is dropped in the hand-over (the caller keeps no reference)."""
+    engine. Takes `serving` over: it is dropped in the hand-over (the caller keeps no reference).
+    `timeline_out`: where to append the raw timeline and steps as one JSON line, for slicing later."""
     config = engine_config()
     # a worker switching between models it served before has their kernels compiled (Triton JITs
     # each new shape once per process): compile them here so the pause below is the steady state
@@ -390,8 +416,19 @@ def measure_overlap(
         warm.step()
     del warm
     free_device_memory()
+    # the serving model alone over one whole batch (its prefill, then its decode steps): the context
+    # lengths the preparation's window sees, unlike the 20 steps after a prefill below
+    new_tokens = serving_tokens(serving.info)
+    add_batch(serving, "compile", new_tokens=2)  # a first eager prefill's shapes may compile kernels
+    while serving.num_unfinished:
+        serving.step()
+    alone: list[Step] = []
+    add_batch(serving, "alone", new_tokens=new_tokens)
+    while serving.num_unfinished:
+        timed_step(serving, alone)
+    sync()
     batches = ["before-0"]
-    add_batch(serving, batches[-1], new_tokens=SERVING_TOKENS)
+    add_batch(serving, batches[-1], new_tokens=new_tokens)
     for _ in range(3):  # prefill, then decode steps only
         serving.step()
     sync()
@@ -407,26 +444,45 @@ def measure_overlap(
     pacer = CapturePacer(serving=lambda: (engine := serving_ref()) is not None and engine.num_unfinished > 0)
 
     def prepare() -> None:
+        pacer.mark("model allocation")
         model = new_model(info, config)
         started = time.perf_counter()
+        pacer.mark("weight copy")
         copy_to_model(model, host, stream)
         built = time.perf_counter()
         prepared["runner"] = new_runner(model, config, kv_storage, pacer)
         prepared["copy_s"], prepared["build_s"] = built - started, time.perf_counter() - built
 
     loader = threading.Thread(target=prepare)
-    t0, steps = time.perf_counter(), 0
+    during: list[Step] = []
+    t0 = time.perf_counter()
     loader.start()
     while loader.is_alive():
         if not serving.num_unfinished:  # a paced preparation outlasts a batch: the next one arrives
             batches.append(f"before-{len(batches)}")
-            add_batch(serving, batches[-1], new_tokens=SERVING_TOKENS)
-        serving.step()
-        steps += 1
+            add_batch(serving, batches[-1], new_tokens=new_tokens)
+        timed_step(serving, during)
     loader.join()
     sync()
-    prepare_s = time.perf_counter() - t0
-    during_tok_s = BATCH * steps / prepare_s
+    t1 = time.perf_counter()
+    prepare_s = t1 - t0
+    during_tok_s = BATCH * len(during) / prepare_s
+    alone_row = whole(alone, f"alone, one whole batch ({new_tokens} tokens)")
+    print(f"\n{info.name} prepared beside the serving model: the serving model during each stretch")
+    print(format_table(split_by_kind(during, pacer.timeline, t0, t1), alone_row))
+    if timeline_out is not None:
+        with timeline_out.open("a") as f:
+            raw = {"alone": alone, "during": during, "timeline": pacer.timeline}
+            record = {name: [astuple(item) for item in items] for name, items in raw.items()}
+            f.write(json.dumps({"model": info.name, "window": [t0, t1], **record}) + "\n")
+    tenth = max(1, len(alone) // 10)  # the alone batch's steps in order: contexts from PROMPT up
+    early, late = ([(s.end - s.start) * 1e3 for s in part] for part in (alone[1 : tenth + 1], alone[-tenth:]))
+    print(
+        f"alone, step p50 over the batch's first and last tenth of decode steps (context grows by "
+        f"{new_tokens} tokens): {percentile(early, 50):.2f} → {percentile(late, 50):.2f} ms; "
+        f"tok/s per fifth of the preparation: {', '.join(f'{x:.0f}' for x in tok_s_over_time(during, t0, t1, 5))}",
+        flush=True,
+    )
     for i in range(BATCH):  # a switch past its grace: the serving model's jobs are handed back
         serving.abort(f"{batches[-1]}-{i}")
     serving.step()  # the step that retires the aborted sequences: the serving model's last
@@ -443,7 +499,8 @@ def measure_overlap(
     detail = (
         f"prepare {prepare_s:.2f} s beside serving (copy {prepared['copy_s']:.2f} s, KV + graphs "
         f"{prepared['build_s']:.2f} s); pause = evict + activate until the first step is launched; that "
-        f"step (prefill) then took {first_step_s * 1e3:.0f} ms; decode {before_tok_s:.0f} → {during_tok_s:.0f} tok/s"
+        f"step (prefill) then took {first_step_s * 1e3:.0f} ms; decode {before_tok_s:.0f} → {during_tok_s:.0f} tok/s "
+        f"(alone over a whole batch {alone_row.tok_s:.0f} tok/s: × {during_tok_s / alone_row.tok_s:.2f})"
     )
     return SwitchRow(info.name, host.nbytes / 1e9, "overlap", pause_s, pause_s + first_step_s, detail), incoming
 
@@ -471,7 +528,7 @@ def part_switch(args: argparse.Namespace) -> None:
         serving_info = SHAPES["tiny" if "tiny" in args.shapes else "1b"]
         kv_storage = kv_storage_for(serving_info, SHAPES[shape])
         serving = serving_engine(block, "tiny" in args.shapes, stream, kv_storage)
-        row, incoming = measure_overlap(serving, SHAPES[shape], host, stream, kv_storage)
+        row, incoming = measure_overlap(serving, SHAPES[shape], host, stream, kv_storage, args.timeline_out)
         del serving  # measure_overlap dropped its own reference at the hand-over
         rows.append(row)
         print(rows[-1], flush=True)
@@ -604,7 +661,22 @@ def main() -> None:
     parser.add_argument("--mps", action="store_true", help="co-located run only, under a running MPS daemon")
     parser.add_argument("--serve", choices=list(SHAPES), help="internal: one co-located process")
     parser.add_argument("--out", type=Path, help="append result rows as JSON lines")
+    parser.add_argument(
+        "--timeline-out",
+        type=Path,
+        help="append each overlap's raw timeline as a JSON line: the serving steps alone and during the "
+        "preparation as [start, end, tokens], the preparation's stretches as [start, end, kind]",
+    )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        help="the process's GIL switch interval (sys.setswitchinterval; Python's default 5 ms): how long a "
+        "thread waiting for the GIL lets another one run Python (bench/gil_handoff.py)",
+    )
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    print(f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
     if args.serve:
         if torch.cuda.is_available():
             torch.cuda.set_per_process_memory_fraction(args.memory_fraction)

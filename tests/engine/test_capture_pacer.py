@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from worker.engine.capture_pacer import CapturePacer
+from worker.engine.capture_pacer import REST, CapturePacer, Interval
 
 
 class Clock:
@@ -81,3 +83,70 @@ def test_no_rest_follows_a_unit_while_nothing_beside_the_capture_has_requests():
     requests[0] = True
     pacer.pause()  # paces the unit since the last pause, not the unrested one before it
     assert clock.slept == pytest.approx([0.030])
+
+
+def test_the_timeline_holds_each_unit_with_its_kind_and_each_rest():
+    clock = Clock()
+    pacer = pacer_on(clock, 0.5)
+    pacer.pause("warm-up")
+    clock.now += 0.1
+    pacer.pause("capture")  # rests 0.1
+    clock.now += 0.2
+    pacer.finish()
+    assert pacer.timeline == [
+        Interval(0.0, 0.1, "warm-up"),
+        Interval(0.1, pytest.approx(0.2), REST),
+        Interval(pytest.approx(0.2), pytest.approx(0.4), "capture"),
+    ]
+
+
+def test_marked_work_before_the_first_pause_is_recorded_and_not_rested_for():
+    clock = Clock()
+    pacer = pacer_on(clock, 0.25)
+    pacer.mark("kv carve")
+    clock.now += 0.5
+    pacer.pause("warm-up")
+    assert clock.slept == []
+    assert pacer.timeline == [Interval(0.0, 0.5, "kv carve")]
+
+
+def test_marked_work_after_a_pause_counts_towards_the_next_rest():
+    clock = Clock()
+    pacer = pacer_on(clock, 0.5)
+    pacer.pause("capture")
+    clock.now += 0.1
+    pacer.mark("setup")  # a stretch of its own on the timeline, no rest of its own
+    clock.now += 0.3
+    pacer.pause("capture")
+    assert clock.slept == pytest.approx([0.4])
+    assert [i.kind for i in pacer.timeline] == ["capture", "setup", REST]
+    assert pacer.seconds_by_kind() == {
+        "capture": pytest.approx(0.1),
+        "setup": pytest.approx(0.3),
+        REST: pytest.approx(0.4),
+    }
+
+
+def test_no_rest_is_recorded_while_nothing_beside_the_capture_has_requests():
+    clock = Clock()
+    pacer = pacer_on(clock, 0.25, serving=lambda: False)
+    pacer.pause("capture")
+    clock.now += 0.010
+    pacer.pause("capture")
+    clock.now += 0.010
+    pacer.finish()
+    assert [i.kind for i in pacer.timeline] == ["capture", "capture"]
+    assert pacer.timeline[-1].end == pytest.approx(0.020)
+
+
+def test_the_timeline_leaves_no_gap_between_stretches():
+    clock = Clock()
+    pacer = pacer_on(clock, 0.25, serving=lambda: clock.now < 1.0)
+    pacer.mark("setup")
+    for _ in range(4):
+        clock.now += 0.3
+        pacer.pause("capture")
+    pacer.finish()
+    timeline = pacer.timeline
+    assert all(a.end == b.start for a, b in itertools.pairwise(timeline))
+    assert [i.kind for i in timeline] == ["setup", "capture", REST, "capture", "capture", "capture"]

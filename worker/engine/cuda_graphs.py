@@ -49,7 +49,7 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 @contextlib.contextmanager
-def capture_session(device: torch.device) -> Iterator[torch.cuda.Stream]:
+def capture_session(device: torch.device, pacer: CapturePacer | None = None) -> Iterator[torch.cuda.Stream]:
     """The setting every capture of a runner's graphs runs in: the capture stream (after the work
     queued so far on the current one, such as the static buffers' fills), inference mode, and no
     garbage collection.
@@ -59,9 +59,11 @@ def capture_session(device: torch.device) -> Iterator[torch.cuda.Stream]:
     so the serving model's launches go on and are never captured. A CUDA graph destroyed while
     another is being captured invalidates that capture (the next cuBLAS call fails): an earlier
     runner's graphs (a test's, a switched-out model's) may wait in unreachable reference cycles, so
-    they are collected first and no collection runs mid-capture."""
+    they are collected first and no collection runs mid-capture (a stretch of its own on `pacer`'s
+    timeline: the collection holds the GIL throughout)."""
     stream = _capture_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
+    mark(pacer, "gc.collect")
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()
@@ -74,21 +76,30 @@ def capture_session(device: torch.device) -> Iterator[torch.cuda.Stream]:
         stream.synchronize()
 
 
-def capture(run: Callable[[], None], pool: tuple[int, int]) -> torch.cuda.CUDAGraph:
-    """A graph of what `run` launches, its memory from `pool` (inside a capture_session)."""
+def capture(run: Callable[[], None], pool: tuple[int, int], pacer: CapturePacer | None = None) -> torch.cuda.CUDAGraph:
+    """A graph of what `run` launches, its memory from `pool` (inside a capture_session). On `pacer`'s
+    timeline the graph's instantiation (the driver's work in capture_end) is a stretch of its own."""
     graph = torch.cuda.CUDAGraph()
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     try:
         run()
     finally:
+        mark(pacer, "graph instantiate")
         graph.capture_end()
     return graph
 
 
-def pace(pacer: CapturePacer | None) -> None:
-    """A point between two units of capture work where a paced capture yields to the serving model."""
+def pace(pacer: CapturePacer | None, kind: str) -> None:
+    """A point between two units of capture work where a paced capture yields to the serving model;
+    the next unit is of `kind` (the pacer's timeline)."""
     if pacer is not None:
-        pacer.pause()
+        pacer.pause(kind)
+
+
+def mark(pacer: CapturePacer | None, kind: str) -> None:
+    """The preparation's work from here on is of `kind` (the pacer's timeline; no rest)."""
+    if pacer is not None:
+        pacer.mark(kind)
 
 
 def warm_up_cache(kv_cache: KVCache) -> KVCache:
@@ -206,16 +217,16 @@ class DecodeGraphs:
         capture it; largest first, so smaller graphs fit in the memory the larger ones' activations
         freed in the pool. Paced (a pause before each warm-up and each capture) when `pacer` is given."""
         warm_cache = warm_up_cache(self.kv_cache)
-        with capture_session(self.kv_cache.key[0].device) as stream:
+        with capture_session(self.kv_cache.key[0].device, pacer) as stream:
             self._stage_padding(scratch_block=0)  # the warm-up cache's one block
             for size in reversed(self.sizes):
                 for with_lora in lora_variants(self.model):
-                    pace(pacer)
+                    pace(pacer, "decode warm-up")
                     self._forward(size, with_lora, warm_cache)
                     stream.synchronize()
-                    pace(pacer)
+                    pace(pacer, "decode capture")
                     self._graphs[size, with_lora] = capture(
-                        functools.partial(self._forward, size, with_lora, self.kv_cache), pool
+                        functools.partial(self._forward, size, with_lora, self.kv_cache), pool, pacer
                     )
             self._stage_padding(scratch_block=self.scratch_block)
         log.info("decode_graphs_captured", sizes=self.sizes)

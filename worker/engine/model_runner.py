@@ -26,7 +26,7 @@ from shared.config import EngineConfig
 from worker.adapter_pool.follower_tier import FollowerAdapters
 from worker.adapter_pool.slot_writer import SlotWriter, Upload
 from worker.engine.capture_pacer import CapturePacer
-from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.cuda_graphs import DecodeGraphs, mark
 from worker.engine.kv_calibration import calibrate_kv_scales
 from worker.engine.piecewise_graphs import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from worker.engine.sampled_tokens import SampledTokens
@@ -58,7 +58,8 @@ class ModelRunner:
         scratch block past them for the decode graphs' padding rows; on CUDA the graphs are captured
         here, paced by `pacer` while another model serves beside (capture_pacer.py), and on every rank
         of a tensor-parallel group at once (their collectives are captured too). `channel`: this
-        runner is a tensor-parallel rank's (the model's shard says which)."""
+        runner is a tensor-parallel rank's (the model's shard says which). `pacer`'s timeline gets
+        each stretch of the build by kind (capture_pacer.py), closed when the runner is built."""
         if (model.max_loras, model.max_lora_rank) != (config.max_loras, config.max_lora_rank):
             raise ValueError("the model's adapter slots differ from config.max_loras / max_lora_rank")
         self.info = model.info
@@ -72,12 +73,14 @@ class ModelRunner:
         if channel is not None:  # every rank's cache holds every block rank 0's block manager hands out
             num_blocks = channel.smallest(num_blocks)
         self.num_blocks = num_blocks
+        mark(pacer, "kv carve")
         self.kv_cache = KVCache.carve(layout, num_blocks + int(on_cuda), kv_storage)
         # an fp8 cache's scales, where the checkpoint published none: calibrated here, the one place
         # every engine (a worker's, a test's) is built, with the weights loaded and before any graph
         # is captured (the graphs read the scale tensors the calibration fills)
         calibrated = layout.dtype == FP8_DTYPE and not model.kv_scales_published
         if calibrated:
+            mark(pacer, "kv calibration")
             calibrate_kv_scales(model, block_size=config.block_size, max_tokens=config.max_num_batched_tokens)
         # None: those steps run eagerly (CPU; tests compare graphs against eager by clearing them)
         self.graphs: DecodeGraphs | None = None
@@ -88,7 +91,9 @@ class ModelRunner:
         if on_cuda:
             pool = torch.cuda.graph_pool_handle()  # replayed one at a time, the graphs share their memory
             max_tokens = min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
+            mark(pacer, "piece setup")
             self.piecewise = PiecewiseGraphs(model, self.kv_cache, max_tokens=max_tokens, pool=pool, pacer=pacer)
+            mark(pacer, "decode setup")
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_cache,
@@ -97,6 +102,8 @@ class ModelRunner:
                 pool=pool,
                 pacer=pacer,
             )
+        if pacer is not None:
+            pacer.finish()
         if channel is not None and on_cuda:  # graphs that captured the group's collectives go before the group
             channel.before_leaving(self.release_graphs)
         log.info(
@@ -107,6 +114,7 @@ class ModelRunner:
             kv_blocks=num_blocks,
             kv_scales=("calibrated" if calibrated else "checkpoint") if layout.dtype == FP8_DTYPE else None,
             capture_paced_s=None if pacer is None else round(pacer.slept_s, 3),
+            build_s_by_kind=None if pacer is None else {k: round(v, 3) for k, v in pacer.seconds_by_kind().items()},
         )
 
     def release_graphs(self) -> None:

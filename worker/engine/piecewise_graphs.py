@@ -223,11 +223,11 @@ class PiecewiseGraphs:
         (a pause before the warm-up and before each piece's capture) when `pacer` is given."""
         pieces = self.pieces
         warm_cache = warm_up_cache(self.kv_cache)
-        with capture_session(self.kv_cache.key[0].device) as stream:
+        with capture_session(self.kv_cache.key[0].device, pacer) as stream:
             pieces.slot_mapping.fill_(0)  # the warm-up cache's first slot
             for size in reversed(self.sizes):
                 for with_lora in lora_variants(pieces.model):
-                    pace(pacer)
+                    pace(pacer, "piece warm-up")
                     warm_state = PieceState(with_lora)
                     for index in range(pieces.num_layers + 1):
                         pieces.piece(index, size, warm_state, warm_cache)
@@ -236,7 +236,8 @@ class PiecewiseGraphs:
                     self._states[size, with_lora] = state
                     graphs = self._graphs[size, with_lora] = []
                     for index in range(pieces.num_layers + 1):
-                        pace(pacer)
-                        graphs.append(capture(functools.partial(pieces.piece, index, size, state, self.kv_cache), pool))
+                        pace(pacer, "piece capture")
+                        piece = functools.partial(pieces.piece, index, size, state, self.kv_cache)
+                        graphs.append(capture(piece, pool, pacer))
             pieces.slot_mapping.fill_(pieces.scratch_slot)
         log.info("piecewise_graphs_captured", sizes=self.sizes, graphs=sum(map(len, self._graphs.values())))
