@@ -84,7 +84,10 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         webhooks = asyncio.create_task(WebhookDispatcher(redis, store, config.webhooks, app[METRICS]).run())
     yield
     driver.stop()
-    await asyncio.gather(batch_driver, return_exceptions=True)
+    # the round under way ends by itself (its lease released) unless it is retrying a Redis that is
+    # away, which takes ~9 s to give up: then it is cut off, and its batch's lease expires on its own
+    _, retrying = await asyncio.wait({batch_driver}, timeout=TASK_STOP_S)
+    await cancel_and_wait(retrying, TASK_STOP_S)
     if webhooks is not None:
         await cancel_and_wait([webhooks], TASK_STOP_S)
     await events.close()
