@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.fleet_processes import LOCAL_HTTP
+from bench.local_http import LOCAL_HTTP
 from gateway.routing import rendezvous_rank
 from shared import keys
 from shared.adapter_registry import get_adapter

@@ -16,8 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ from pathlib import Path
 import redis
 
 from bench.fleet_workload import MODEL
+from bench.local_http import answers_ok
 from cli.redis_server import free_port
 from shared import keys
 from worker.model.lora_linear import PAGE_RANK
@@ -33,8 +32,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TAIL_LINES = 40
 STOP_GRACE_S = 30.0  # a worker's SIGTERM drain; then SIGKILL
 PROGRESS_EVERY_S = 30.0
-# the gateway is on 127.0.0.1: an http_proxy in the environment must not take its requests elsewhere
-LOCAL_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # the workers' --max-lora-rank: one pool page per slot, so --max-loras (--pool) is the adapters a GPU tier
 # holds; at the default 64 a slot is 4 pages, and 4 rank-4 adapters fit in each (a pool of 128, not 32)
 SLOT_RANK = PAGE_RANK
@@ -59,14 +56,6 @@ def log_tail(log: Path, lines: int = TAIL_LINES) -> str:
         return "(no log)"
     text = log.read_text(errors="replace").splitlines()[-lines:]
     return "\n".join(text) if text else "(empty log)"
-
-
-def answers_ok(url: str) -> bool:
-    try:
-        with LOCAL_HTTP.open(url, timeout=1.0) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 @dataclass

@@ -10,8 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import redis.asyncio as aioredis
 from bench.e2e.assets import BenchAdapter, tenant_name
 from bench.e2e.summary import JobTimes
 from bench.e2e.worker_metrics import Snapshot, gauge, scrape
+from bench.local_http import answers_ok
 from cli.redis_server import RedisServer, free_port
 from shared import keys
 from shared.adapter_registry import register_adapter
@@ -36,7 +35,6 @@ GATEWAY_LIMIT_FLAGS = [
     "--max-concurrent-jobs", "1000000", "--max-queue-per-model", "1000000",
 ]  # fmt: skip
 _STOP_GRACE_S = 20.0
-_local_http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class StackError(RuntimeError):
@@ -155,14 +153,6 @@ def _spawn(name: str, args: list[str], log_dir: Path) -> _Process:
     return _Process(name, popen, log)
 
 
-def _answers_ok(url: str) -> bool:
-    try:
-        with _local_http.open(url, timeout=1.0) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 async def _provision(redis_url: str, info: ModelInfo, adapters: list[BenchAdapter], num_tenants: int,
                      adapter_root: Path, engine: EngineConfig) -> dict[str, str]:  # fmt: skip
     """Create the tenants and register every adapter (validated and hashed, as the admin API does)."""
@@ -210,8 +200,7 @@ def start_stack(
         deadline = time.monotonic() + ready_timeout_s
         with redis.Redis.from_url(stack.redis_url) as client:
             while not (
-                client.exists(keys.model(model.name))
-                and all(_answers_ok(f"{url}/readyz") for url in stack.gateway_urls)
+                client.exists(keys.model(model.name)) and all(answers_ok(f"{url}/readyz") for url in stack.gateway_urls)
             ):
                 stack.check_alive()
                 if time.monotonic() > deadline:

@@ -10,19 +10,18 @@ utilisation, running and waiting sequences) are sampled once a second during the
 from __future__ import annotations
 
 import math
-import urllib.request
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-Snapshot = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, sorted labels) → value
+from bench.local_http import LOCAL_HTTP
 
-_local_http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+Snapshot = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, sorted labels) → value
 
 
 def scrape(url: str) -> Snapshot:
-    with _local_http.open(url, timeout=5.0) as response:
+    with LOCAL_HTTP.open(url, timeout=5.0) as response:
         return _parse(response.read().decode())
 
 
