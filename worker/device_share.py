@@ -27,7 +27,10 @@ def apply_device_share(config: EngineConfig) -> None:
     mps_pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
     threads = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     if config.gpu_memory_fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, torch.device(config.device))
+        device = torch.device(config.device)
+        # torch wants an index here: a plain "cuda" means the current device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, index)
     elif mps_pipe is not None:
         log.warning("mps_without_memory_cap", hint="give --gpu-memory-fraction: MPS does not isolate memory")
     log.info(
