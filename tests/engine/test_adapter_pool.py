@@ -27,7 +27,7 @@ from tests.engine.test_engine_generation import (
 )
 from tests.engine.tiny_hf import TinyCheckpoint, saved_adapter_ref
 from worker.adapter_pool import rank_adapter
-from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
+from worker.adapter_pool.host_adapter import HostAdapter, fresh_buffers, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.block_manager import BlockManager
 from worker.engine.model_runner import ModelRunner
@@ -89,7 +89,8 @@ def test_a_file_in_the_models_dtype_is_used_in_place_and_matches_the_packed_form
     directory = llama.adapters["mlp_k_r4"]
     ref = saved_adapter_ref("mlp_k_r4", directory)
     dtypes = (torch.float32, torch.float64)
-    limits = {"adapter_root": directory.parent, "info": llama.info, "max_rank": 16, "max_bytes": 1 << 30, "pin": False}
+    limits = {"adapter_root": directory.parent, "info": llama.info, "max_rank": 16, "max_bytes": 1 << 30}
+    limits["take"] = fresh_buffers(pin=False)
     # the file's dtype (read in place) and another one (packed)
     read = {dtype: read_host_adapter(ref, dtype=dtype, **limits) for dtype in dtypes}
     weights = (directory / WEIGHTS_FILE).read_bytes()
@@ -116,7 +117,7 @@ def test_a_file_whose_tensors_overlap_is_refused(llama: TinyCheckpoint, tmp_path
 
     with pytest.raises(LorafleetError, match="overlap") as raised:
         read_host_adapter(ref, adapter_root=tmp_path, info=llama.info, dtype=torch.float32, max_rank=16,
-                          max_bytes=1 << 30, pin=False)  # fmt: skip
+                          max_bytes=1 << 30, take=fresh_buffers(pin=False))  # fmt: skip
     assert raised.value.code is ErrorCode.ADAPTER_LOAD_FAILED
 
 
