@@ -106,8 +106,9 @@ class ArenaAllocator:
         size = _aligned(max(nbytes, 1))
         if size > min(self.section_bytes, _aligned(self.size)):
             raise ArenaTooSmall(
-                f"{nbytes} bytes do not fit in the host arena's sections of {self.section_bytes} bytes "
-                f"(the arena is {self.size} bytes)"
+                f"an adapter of {nbytes} bytes does not fit in the host arena ({self.size} bytes, "
+                f"--adapter-host-cache-gb) cut into sections of {self.section_bytes} bytes (one adapter of "
+                "--max-lora-rank on every projection): raise --adapter-host-cache-gb or --max-lora-rank"
             )
         with self._lock:
             for holes in self._holes:

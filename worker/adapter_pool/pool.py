@@ -352,11 +352,9 @@ class AdapterPool:
             adapter = read_for_model(
                 ref, self._model, self._config, self._adapter_root, take=carving.take, hasher=self._hasher
             )
-        except ArenaTooSmall as exc:
+        except ArenaTooSmall as exc:  # what the rank check let through cannot be: still, only this load fails
             carving.keep(None)
-            raise LorafleetError(
-                ErrorCode.ADAPTER_TOO_LARGE, f"{exc}: raise --adapter-host-cache-gb or --max-lora-rank"
-            ) from exc
+            raise LorafleetError(ErrorCode.ADAPTER_TOO_LARGE, str(exc)) from exc
         except BaseException:
             carving.keep(None)
             raise
