@@ -3,6 +3,8 @@ reads, read on a loader thread as soon as rank 0 starts reading them (so a first
 follower no more wait than rank 0's own read), and kept least-recently-used out within the host
 budget rank 0's tier has, so that an adapter written into the device again after an eviction finds
 its part here, as rank 0 finds its own in its host tier, and the step that follows waits for no disk.
+Its parts are page-locked per adapter (`fresh_buffers`), not carved from a host arena as rank 0's
+are: an entry here is evicted while its copy may still be in flight, which a reused block could not be.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import bisect
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import structlog
@@ -161,6 +162,7 @@ class HostArena:
         self.page_locked = page_locked
         self.setup_seconds = 0.0  # allocating (and page-locking) the buffer, once it is done
         self._buffer: Future[torch.Tensor] = Future()
+        self._unregister: Callable[[], None] = lambda: None
         threading.Thread(target=self._allocate, name="adapter-host-arena", daemon=True).start()
 
     @property
@@ -180,6 +182,12 @@ class HostArena:
     def section_of(self, block: torch.Tensor) -> int:
         return self.allocator.section_of(self._offset(block))
 
+    def close(self) -> None:
+        """Give the page-locking back (once; nothing may copy from the arena any more): the memory
+        itself goes with the last block still held."""
+        self._buffer.exception()  # the allocation done, or failed
+        self._unregister()
+
     def _offset(self, block: torch.Tensor) -> int:
         offset = block.data_ptr() - self.buffer.data_ptr()
         if not 0 <= offset < self.allocator.size:
@@ -194,8 +202,9 @@ class HostArena:
             if self.page_locked:
                 cudart = torch.cuda.cudart()
                 torch.cuda.check_error(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
-                # unregistered when the arena goes (its blocks still held elsewhere turn pageable, not invalid)
-                weakref.finalize(self, _unregister, cudart, buffer.data_ptr())
+                # unregistered on close, or when the arena goes: blocks still held elsewhere turn
+                # pageable, not invalid
+                self._unregister = weakref.finalize(self, _unregister, cudart, buffer.data_ptr())
         except BaseException as exc:
             log.exception("adapter_host_arena_failed", gb=round(self.allocator.size / 1e9, 2))
             self._buffer.set_exception(exc)

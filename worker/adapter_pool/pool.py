@@ -269,8 +269,13 @@ class AdapterPool:
         return len(self._reads) + len(self._copies)
 
     def close(self) -> None:
+        """Stop the loader threads and give the arena's page-locking back, once the copies to the
+        device in flight, which read it, have landed."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._hasher.shutdown(wait=False, cancel_futures=True)
+        for copy in self._copies.values():
+            copy.upload.wait()
+        self.arena.close()
 
     def bookkeeping_size(self) -> int:
         """Entries across every map the pool keeps (a no-leak check: bounded by the tiers' sizes)."""
