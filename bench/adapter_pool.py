@@ -10,7 +10,7 @@
    pages' views are built and on the pages' first write of that rank; and disk -> GPU with
    the file's page cache dropped (read + piece digest + validation + packing on the host, then the same
    upload) beside the disk floor: a plain sequential read of the same file, cache dropped
-   (bench/disk_floor.py).
+   (bench/disk_floor.py). Reads land in blocks of a page-locked host arena, as the pool's do.
 2. 1,000 registered adapters (rank 16; each its own identity, files shared by groups of them), Zipf(1.0)
    over adapters, a GPU pool of 32 max-rank (64) adapters' memory = 128 pages of 16 ranks, so 128
    rank-16 adapters; closed loop through LLMEngine of --concurrency running requests (max_num_seqs)
@@ -22,7 +22,9 @@
    adapter's first request waits <= 50 ms more"), the mean time of one disk read on its loader
    thread (beside part 1's disk -> GPU of one adapter alone: how much the engine running beside
    slows a read), the most loads the pool had under way at once and the time torch's host allocator
-   spent page-locking new memory for them, and output tok/s beside the same request stream
+   spent page-locking new memory in the pass (~0: the host tier is one arena page-locked when the
+   pool starts; that one-time cost is the "arena s" column, waited for before the pass, as a worker's
+   start-up overlaps it), and output tok/s beside the same request stream
    with every adapter resident (adapter i mapped onto preloaded adapter i mod 128: the same batch
    shapes, no loads).
    The pool runs the stream twice through one engine: "pool cold" starts from an empty host tier (in
@@ -64,7 +66,8 @@ from shared.adapter_format import WEIGHTS_FILE
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from shared.schema import AdapterRef, SamplingParams
-from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
+from worker.adapter_pool.host_adapter import HostAdapter, max_adapter_bytes, read_host_adapter
+from worker.adapter_pool.host_arena import Carving, HostArena
 from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.engine import LLMEngine
 from worker.engine.engine_request import EngineRequest
@@ -98,10 +101,14 @@ def pinned_h2d_bandwidth() -> float:
     return host.numel() * host.element_size() / statistics.median(times[2:])
 
 
-def read(ref: AdapterRef, model: CausalLM, root: Path, hasher: Executor) -> HostAdapter:
-    """Disk -> pinned host, as the pool's loader threads do it (pieces hashed on `hasher`, its threads)."""
-    return read_host_adapter(ref, adapter_root=root, info=model.info, dtype=model.dtype, max_rank=MAX_RANK,
-                             max_bytes=2 << 30, pin=True, hasher=hasher)  # fmt: skip
+def read(ref: AdapterRef, model: CausalLM, root: Path, hasher: Executor, arena: HostArena) -> HostAdapter:
+    """Disk -> a block of the page-locked `arena`, as the pool's loader threads do it (pieces hashed on
+    `hasher`, its threads). Give the block back with arena.free(adapter.buffer)."""
+    carving = Carving(arena)
+    adapter = read_host_adapter(ref, adapter_root=root, info=model.info, dtype=model.dtype, max_rank=MAX_RANK,
+                                max_bytes=2 << 30, take=carving.take, hasher=hasher)  # fmt: skip
+    carving.keep(adapter.buffer)
+    return adapter
 
 
 @dataclass
@@ -121,13 +128,15 @@ class LatencyRow:
 def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyRow]:
     writer = SlotWriter(model)
     hasher = ThreadPoolExecutor(HASH_THREADS)
+    largest = max_adapter_bytes(model.info, max_rank=MAX_RANK, dtype=model.dtype)
+    arena = HostArena(2 * largest, largest, page_locked=True)  # the adapter kept, and each fresh read
     rows = []
     for rank in (16, 64):
         directory = root / f"latency-r{rank}"
         sha = write_adapter(directory, model.info, rank, seed=rank)
         ref = AdapterRef(f"latency-r{rank}", 1, directory.name, sha)
 
-        adapter = read(ref, model, root, hasher)
+        adapter = read(ref, model, root, hasher, arena)
         size = model.pages_for_rank(rank)
         stretches = model.num_pages // size
         pages = [tuple(range(first, first + size)) for first in range(0, stretches * size, size)]
@@ -145,10 +154,11 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
             how = drop_page_cache([directory / WEIGHTS_FILE])
             torch.cuda.synchronize()
             start = time.perf_counter()
-            fresh = read(ref, model, root, hasher)
+            fresh = read(ref, model, root, hasher, arena)
             reads.append(time.perf_counter() - start)
             writer.write(pages[i % stretches], fresh).wait()
             disk.append(time.perf_counter() - start)
+            arena.free(fresh.buffer)
         weights = directory / WEIGHTS_FILE
         floor_s = statistics.median(weights.stat().st_size / read_floor([weights]) for _ in range(5))
         rows.append(LatencyRow(rank, adapter.nbytes / 1e6, adapter.nbytes / bandwidth * 1e3,
@@ -157,7 +167,9 @@ def load_latency(model: CausalLM, root: Path, bandwidth: float) -> list[LatencyR
                                statistics.median(disk) * 1e3, statistics.median(reads) * 1e3, floor_s * 1e3,
                                how))  # fmt: skip
         print(rows[-1], flush=True)
+        arena.free(adapter.buffer)
     hasher.shutdown()
+    arena.close()
     return rows
 
 
@@ -181,6 +193,7 @@ class ZipfRow:
     disk_load_ms_mean: float  # one disk -> host read on a loader thread, timed there: beside the latency part's
     loads_in_flight_max: int  # reads and copies the pool had under way at once (sampled each step)
     pinned_alloc_ms: float  # in CUDA's page-locked allocations of torch's host allocator (a lock other calls wait on)
+    arena_s: float  # the pool's host arena allocated and page-locked, once, when it started (before every pass)
     gpu_evictions: int
     host_evictions: int
 
@@ -217,6 +230,7 @@ class ZipfEngine:
         self.refs, self.args, self.all_resident = refs, args, all_resident
         self.token_ids = prompts(64, args.prompt, info.vocab_size)
         self.passes = 0
+        self.engine.adapter_pool.arena.buffer  # noqa: B018 - allocated before any pass: a worker's start overlaps it
         # all resident: as many adapters as the pages hold (rank 16: one page each), brought up through
         # the pool before any pass, so no load happens in one
         self.resident = runner.model.num_pages
@@ -301,10 +315,14 @@ class ZipfEngine:
                        percentile(warm_ttft, 0.5), percentile(cold_ttft, 0.5),
                        int(count["disk_loads"]), count["disk_load_seconds"] * 1e3 / max(count["disk_loads"], 1),
                        in_flight_max, pinned_alloc_ms(engine.config.device) - pinned_before,
+                       engine.adapter_pool.arena.setup_seconds,
                        int(count["gpu_evictions"]), int(count["cpu_evictions"]))  # fmt: skip
 
     def close(self) -> None:
+        """Close the pool and let the engine go, its host arena with it (each engine has one)."""
         self.engine.adapter_pool.close()
+        del self.engine
+        gc.collect()
 
 
 def zipf_bench(info: ModelInfo, root: Path, args: argparse.Namespace) -> list[ZipfRow]:
@@ -447,7 +465,7 @@ def main() -> None:
               f"{r.disk_floor_ms:<14.1f} ({r.disk_ms / r.disk_floor_ms:.2f}x)  {r.cache_drop}")  # fmt: skip
     print("mode          conc  backlog  req   host GB  tok/s    x resident  gpu hit  host hit  wait p50/p99 ms  "
           "cold wait p50/p99 ms  TTFT p50 warm/cold ms  disk loads  load ms  in flight  "
-          "pin alloc ms  gpu evict  host evict")  # fmt: skip
+          "pin alloc ms  arena s  gpu evict  host evict")  # fmt: skip
     resident_tok_s = {(z.concurrency, z.backlog): z.tok_s for z in zipf if z.mode == "all-resident"}
     for z in zipf:
         pooled = z.mode != "all-resident"
@@ -457,7 +475,7 @@ def main() -> None:
               f"{z.wait_p50_ms:.1f}/{z.wait_p99_ms:<10.1f} {z.cold_wait_p50_ms:.1f}/{z.cold_wait_p99_ms:<16.1f} "
               f"{z.warm_ttft_p50_ms:.1f}/{z.cold_ttft_p50_ms:<17.1f} "
               f"{z.disk_loads:<11} {z.disk_load_ms_mean:<8.1f} {z.loads_in_flight_max:<10} {z.pinned_alloc_ms:<13.0f} "
-              f"{z.gpu_evictions:<10} {z.host_evictions}")  # fmt: skip
+              f"{z.arena_s:<8.2f} {z.gpu_evictions:<10} {z.host_evictions}")  # fmt: skip
     if memory:
         print(json.dumps(memory))
 

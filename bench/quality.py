@@ -47,7 +47,7 @@ from shared.chat_template import read_chat_template
 from shared.config import EngineConfig, ModelSpec
 from shared.quantization import KV_CACHE_DTYPES, WEIGHT_FORMATS
 from shared.schema import AdapterRef
-from worker.adapter_pool.host_adapter import read_host_adapter
+from worker.adapter_pool.host_adapter import fresh_buffers, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.kv_calibration import calibrate_kv_scales
 from worker.model.forward_batch import ForwardBatch
@@ -110,7 +110,8 @@ def load(model_dir: Path, adapter: Path | None, config: EngineConfig) -> CausalL
     if adapter is not None:
         ref = AdapterRef(adapter.name, 1, adapter.name, file_digest(adapter / WEIGHTS_FILE))
         host = read_host_adapter(ref, adapter_root=adapter.parent, info=model.info, dtype=model.dtype,
-                                 max_rank=config.max_lora_rank, max_bytes=1 << 30, pin=False)  # fmt: skip
+                                 max_rank=config.max_lora_rank, max_bytes=1 << 30,
+                                 take=fresh_buffers(pin=False))  # fmt: skip
         SlotWriter(model).write((ADAPTER_SLOT,), host).wait()
     if config.device == "cuda":
         torch.cuda.synchronize()

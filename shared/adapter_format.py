@@ -77,6 +77,11 @@ class AdapterManifest:
         return self.lora_alpha / (self.rank**0.5 if self.use_rslora else self.rank)
 
 
+# (data section bytes, the validated manifest (digest not yet known), the tensor table) → a writable
+# buffer of that many bytes for the data section
+Allocate = Callable[[int, AdapterManifest, dict[str, TensorEntry]], memoryview]
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterFiles:
     """An adapter read once and validated."""
@@ -101,12 +106,13 @@ def read_adapter(
     *,
     max_rank: int,
     max_bytes: int,
-    allocate: Callable[[int], memoryview] | None = None,
+    allocate: Allocate | None = None,
     hasher: Executor | None = None,
 ) -> AdapterFiles:
     """Validate the adapter at `path` (relative to the root, or absolute inside it) against `model`;
     raise LorafleetError naming the first problem. The data section (everything after the header)
-    goes into `allocate(n)`, a writable n-byte buffer, when given; its pieces are hashed on
+    goes into `allocate(n, manifest, tensors)`, a writable n-byte buffer, when given (asked for once
+    the header is validated, so the caller may choose where the bytes go from what they hold); its pieces are hashed on
     `hasher`'s threads (a worker's few, shared by its loads: shared/adapter_digest.HASH_THREADS)
     while the next is read, or in turn without one."""
     relative = adapter_relative_path(adapter_root, path)
@@ -131,7 +137,8 @@ def read_adapter(
             header = prefix + _read_exact(f, header_length(prefix, stat.st_size, WEIGHTS_FILE))
             tensors = parse_table(header[8:], stat.st_size - len(header), WEIGHTS_FILE)
             manifest = _manifest(config, tensors, model, size=stat.st_size)  # before the data: fail fast
-            data, digest = _read_data(f, header, stat.st_size - len(header), allocate, hasher)
+            allocate_data = None if allocate is None else lambda n: allocate(n, manifest, tensors)
+            data, digest = _read_data(f, header, stat.st_size - len(header), allocate_data, hasher)
         except OSError as exc:
             raise _read_failed(WEIGHTS_FILE, f, exc) from exc
     manifest = dataclasses.replace(manifest, digest=digest)

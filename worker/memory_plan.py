@@ -31,6 +31,7 @@ import torch
 
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
+from worker.adapter_pool.host_arena import host_budget_bytes
 from worker.adapter_pool.slot_writer import buffer_bytes
 from worker.engine.piecewise_graphs import PIECEWISE_MAX_TOKENS
 from worker.model.kv_cache import KVLayout
@@ -90,6 +91,9 @@ class ModelFootprint:
     activations: int  # the largest eager step (with allocator slack) and the decode graphs' pool
     kv_bytes_per_block: int
     kv_blocks_wanted: int  # --num-kv-blocks, else a full batch of full contexts: more is unreachable
+    # host memory, not the device's (so not in `fixed`): the adapter pool's host tier, one arena allocated
+    # at start (page-locked on CUDA), --adapter-host-cache-gb or its default; 0 without LoRA
+    adapter_host_arena: int
 
     @property
     def fixed(self) -> int:
@@ -126,6 +130,7 @@ def model_footprint(info: ModelInfo, config: EngineConfig) -> ModelFootprint:
         activations=activation_bytes(info, config, dtype),
         kv_bytes_per_block=KVLayout.of(info, config.block_size, dtype).bytes_per_block,
         kv_blocks_wanted=config.num_kv_blocks or config.max_num_seqs * -(-info.max_context // config.block_size),
+        adapter_host_arena=host_budget_bytes(whole, dtype, config) if config.lora_enabled else 0,
     )
 
 
@@ -194,6 +199,10 @@ class MemoryPlan:
             "usable_gb": None if self.usable_bytes is None else gb(self.usable_bytes),
             "resident_slots": self.resident_slots,
             "kv_storage_gb": gb(self.kv_storage_bytes),
+            # host memory: the adapter pools' arenas of the models resident at start
+            "adapter_host_arenas_gb": gb(
+                sum(f.adapter_host_arena for f in list(self.footprints.values())[: self.resident_slots])
+            ),
             "models": {
                 name: {
                     "weights_gb": gb(f.weights),
@@ -202,6 +211,7 @@ class MemoryPlan:
                     "lora_staging_gb": gb(f.lora_staging),
                     "activations_gb": gb(f.activations),
                     "kv_blocks": self.kv_blocks(name),
+                    "adapter_host_arena_gb": gb(f.adapter_host_arena),  # host memory
                 }
                 for name, f in self.footprints.items()
             },

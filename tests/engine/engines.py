@@ -13,7 +13,7 @@ import torch
 from shared.config import EngineConfig, ModelSpec, WorkerConfig
 from shared.model_info import ModelInfo
 from tests.engine.tiny_hf import saved_adapter_ref
-from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
+from worker.adapter_pool.host_adapter import HostAdapter, fresh_buffers, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.engine import LLMEngine
 from worker.metrics import WorkerMetrics
@@ -88,7 +88,7 @@ def host_adapter(directory: Path, model: CausalLM, *, max_rank: int | None = Non
         dtype=model.dtype,
         max_rank=max_rank or model.max_lora_rank,
         max_bytes=1 << 30,
-        pin=model.slot_ranks.is_cuda,
+        take=fresh_buffers(pin=model.slot_ranks.is_cuda),
     )
 
 

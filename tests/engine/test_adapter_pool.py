@@ -27,7 +27,7 @@ from tests.engine.test_engine_generation import (
 )
 from tests.engine.tiny_hf import TinyCheckpoint, saved_adapter_ref
 from worker.adapter_pool import rank_adapter
-from worker.adapter_pool.host_adapter import HostAdapter, read_host_adapter
+from worker.adapter_pool.host_adapter import HostAdapter, fresh_buffers, max_adapter_bytes, read_host_adapter
 from worker.adapter_pool.slot_writer import SlotWriter
 from worker.engine.block_manager import BlockManager
 from worker.engine.model_runner import ModelRunner
@@ -89,7 +89,8 @@ def test_a_file_in_the_models_dtype_is_used_in_place_and_matches_the_packed_form
     directory = llama.adapters["mlp_k_r4"]
     ref = saved_adapter_ref("mlp_k_r4", directory)
     dtypes = (torch.float32, torch.float64)
-    limits = {"adapter_root": directory.parent, "info": llama.info, "max_rank": 16, "max_bytes": 1 << 30, "pin": False}
+    limits = {"adapter_root": directory.parent, "info": llama.info, "max_rank": 16, "max_bytes": 1 << 30}
+    limits["take"] = fresh_buffers(pin=False)
     # the file's dtype (read in place) and another one (packed)
     read = {dtype: read_host_adapter(ref, dtype=dtype, **limits) for dtype in dtypes}
     weights = (directory / WEIGHTS_FILE).read_bytes()
@@ -116,7 +117,7 @@ def test_a_file_whose_tensors_overlap_is_refused(llama: TinyCheckpoint, tmp_path
 
     with pytest.raises(LorafleetError, match="overlap") as raised:
         read_host_adapter(ref, adapter_root=tmp_path, info=llama.info, dtype=torch.float32, max_rank=16,
-                          max_bytes=1 << 30, pin=False)  # fmt: skip
+                          max_bytes=1 << 30, take=fresh_buffers(pin=False))  # fmt: skip
     assert raised.value.code is ErrorCode.ADAPTER_LOAD_FAILED
 
 
@@ -259,3 +260,43 @@ def test_a_valid_adapter_file_replaced_after_registration_is_never_served(llama:
 def test_a_host_tier_smaller_than_one_adapter_per_gpu_slot_is_refused_at_start(llama: TinyCheckpoint):
     with pytest.raises(ValueError, match="adapter_host_cache_gb=1e-06 holds fewer adapters than max_loras=4"):
         make_engine(llama, max_loras=4, adapter_host_cache_gb=1e-6)
+
+
+def test_a_full_host_arena_evicts_least_recently_used_and_serves_the_same_tokens(llama: TinyCheckpoint):
+    largest = max_adapter_bytes(llama.info, max_rank=8, dtype=torch.float32)  # all_r8's size
+    # one section: the two rank-4 adapters share it, all_r8 needs all of it
+    engine = make_engine(llama, dtype="float32", max_loras=1, adapter_host_cache_gb=largest / (1 << 30))
+    pool = engine.adapter_pool
+    assert pool.arena.allocator.sections == 1
+    resident = []
+    for index, name in enumerate(["mlp_k_r4", "attn_r4_rslora", "all_r8", "mlp_k_r4"]):
+        job = f"job-{index}"
+        assert_matches_oracle(llama, run_to_completion(engine, [greedy_request(llama, job, name)]), {job: name})
+        resident.append([uid.partition("@")[0] for uid in pool.host.resident])
+        assert pool.arena.allocator.used_bytes == pool.host.nbytes  # every host entry one block, nothing else
+    assert resident == [["mlp_k_r4"], ["mlp_k_r4", "attn_r4_rslora"], ["all_r8"], ["mlp_k_r4"]]
+    assert pool.arena.allocator.bookkeeping_size() == len(pool.host) == 1
+    pool.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_goes_from_disk_into_the_host_arena_and_from_there_to_the_gpu(llama: TinyCheckpoint, device: str):
+    root = llama.adapters["all_r8"].parent
+    settings = {"device": device, "dtype": "float32", "max_loras": 2, "max_lora_rank": 16}
+    engine = load_engine(llama.model_dir, root, num_kv_blocks=16, block_size=4, **settings)
+    pool = engine.adapter_pool
+    ref = saved_adapter_ref("all_r8", llama.adapters["all_r8"])
+    pool.request(ref)
+    while pool.gpu.slot_of(ref.uid) is None:
+        assert pool.poll() == []
+        pool.wait(1.0)
+    arena, host = pool.arena.buffer, pool.host.get(ref.uid)
+    assert arena.data_ptr() <= host.buffer.data_ptr() < arena.data_ptr() + arena.numel()
+    assert arena.is_pinned() == host.buffer.is_pinned() == (device == "cuda")  # page-locked once, on CUDA
+
+    expected = make_runner(llama, device)  # the same adapter written from a buffer of its own
+    slot = pool.gpu.slot_of(ref.uid)
+    SlotWriter(expected.model).write((slot,), host_adapter(llama.adapters["all_r8"], expected.model)).wait()
+    assert torch.equal(slot_logits(engine.runner, slot), slot_logits(expected, slot))
+    pool.drop(ref.uid)
+    pool.close()

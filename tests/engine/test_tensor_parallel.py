@@ -15,6 +15,7 @@ from shared.schema import SamplingParams
 from tests.engine.engines import host_adapter, load_engine, load_model, tensor_parallel_engine
 from tests.engine.tiny_hf import ADAPTERS, TinyCheckpoint, save_lora_adapter, save_tiny_model, saved_adapter_ref
 from tests.engine.tiny_moe import MOE_FAMILIES, TinyMoE, build_tiny_moe
+from worker.adapter_pool.host_adapter import fresh_buffers
 from worker.adapter_pool.rank_adapter import shard_adapter
 from worker.engine.engine import LLMEngine
 from worker.engine.scheduler import ScheduledSequence
@@ -79,7 +80,8 @@ def run_steps(
 def test_an_adapters_rank_parts_tile_it(llama: TinyCheckpoint):
     model = load_model(llama.model_dir, llama.info)
     whole = host_adapter(llama.adapters["all_r8"], model)
-    parts = [shard_adapter(whole, ModelShard.of(llama.info, TensorParallel(rank, 2)), pin=False) for rank in range(2)]
+    shards = [ModelShard.of(llama.info, TensorParallel(rank, 2)) for rank in range(2)]
+    parts = [shard_adapter(whole, shard, take=fresh_buffers(pin=False)) for shard in shards]
     for index, part in enumerate(whole.parts):
         a = [p.a(p.parts[index]) for p in parts]  # [r, in_rank]
         b = [p.b(p.parts[index]) for p in parts]  # [out_rank, r]

@@ -82,7 +82,7 @@ def test_data_read_into_a_buffer_in_many_pieces_is_the_file_and_hashes_as_the_fi
     directory = write_adapter(tmp_path / "a", rank=4, targets=("q_proj", "down_proj"))
     buffers = []
 
-    def allocate(n: int) -> memoryview:
+    def allocate(n: int, *_: object) -> memoryview:
         buffers.append(bytearray(n))
         return memoryview(buffers[0])
 

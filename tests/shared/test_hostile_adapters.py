@@ -65,7 +65,12 @@ def test_every_spelling_of_an_own_adapters_path_is_accepted_as_one_path(lab: Lab
 def test_the_bytes_served_are_the_bytes_hashed_and_validated(lab: Lab):
     directory = lab.valid()
     files = read_adapter(
-        lab.root, lab.rel(directory), MODEL, max_rank=8, max_bytes=1 << 20, allocate=lambda n: memoryview(bytearray(n))
+        lab.root,
+        lab.rel(directory),
+        MODEL,
+        max_rank=8,
+        max_bytes=1 << 20,
+        allocate=lambda n, *_: memoryview(bytearray(n)),
     )
     on_disk = (directory / WEIGHTS_FILE).read_bytes()
     assert files.weights_file() == on_disk

@@ -165,3 +165,27 @@ def test_host_cache_skips_protected_entries_and_refuses_what_cannot_fit():
     assert cache.put("next", Blob(30), evictable=lambda uid: uid != "window") == ["old"]
     with pytest.raises(RuntimeError, match="nothing is evictable"):
         cache.put("huge", Blob(90), evictable=lambda uid: False)
+
+
+def test_making_room_evicts_the_policys_victim_then_its_group_until_the_attempt_succeeds():
+    # groups stand for arena sections: "a" and "c" share one, "b" sits in another
+    cache: HostTier[Blob] = HostTier(100, LRUPolicy(), released=lambda blob: freed.append(blob.nbytes))
+    freed: list[int] = []
+    for uid, size in (("a", 10), ("b", 20), ("c", 30), ("d", 5)):
+        cache.put(uid, Blob(size), anything)
+    section = {10: 0, 30: 0, 20: 1, 5: 1}
+    room, evicted = cache.evict_until(
+        lambda: "carved" if sum(freed) >= 40 else None,
+        evictable=lambda uid: uid != "d",
+        group=lambda blob: section[blob.nbytes],
+    )
+    # "c" shares a's section: it goes before "b", used earlier
+    assert (room, evicted, freed) == ("carved", ["a", "c"], [10, 30])
+    assert cache.resident == ["b", "d"] and cache.nbytes == 25
+
+
+def test_making_room_gives_up_when_nothing_evictable_is_left():
+    cache: HostTier[Blob] = HostTier(100, LRUPolicy())
+    cache.put("window", Blob(60), anything)
+    assert cache.evict_until(lambda: None, evictable=lambda uid: False, group=lambda blob: 0) == (None, [])
+    assert cache.resident == ["window"]

@@ -26,7 +26,7 @@ from tests.shared.hostile_adapters import (
     Lab,
     piece_digest_of,
 )
-from worker.adapter_pool.host_adapter import read_host_adapter
+from worker.adapter_pool.host_adapter import fresh_buffers, read_host_adapter
 
 MODEL = tiny_model("tiny")
 
@@ -47,7 +47,7 @@ def load(lab: Lab, path: str, digest: str = "sha256-pieces-8MiB:" + "0" * 64):
             dtype=torch.float32,
             max_rank=8,
             max_bytes=1 << 22,
-            pin=False,
+            take=fresh_buffers(pin=False),
             hasher=hasher,
         )
 

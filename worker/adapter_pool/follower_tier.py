@@ -3,6 +3,8 @@ reads, read on a loader thread as soon as rank 0 starts reading them (so a first
 follower no more wait than rank 0's own read), and kept least-recently-used out within the host
 budget rank 0's tier has, so that an adapter written into the device again after an eviction finds
 its part here, as rank 0 finds its own in its host tier, and the step that follows waits for no disk.
+Its parts are page-locked per adapter (`fresh_buffers`), not carved from a host arena as rank 0's
+are: an entry here is evicted while its copy may still be in flight, which a reused block could not be.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from pathlib import Path
 from shared.config import EngineConfig
 from shared.schema import AdapterRef
 from worker.adapter_pool.eviction import make_policy
-from worker.adapter_pool.host_adapter import HostAdapter
+from worker.adapter_pool.host_adapter import HostAdapter, fresh_buffers
+from worker.adapter_pool.host_arena import host_budget_bytes
 from worker.adapter_pool.host_tier import HostTier
-from worker.adapter_pool.pool import host_budget_bytes
 from worker.adapter_pool.rank_adapter import read_for_model
 from worker.model.model import CausalLM
 
@@ -28,7 +30,9 @@ class FollowerAdapters:
         self._config = config
         self._adapter_root = adapter_root
         self._pin = pin
-        self._tier: HostTier[HostAdapter] = HostTier(host_budget_bytes(model, config), make_policy("lru"))
+        self._tier: HostTier[HostAdapter] = HostTier(
+            host_budget_bytes(model.info, model.dtype, config), make_policy("lru")
+        )
         self._reads: dict[str, Future[HostAdapter]] = {}
         self._executor = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="adapter-read-ahead")
 
@@ -55,4 +59,4 @@ class FollowerAdapters:
     def _read(self, ref: AdapterRef) -> HostAdapter:
         if self._adapter_root is None:
             raise RuntimeError("rank 0 loaded an adapter, and this follower has no adapter root")
-        return read_for_model(ref, self._model, self._config, self._adapter_root, pin=self._pin)
+        return read_for_model(ref, self._model, self._config, self._adapter_root, take=fresh_buffers(pin=self._pin))

@@ -1,15 +1,18 @@
 """Disk → host: an adapter read once, validated, and held in one flat (pinned) buffer, so the copy to
-the device is one large transfer at full host-to-device bandwidth.
+the device is one large transfer at full host-to-device bandwidth. The buffer comes from the caller's
+`BufferSource`: the pool's, a block carved from its page-locked host arena (host_arena.py).
 
-The file is read once, its data section straight into a pinned buffer. In the common case that
-buffer is used in place (`_parts_in_place`): a PEFT file whose tensors are dense projections' A/B
+The file is read once. In the common case its data section goes straight into that buffer and is
+used in place (`_parts_in_place`): a PEFT file whose tensors are dense projections' A/B
 in the model's dtype already is what the slots take, so the host copies nothing and a loader thread
 makes a handful of calls (each one a GIL hand-off with the engine thread, which is what made
 per-tensor packing slow under load). Other files (MoE experts, fused expert forms, another dtype)
-are packed tensor by tensor from the bytes read (`_pack`), never read again."""
+are read into plain memory and packed tensor by tensor from it into the buffer (`_pack`), never
+read again."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +28,10 @@ from shared.safetensors_table import TensorEntry
 from shared.schema import AdapterRef
 from worker.adapter_pool.moe_adapter import expert_loras
 from worker.adapter_pool.peft_adapter import peft_key
+
+# nbytes → a uint8 buffer [nbytes] an adapter's packed weights are held in (pinned where the device
+# copies from it)
+BufferSource = Callable[[int], torch.Tensor]
 
 _SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
@@ -101,7 +108,7 @@ class HostAdapter:
     uid: str
     rank: int
     scaling: float  # alpha/r, or alpha/√r with rsLoRA
-    buffer: torch.Tensor  # flat [sum over parts of rank * (in + out)], pinned when the device is CUDA
+    buffer: torch.Tensor  # flat [sum over parts of rank * (in + out)], from the reader's BufferSource
     parts: tuple[AdapterPart, ...]
     layout: BufferLayout = field(init=False)  # of `parts`, worked out here, on the loader thread
 
@@ -133,18 +140,23 @@ def read_host_adapter(
     dtype: torch.dtype,
     max_rank: int,
     max_bytes: int,
-    pin: bool,
+    take: BufferSource,
     hasher: Executor | None = None,
 ) -> HostAdapter:
     """Read `ref`'s files once (shared/adapter_format.read_adapter: confined to the root, validated
     against the base model, hashed), check them against the registered digest, and hold them in
-    `dtype`. Raises LorafleetError(ADAPTER_LOAD_FAILED) naming the problem. Thread-safe: the pool
-    runs it on its loader threads (file reads and hashing release the GIL), the pieces' hashes on
-    `hasher` (in turn without one)."""
+    `dtype`, in one buffer from `take` (asked once; what it raises goes through). Raises
+    LorafleetError(ADAPTER_LOAD_FAILED) naming the problem. Thread-safe: the pool runs it on its
+    loader threads (file reads and hashing release the GIL), the pieces' hashes on `hasher` (in turn
+    without one)."""
     raw: list[torch.Tensor] = []
+    in_place: list[tuple[AdapterPart, ...] | None] = []
 
-    def allocate(nbytes: int) -> memoryview:
-        raw.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
+    def allocate(nbytes: int, manifest: AdapterManifest, tensors: dict[str, TensorEntry]) -> memoryview:
+        # the file's data is the adapter's buffer when its tensors are already laid out as the slots take
+        # them; otherwise it is packed from plain memory into a buffer of its own
+        in_place.append(_parts_in_place(tensors, info, dtype, manifest))
+        raw.append(take(nbytes) if in_place[0] is not None else torch.empty(nbytes, dtype=torch.uint8))
         return memoryview(raw[0].numpy())
 
     try:
@@ -164,9 +176,9 @@ def read_host_adapter(
         # the registry names exact weights: never serve other bytes under this identity
         raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "adapter files changed since registration")
     manifest = files.manifest
-    parts = _parts_in_place(files.tensors, info, dtype, manifest)
+    parts = in_place[0]
     if parts is None:  # the read bytes, packed tensor by tensor
-        return _pack(ref, manifest, files.weights_file(), info, dtype, pin)
+        return _pack(ref, manifest, files.weights_file(), info, dtype, take)
     try:
         return HostAdapter(ref.uid, manifest.rank, manifest.scaling, raw[0].view(dtype), parts)
     except ValueError as exc:  # overlapping tensors: the safetensors table allows none
@@ -198,7 +210,7 @@ def _parts_in_place(
 
 
 def _pack(
-    ref: AdapterRef, manifest: AdapterManifest, data: bytes, info: ModelInfo, dtype: torch.dtype, pin: bool
+    ref: AdapterRef, manifest: AdapterManifest, data: bytes, info: ModelInfo, dtype: torch.dtype, take: BufferSource
 ) -> HostAdapter:
     """Every LoRA matrix of the validated weights `data`, packed in `dtype` into one flat buffer."""
     tensors = load_safetensors(data)
@@ -224,7 +236,9 @@ def _pack(
         expert_parts.append((part, projection))
         offset += rank * part.numel
     padded = rank > manifest.rank
-    buffer = (torch.zeros if padded else torch.empty)(offset, dtype=dtype, pin_memory=pin)
+    buffer = take(offset * dtype.itemsize).view(dtype)
+    if padded:
+        buffer.zero_()
     adapter = HostAdapter(ref.uid, rank, manifest.scaling, buffer, tuple(parts) + tuple(p for p, _ in expert_parts))
     for part in parts:
         adapter.a(part)[: manifest.rank].copy_(tensors[peft_key(part.layer, part.projection, "A")])
@@ -247,3 +261,9 @@ def max_adapter_bytes(info: ModelInfo, *, max_rank: int, dtype: torch.dtype) -> 
         per_moe_layer = experts - dense
     total = info.num_layers * per_layer + len(info.moe_layers) * per_moe_layer
     return max_rank * total * torch.empty(0, dtype=dtype).element_size()
+
+
+def fresh_buffers(*, pin: bool) -> BufferSource:
+    """A new buffer per adapter (page-locked when `pin`): a tensor-parallel follower's reads, and
+    tests and benches that read adapters outside a pool."""
+    return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)

@@ -2,8 +2,9 @@
 admitted, through three tiers, without the engine step ever waiting on a disk.
 
     disk (PEFT dirs) ──loader threads──► pinned host cache ──side CUDA stream──► GPU pages
-                     read, hash, validate,   (host_tier.py,        (slot_writer.py)     (gpu_slots.py)
-                     pack (host_adapter.py)   byte budget)
+                     read, hash, validate,   (host_tier.py, in      (slot_writer.py)     (gpu_slots.py)
+                     pack (host_adapter.py)   host_arena.py's
+                                              blocks)
 
 `request(ref)` is called for every request the engine accepts (the worker hands over every job it
 has read at once), so the pool sees the whole backlog. Each `poll()` (once per engine step) moves
@@ -21,6 +22,13 @@ given up only by an adapter no running or waiting request names; a host entry on
 the prefetch window. The GPU pool is max_loras adapters of max_lora_rank, in pages (more adapters of
 lower rank fit); the host budget holds at least that many bytes (checked at start-up), and the
 window is sized to what it holds, so the window always fits.
+
+The host tier's bytes are one arena, allocated (page-locked on CUDA) once at start and carved per
+adapter: a loader thread carves its adapter's block when the file's header gives its size and reads
+the data straight into it. A read that finds no room ends there (ArenaFull); `poll()` then evicts
+host entries outside the window for it, carves the block, and reads the adapter again into it (the
+window's adapters always fit: host_arena.py says why). A host entry whose copy to the device is in
+flight is never evicted: its block is what the copy reads.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from shared.schema import AdapterRef
 from worker.adapter_pool.eviction import make_policy
 from worker.adapter_pool.gpu_slots import GpuSlots
 from worker.adapter_pool.host_adapter import HostAdapter, max_adapter_bytes
+from worker.adapter_pool.host_arena import ArenaFull, ArenaTooSmall, Carving, HostArena, host_budget_bytes
 from worker.adapter_pool.host_tier import HostTier
 from worker.adapter_pool.rank_adapter import read_for_model
 from worker.adapter_pool.slot_writer import SlotWriter, Upload
@@ -55,29 +64,10 @@ log = structlog.get_logger(__name__)
 
 # Disk reads in parallel: reading and hashing release the GIL, so a few threads overlap well.
 _LOADER_THREADS = 4
+
+
 # The loads' piece hashes share HASH_THREADS threads (shared/adapter_digest.py): enough to keep up
 # with the disk, and however many loads run, the engine thread keeps the other cores.
-# Default host budget, in GPU pools' worth of bytes (max_loras largest adapters), when the config leaves it open.
-_DEFAULT_HOST_ADAPTERS_PER_SLOT = 2
-
-
-def host_budget_bytes(model: CausalLM, config: EngineConfig) -> int:
-    """The pinned host tier's bytes: config.adapter_host_cache_gb, else room for
-    _DEFAULT_HOST_ADAPTERS_PER_SLOT max-rank adapters per device slot. Raises ValueError for a tier
-    smaller than max_loras max-rank adapters."""
-    largest = max_adapter_bytes(model.info, max_rank=config.max_lora_rank, dtype=model.dtype)
-    needed = config.max_loras * largest
-    if config.adapter_host_cache_gb is None:
-        return _DEFAULT_HOST_ADAPTERS_PER_SLOT * needed
-    budget = int(config.adapter_host_cache_gb * (1 << 30))
-    if budget < needed:
-        raise ValueError(
-            f"adapter_host_cache_gb={config.adapter_host_cache_gb} holds fewer adapters than max_loras="
-            f"{config.max_loras}: at max_lora_rank={config.max_lora_rank} it needs >= {needed / (1 << 30):.2f}"
-        )
-    return budget
-
-
 class PoolMirror(Protocol):
     """Another process's copy of this pool's device pages, kept the same: a tensor-parallel rank 0's
     followers (worker/engine/step_channel.py)."""
@@ -123,15 +113,18 @@ class AdapterPool:
         self._adapter_root = adapter_root
         self._metrics = metrics
         largest = max_adapter_bytes(model.info, max_rank=config.max_lora_rank, dtype=model.dtype)
-        budget = host_budget_bytes(model, config)
+        budget = host_budget_bytes(model.info, model.dtype, config)
         self.gpu = GpuSlots(model.num_pages, make_policy(config.adapter_eviction))
         self._pages_for_rank = model.pages_for_rank
-        self.host: HostTier[HostAdapter] = HostTier(budget, make_policy(config.adapter_eviction))
-        self._window = budget // largest  # adapters prefetched ahead: >= max_loras, and sure to fit the host
         self._writer = SlotWriter(model)
-        self._pin = self._writer.device.type == "cuda"
-        if self._pin:
-            page_lock_by_registration()
+        # sections of one largest adapter: the window's adapters always find one empty (host_arena.py)
+        self.arena = HostArena(budget, largest, page_locked=self._writer.device.type == "cuda")
+        self.host: HostTier[HostAdapter] = HostTier(
+            self.arena.allocator.size,  # every entry holds a block of it: the tier never evicts for bytes
+            make_policy(config.adapter_eviction),
+            released=lambda adapter: self.arena.free(adapter.buffer),
+        )
+        self._window = budget // largest  # adapters prefetched ahead: >= max_loras, and sure to fit the host
         self._executor = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="adapter-load")
         self._hasher = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="adapter-hash")
         self._demand: Counter[str] = Counter()  # uid → unfinished requests naming it
@@ -175,13 +168,13 @@ class AdapterPool:
         for index, (ref, read) in enumerate(reads, 1):
             try:
                 adapter, seconds = read.result()
+            except ArenaFull:
+                log.warning("adapter_preload_stopped", reason="the host cache is full", preloaded=preloaded)
+                break
             except Exception as exc:
                 message = exc.message if isinstance(exc, LorafleetError) else f"{type(exc).__name__}: {exc}"
                 log.warning("adapter_preload_failed", adapter=ref.uid, error=message)
                 continue
-            if self.host.nbytes + adapter.nbytes > self.host.budget_bytes:
-                log.warning("adapter_preload_stopped", reason="the host cache is full", preloaded=preloaded)
-                break
             self.host.put(adapter.uid, adapter, evictable=lambda _: False)
             self._metrics.loaded(AdapterTier.DISK, seconds)
             preloaded += 1
@@ -193,8 +186,11 @@ class AdapterPool:
                 mb=round(adapter.nbytes / 1e6, 1),
                 seconds=round(seconds, 3),
             )
-        for _, read in reads:
-            read.cancel()  # after a full cache: those not started yet
+        else:
+            index = len(reads)
+        for _, read in reads[index:]:  # after a full cache: those not started are cancelled, the others given back
+            if not read.cancel() and read.exception() is None:
+                self.arena.free(read.result()[0].buffer)
         self.resident = (tuple(self.gpu.resident), tuple(self.host.resident))
         return preloaded
 
@@ -222,9 +218,7 @@ class AdapterPool:
             if uid in self._copies or uid in self._reads or self.gpu.holds(uid):
                 continue
             if uid not in self.host:
-                self._reads[uid] = _Read(self._executor.submit(self._read, self._refs[uid]))
-                if self._mirror is not None:
-                    self._mirror.reading(self._refs[uid])
+                self._start_read(uid)
                 continue
             if pages_short:
                 continue  # reads for the rest of the window still go on
@@ -275,8 +269,13 @@ class AdapterPool:
         return len(self._reads) + len(self._copies)
 
     def close(self) -> None:
+        """Stop the loader threads and give the arena's page-locking back, once the copies to the
+        device in flight, which read it, have landed."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._hasher.shutdown(wait=False, cancel_futures=True)
+        for copy in self._copies.values():
+            copy.upload.wait()
+        self.arena.close()
 
     def bookkeeping_size(self) -> int:
         """Entries across every map the pool keeps (a no-leak check: bounded by the tiers' sizes)."""
@@ -290,6 +289,7 @@ class AdapterPool:
             + len(self._copies)
             + len(self._last_reads)
             + self._writer.bookkeeping_size()
+            + self.arena.allocator.bookkeeping_size()
         )
 
     def _land_copies(self) -> None:
@@ -308,6 +308,10 @@ class AdapterPool:
             del self._reads[uid]
             try:
                 adapter, seconds = read.future.result()
+            except ArenaFull as full:
+                if uid in window:  # otherwise the window's next poll reads it again, if it comes back
+                    self._read_into_room(uid, full.nbytes, window)
+                continue
             except Exception as exc:
                 message = exc.message if isinstance(exc, LorafleetError) else f"{type(exc).__name__}: {exc}"
                 log.warning("adapter_load_failed", adapter=uid, error=message)
@@ -316,32 +320,48 @@ class AdapterPool:
                 continue
             self._metrics.loaded(AdapterTier.DISK, seconds)
             if uid not in window:
-                continue  # nobody waits for it any more, and only the window is sure to fit
-            try:
-                evicted = self.host.put(uid, adapter, evictable=lambda other: other not in window)
-            except RuntimeError as exc:  # larger than the budget's sizing assumed: fail it, not the engine
-                log.exception("adapter_host_cache_full", adapter=uid)
-                self._pending.pop(uid, None)
-                failures.append(LoadFailure(uid, str(exc)))
+                self.arena.free(adapter.buffer)  # nobody waits for it any more: its block goes to the window
                 continue
-            for _ in evicted:
-                self._metrics.evicted(AdapterTier.CPU)
+            self.host.put(uid, adapter, evictable=lambda _: False)  # its block is in the arena: it fits
         return failures
 
-    def _read(self, ref: AdapterRef) -> tuple[HostAdapter, float]:
-        """Disk → host, on a loader thread."""
+    def _read_into_room(self, uid: str, nbytes: int, window: set[str]) -> None:
+        """Evict host entries outside `window` (and not being copied to the device: their blocks are
+        read by the copy) until the arena can carve `nbytes`, then read `uid` again into that block.
+        With nothing left to evict (reads and copies of adapters that left the window still hold
+        blocks) it is read again from the start, until they are done."""
+        block, evicted = self.host.evict_until(
+            lambda: self.arena.carve(nbytes),
+            evictable=lambda other: other not in window and other not in self._copies,
+            group=lambda adapter: self.arena.section_of(adapter.buffer),
+        )
+        for _ in evicted:
+            self._metrics.evicted(AdapterTier.CPU)
+        if block is not None:
+            self._start_read(uid, block)
+
+    def _start_read(self, uid: str, granted: torch.Tensor | None = None) -> None:
+        self._reads[uid] = _Read(self._executor.submit(self._read, self._refs[uid], granted))
+        if self._mirror is not None:
+            self._mirror.reading(self._refs[uid])
+
+    def _read(self, ref: AdapterRef, granted: torch.Tensor | None = None) -> tuple[HostAdapter, float]:
+        """Disk → a block of the host arena (`granted`, carved for it by the engine thread, or one it
+        carves), on a loader thread. Raises ArenaFull, having read only the file's header, when the
+        arena has no room for it now."""
         started = time.perf_counter()
-        if self._adapter_root is None:
-            raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "this engine has no adapter root")
-        adapter = read_for_model(ref, self._model, self._config, self._adapter_root, pin=self._pin, hasher=self._hasher)
+        carving = Carving(self.arena, granted)
+        try:
+            if self._adapter_root is None:
+                raise LorafleetError(ErrorCode.ADAPTER_LOAD_FAILED, "this engine has no adapter root")
+            adapter = read_for_model(
+                ref, self._model, self._config, self._adapter_root, take=carving.take, hasher=self._hasher
+            )
+        except ArenaTooSmall as exc:  # what the rank check let through cannot be: still, only this load fails
+            carving.keep(None)
+            raise LorafleetError(ErrorCode.ADAPTER_TOO_LARGE, str(exc)) from exc
+        except BaseException:
+            carving.keep(None)
+            raise
+        carving.keep(adapter.buffer)
         return adapter, time.perf_counter() - started
-
-
-def page_lock_by_registration() -> None:
-    """Page-locks host memory from here on with malloc + cudaHostRegister on 8 threads instead of
-    cudaHostAlloc, process-wide. Each disk load page-locks a fresh buffer for the host tier (torch's
-    host allocator keeps freed blocks, but the tier starts empty), and cudaHostAlloc holds a driver
-    lock that the engine thread's CUDA calls and the other loader threads wait on: in the first pass
-    of a 1,000-adapter Zipf load on an H100 it took 26.4 s of 229 loads and the pass ran at 0.32× of
-    all-resident, against 4.1 s and 0.72× registered (docs/benchmarks.md, issue #27)."""
-    torch._C._accelerator_setAllocatorSettings("pinned_use_cuda_host_register:True,pinned_num_register_threads:8")

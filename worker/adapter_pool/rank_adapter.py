@@ -10,11 +10,9 @@ from __future__ import annotations
 from concurrent.futures import Executor
 from pathlib import Path
 
-import torch
-
 from shared.config import EngineConfig
 from shared.schema import AdapterRef
-from worker.adapter_pool.host_adapter import AdapterPart, HostAdapter, read_host_adapter
+from worker.adapter_pool.host_adapter import AdapterPart, BufferSource, HostAdapter, fresh_buffers, read_host_adapter
 from worker.model.model import CausalLM
 from worker.model.parallel.sharding import ModelShard
 
@@ -25,12 +23,12 @@ def read_for_model(
     config: EngineConfig,
     adapter_root: Path,
     *,
-    pin: bool,
+    take: BufferSource,
     hasher: Executor | None = None,
 ) -> HostAdapter:
     """`ref` read, validated and hashed against the whole model (read_host_adapter: its pieces
-    hashed on `hasher`'s threads), as `model`'s slots take it: whole, or the part of a
-    tensor-parallel rank."""
+    hashed on `hasher`'s threads), as `model`'s slots take it, in one buffer from `take`: whole, or
+    the part of a tensor-parallel rank (the whole read into plain memory first)."""
     adapter = read_host_adapter(
         ref,
         adapter_root=adapter_root,
@@ -38,14 +36,14 @@ def read_for_model(
         dtype=model.dtype,
         max_rank=config.max_lora_rank,
         max_bytes=config.max_adapter_bytes,
-        pin=pin,
+        take=take if model.shard is None else fresh_buffers(pin=False),
         hasher=hasher,
     )
-    return adapter if model.shard is None else shard_adapter(adapter, model.shard, pin=pin)
+    return adapter if model.shard is None else shard_adapter(adapter, model.shard, take=take)
 
 
-def shard_adapter(adapter: HostAdapter, shard: ModelShard, *, pin: bool) -> HostAdapter:
-    """The rank's part of `adapter`, packed into a buffer of its own (pinned when `pin`)."""
+def shard_adapter(adapter: HostAdapter, shard: ModelShard, *, take: BufferSource) -> HostAdapter:
+    """The rank's part of `adapter`, packed into a buffer of its own from `take`."""
     rank = adapter.rank
     parts: list[AdapterPart] = []
     offset = 0
@@ -59,7 +57,8 @@ def shard_adapter(adapter: HostAdapter, shard: ModelShard, *, pin: bool) -> Host
             AdapterPart(part.layer, part.projection, offset, b_offset, in_features, out_features, part.experts)
         )
         offset = b_offset + rank * experts * out_features
-    buffer = torch.empty(offset, dtype=adapter.buffer.dtype, pin_memory=pin)
+    dtype = adapter.buffer.dtype
+    buffer = take(offset * dtype.itemsize).view(dtype)
     sharded = HostAdapter(adapter.uid, rank, adapter.scaling, buffer, tuple(parts))
     for whole, part in zip(adapter.parts, parts, strict=True):
         split = shard.split(whole.projection)
