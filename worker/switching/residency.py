@@ -231,7 +231,9 @@ class ModelResidency:
         thread, once it has no unfinished requests."""
         if self.engines[name].num_unfinished:
             raise RuntimeError(f"evicting {name!r} with {self.engines[name].num_unfinished} unfinished requests")
-        del self.engines[name]
+        engine = self.engines.pop(name)
+        if engine.adapter_pool is not None:  # its host arena's page-locked memory goes back now, not at collection
+            engine.adapter_pool.close()
         self._free_kv_storage.append(self._kv_storage.pop(name))
         self.resident_since.pop(name, None)
         self._resident_names = tuple(self.engines)
