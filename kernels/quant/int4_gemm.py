@@ -23,7 +23,7 @@ OR-ed into the mantissa of 2**23 are the float 2**23 + q, and subtracting 2**23 
 float32) leaves q - zero exactly. Codebook weights (NF4, FP4) index their 16-float table with the
 nibble: a gather from 64 bytes that stay in L1, one load per weight in place of the subtraction.
 Only the 4-bit weights, their scales and x cross the memory bus: at decode sizes that is 3.5x fewer
-bytes than a bf16 weight (codebook weights, float32 scales per block of 64: 3.2x).
+bytes than a bf16 weight (codebook weights, a float32 scale per block of 64: 3.6x).
 
 Split-K: at decode a [BLOCK_N]-wide column of tiles is all the parallelism there is (4096 / 64 = 64
 programs for o_proj, half an H100); SPLIT_K programs share a column's K range. Each writes its
