@@ -23,9 +23,6 @@ NF4_CODES = (
 )  # fmt: skip
 # sign, then exponent and mantissa bits; divided by 12 below, as bitsandbytes divides them
 _FP4_RAW = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)
-CODEBOOK_FORMATS = ("nf4", "fp4")
-# bitsandbytes' default block (Linear4bit, transformers' load_in_4bit): what --quantization nf4 quantizes in
-DEFAULT_BLOCK = 64
 # an all-zero block divides by this instead of zero (bitsandbytes' clamp), and quantizes to the zero code
 _MIN_ABSMAX = 1e-38
 
@@ -37,7 +34,7 @@ def codebook(quant_type: str, device: torch.device | str = "cpu") -> torch.Tenso
     if quant_type == "fp4":
         raw = torch.tensor(_FP4_RAW, dtype=torch.float32, device=device)
         return raw / raw.abs().max()
-    raise ValueError(f"no 4-bit codebook {quant_type!r} (known: {', '.join(CODEBOOK_FORMATS)})")
+    raise ValueError(f"no 4-bit codebook {quant_type!r} (known: nf4, fp4)")
 
 
 def quantize_codebook(weight: torch.Tensor, block: int, codes: torch.Tensor) -> tuple[torch.Tensor, Int4Weight]:
