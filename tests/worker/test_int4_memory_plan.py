@@ -41,3 +41,4 @@ def test_nf4_weights_take_their_codes_and_a_float32_absmax_per_block():
     # head (2 x 1.05 GB) stay bf16
     assert 6.0 * GB < nf4.weights < 6.05 * GB
     assert nf4.weights - int4.weights == pytest.approx(6.98e9 * (4 / 64 - 4 / 128), rel=0.01)
+    assert nf4.dense_lora == int4.dense_lora  # the codebook is part of the weight, not of the adapters' memory

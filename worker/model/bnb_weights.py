@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.quant.codebook import quantize_codebook
+from kernels.quant.codebook import codebook, quantize_codebook
 from kernels.quant.int4_reference import PACK, pack_along_k
 from worker.model.weights import copy_weight
 
@@ -50,12 +50,10 @@ def quantize_into(
 
 class BnbSlice:
     """The loaders of one projection's bitsandbytes tensors, writing the slice `qweight` [K/8, N_i] and
-    `scales` float32 [K/B, N_i] of a layer whose codebook is `codebook` float32 [16]."""
+    `scales` float32 [K/B, N_i] of a layer whose codebook is `quant_type`'s ("nf4" or "fp4")."""
 
-    def __init__(
-        self, qweight: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, *, quant_type: str, nested: bool
-    ) -> None:
-        self.qweight, self.scales, self.codebook = qweight, scales, codebook
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, *, quant_type: str, nested: bool) -> None:
+        self.qweight, self.scales = qweight, scales
         self.quant_type = quant_type
         self.nested = nested
         self._parts: dict[str, object] = {}  # double quantization's parts, until all have arrived
@@ -94,7 +92,8 @@ class BnbSlice:
 
     def _quant_map(self, tensor: torch.Tensor, *, name: str) -> None:
         saved = _float32(tensor, name=name).cpu()
-        if saved.shape != (16,) or not torch.allclose(saved, self.codebook.cpu(), rtol=0, atol=_QUANT_MAP_TOLERANCE):
+        table = codebook(self.quant_type)  # the layer's, on the host: no wait on the device
+        if saved.shape != (16,) or not torch.allclose(saved, table, rtol=0, atol=_QUANT_MAP_TOLERANCE):
             raise ValueError(f"{name} is not bitsandbytes' {self.quant_type} table")
 
     def _quant_state(self, tensor: torch.Tensor) -> None:

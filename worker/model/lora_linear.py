@@ -109,7 +109,8 @@ class LoRALinear(nn.Module):
             if quantization in CODEBOOK_FORMATS:  # bitsandbytes' float32 absmax, kept exact
                 self.scales = _frozen(torch.empty(groups, total, dtype=torch.float32, device=device))
                 self.register_parameter("zeros", None)
-                self.register_buffer("codebook", codebook(quantization, device))
+                # part of the weight (64 bytes), as the counters are; buffers here are LoRA memory
+                self.codebook = _frozen(codebook(quantization, device))
             else:
                 self.scales = _frozen(torch.empty(groups, total, dtype=torch.float16, device=device))
                 self.zeros = _frozen(torch.empty(groups, total, dtype=torch.float16, device=device))
@@ -226,9 +227,7 @@ class LoRALinear(nn.Module):
         qweight, scales = self.qweight[:, columns], self.scales[:, columns]
         if self.codebook is not None:
             if prequantized:
-                bnb = bnb_weights.BnbSlice(
-                    qweight, scales, self.codebook, quant_type=self.quantization, nested=double_quant
-                )
+                bnb = bnb_weights.BnbSlice(qweight, scales, quant_type=self.quantization, nested=double_quant)
                 return bnb.loaders(key)
             quantize = partial(bnb_weights.quantize_into, qweight, scales, self.codebook, name=f"{key}.weight")
             return {f"{key}.weight": quantize}
