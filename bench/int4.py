@@ -1,5 +1,6 @@
 """The 4-bit (W4A16) side of bench/engine.py: the bytes a decode step reads from 4-bit projections,
-random weights quantized as a worker quantizes at load, and the issue's 4-bit targets."""
+random weights quantized as a worker quantizes at load (int4: affine groups; nf4: bitsandbytes' NF4
+levels in blocks of 64), and the issue's 4-bit targets."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.quant.codebook import quantize_codebook
 from kernels.quant.int4_reference import quantize_int4
 from shared.model_info import PROJECTIONS, ModelInfo
 from worker.model.lora_linear import LoRALinear
@@ -20,27 +22,32 @@ ADAPTERS_OVER_BASE = 0.9
 
 
 def int4_projection_bytes(info: ModelInfo) -> int:
-    """Bytes one layer's 4-bit projections take: half a byte a weight, plus a float16 scale and zero
-    point per group of weight_group_size inputs of each output."""
+    """Bytes one layer's 4-bit projections take: half a byte a weight, plus per group of
+    weight_group_size inputs of each output a float16 scale and zero point (int4, AWQ, GPTQ) or a
+    float32 absmax (NF4, FP4)."""
     weights = sum(k * n for k, n in (info.projection_shape(name) for name in PROJECTIONS))
-    return weights // 2 + 2 * 2 * weights // info.weight_group_size
+    return weights // 2 + 4 * weights // info.weight_group_size
 
 
 def quantize_random(module: LoRALinear, group_size: int) -> None:
-    """Fill a 4-bit layer with N(0, 0.02) weights quantized as --quantization int4 quantizes them at load."""
+    """Fill a 4-bit layer with N(0, 0.02) weights quantized as --quantization int4 or nf4 (the layer's
+    format) quantizes them at load."""
     n, k = module.qweight.shape[1], module.in_features
     weight = torch.empty(n, k, dtype=torch.bfloat16, device=module.qweight.device).normal_(0.0, 0.02)
-    _, packed = quantize_int4(weight, group_size)
+    if module.codebook is not None:
+        _, packed = quantize_codebook(weight, group_size, module.codebook)
+    else:
+        _, packed = quantize_int4(weight, group_size)
+        module.zeros.copy_(packed.zeros)
     module.qweight.copy_(packed.qweight)
     module.scales.copy_(packed.scales)
-    module.zeros.copy_(packed.zeros)
 
 
 def print_int4_targets(rows: list[Row], bf16_system: str) -> None:
     """The 4-bit rows beside the issue's targets: decode over bf16's at batch 1-8, 8 adapters over the
     same 4-bit base, and the share of each row's own roofline (4-bit weights and their scales)."""
     engine = {(r.system, r.batch, r.prompt, r.adapters): r for r in rows if r.system.startswith("lorafleet")}
-    int4 = sorted(key for key in engine if key[0].startswith("lorafleet int4"))
+    int4 = sorted(key for key in engine if key[0].startswith(("lorafleet int4", "lorafleet nf4")))
     if not int4:
         return
     print("\n4-bit targets")

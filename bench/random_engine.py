@@ -80,7 +80,7 @@ def random_model(info: ModelInfo, config: EngineConfig, tp: TensorParallel | Non
                 )
                 module.weight.copy_(weight)
                 module.weight_scale.copy_(scale)
-            elif isinstance(module, LoRALinear) and module.weight is None:  # int4: quantized as at load
+            elif isinstance(module, LoRALinear) and module.weight is None:  # int4, nf4: quantized as at load
                 quantize_random(module, info.weight_group_size)
             elif isinstance(module, MoEBlock) and module.w13_scale is not None:  # fp8 experts: as at load
                 for weight, scale in ((module.w13, module.w13_scale), (module.w2, module.w2_scale)):

@@ -27,12 +27,12 @@ def copy_bandwidth() -> float:
 def weight_bytes(info: ModelInfo) -> int:
     """Bytes a decode step reads: every layer's weights and the lm_head (embedding rows are few); the
     projections in one byte each (and a float32 scale per output row) when served in fp8, in half a
-    byte (and a float16 scale and zero point per group) in 4 bits."""
+    byte (and a float16 scale and zero point, or a float32 absmax, per group) in 4 bits."""
     h, i, kv = info.hidden_size, info.intermediate_size, info.num_kv_heads * info.head_dim
     rows = (h + 2 * kv) + h + 2 * i + h
     projections = h * (h + 2 * kv) + h * h + 3 * h * i
     projection_bytes = projections + 4 * rows if info.quantization == "fp8" else 2 * projections
-    if info.quantization == "int4":
+    if info.quantization in ("int4", "nf4"):
         projection_bytes = int4_projection_bytes(info)
     return info.num_layers * (projection_bytes + 2 * 2 * h) + 2 * (info.vocab_size * h + h)
 

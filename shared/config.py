@@ -153,7 +153,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None  # None: the checkpoint's dtype
     # weights quantized at load ("fp8": W8A8, shared/quantization.py; "int4": W4A16 in groups of 128,
-    # shared/int4_quantization.py); None: as the checkpoint holds them
+    # shared/int4_quantization.py; "nf4": W4A16 on bitsandbytes' NF4 levels in blocks of 64,
+    # shared/bnb_quantization.py); None: as the checkpoint holds them
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # or "fp8": about twice the KV blocks in the same memory
     max_num_seqs: int = 64  # sequences in the running batch
@@ -196,8 +197,8 @@ class EngineConfig:
             raise ValueError("max_loras must be >= 0 (0: LoRA off) and max_lora_rank >= 1")
         if self.adapter_eviction not in ("lru", "lfu"):
             raise ValueError(f"adapter_eviction must be 'lru' or 'lfu', not {self.adapter_eviction!r}")
-        if self.quantization not in (None, "fp8", "int4"):
-            raise ValueError(f"quantization must be 'fp8', 'int4' or unset, not {self.quantization!r}")
+        if self.quantization not in (None, "fp8", "int4", "nf4"):
+            raise ValueError(f"quantization must be 'fp8', 'int4', 'nf4' or unset, not {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', not {self.kv_cache_dtype!r}")
         if self.adapter_host_cache_gb is not None and self.adapter_host_cache_gb <= 0:

@@ -9,7 +9,8 @@ Two published formats load as they are (worker/model/int4_weights.py repacks bot
                          desc_act false, the only order served, g_idx[k] is k // G)
 both with bits 4 and a group size G of 32, 64 or 128 inputs. A plain checkpoint served with
 --quantization int4 is quantized at load in groups of 128 (LOAD_GROUP_SIZES). Anything else is refused at
-start, naming the file and the problem.
+start, naming the file and the problem. bitsandbytes' NF4 and FP4 (codebook formats, not affine) are
+read by shared/bnb_quantization.py.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from typing import Any, NoReturn
 from shared.errors import ErrorCode, LorafleetError
 
 INT4_METHODS = ("awq", "gptq")
-# the served formats whose weights are 4-bit: quantized at load ("int4") or loaded as published
-INT4_FORMATS = ("int4", *INT4_METHODS)
+# bitsandbytes' 4-bit codebooks: "nf4" quantized at load or published, "fp4" published
+CODEBOOK_FORMATS = ("nf4", "fp4")
+# the served formats whose weights are 4-bit: quantized at load ("int4", "nf4") or loaded as published
+INT4_FORMATS = ("int4", *INT4_METHODS, *CODEBOOK_FORMATS)
 # the kernel's K tile divides the group and is at least 32 inputs (kernels/quant/int4_gemm.py)
 GROUP_SIZES = (32, 64, 128)
 # what --quantization int4 quantizes a plain checkpoint in: the group AWQ and GPTQ publish (128), or,

@@ -7,14 +7,13 @@ each with the tensor and what was expected, before any weight is read.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import NoReturn
 
+from shared.checkpoint_tables import checkpoint_tables
 from shared.errors import ErrorCode, LorafleetError
 from shared.model_info import PROJECTIONS, ModelInfo
-from shared.safetensors_table import TensorEntry, header_length, parse_table
+from shared.safetensors_table import TensorEntry
 
 _FLOAT_DTYPES = ("F16", "BF16", "F32")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -24,7 +23,7 @@ def check_int4_tensors(model_dir: Path, info: ModelInfo) -> None:
     """Raise LorafleetError naming the checkpoint (or the file) and the tensor unless every
     projection's 4-bit tensors are there as `info.checkpoint_quantization` ("awq" or "gptq") lays
     them out, for groups of info.weight_group_size inputs."""
-    tables = _tables(Path(model_dir))
+    tables = checkpoint_tables(Path(model_dir))
     method, group = info.checkpoint_quantization, info.weight_group_size
     for layer in range(info.num_layers):
         for projection in PROJECTIONS:
@@ -57,27 +56,6 @@ def _check(
     if entry.dtype not in dtypes or entry.shape != shape:
         want = "/".join(dtypes)
         _refuse(path, f"{name} is {entry.dtype} {list(entry.shape)}; {what} needs {want} {list(shape)}")
-
-
-def _tables(model_dir: Path) -> dict[str, tuple[Path, TensorEntry]]:
-    """Tensor name → (its file, its entry) over the checkpoint's safetensors files (the shards an
-    index names, or the single file)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({model_dir / shard for shard in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = [model_dir / "model.safetensors"]
-    tables: dict[str, tuple[Path, TensorEntry]] = {}
-    for path in files:
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                length = header_length(f.read(8), size, str(path))
-                table = parse_table(f.read(length), size - 8 - length, str(path))
-        except OSError as exc:
-            _refuse(path, f"cannot be read: {exc.strerror}")
-        tables.update((name, (path, entry)) for name, entry in table.items())
-    return tables
 
 
 def _refuse(path: Path, problem: str) -> NoReturn:

@@ -11,8 +11,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from shared.bnb_quantization import LOAD_BLOCK_SIZE, checkpoint_block_size
 from shared.errors import ErrorCode, LorafleetError
-from shared.int4_quantization import INT4_FORMATS, check_int4_widths, checkpoint_group_size, load_group_size
+from shared.int4_quantization import (
+    CODEBOOK_FORMATS,
+    INT4_FORMATS,
+    check_int4_widths,
+    checkpoint_group_size,
+    load_group_size,
+)
 from shared.quantization import KV_CACHE_DTYPES, checkpoint_quantization, served_quantization
 
 # Decoder-only families that share the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
@@ -64,12 +71,15 @@ class ModelInfo:
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     # how the weights are stored: in the checkpoint's files, and on the device as served ("none",
     # "fp8": shared/quantization.py; 4-bit "awq", "gptq", or "int4" as served when quantized at load:
-    # shared/int4_quantization.py); the KV cache's dtype as served ("auto": the activations')
+    # shared/int4_quantization.py; bitsandbytes' "nf4" (published or quantized at load) and "fp4":
+    # shared/bnb_quantization.py); the KV cache's dtype as served ("auto": the activations')
     checkpoint_quantization: str = "none"
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
-    # inputs per scale group of 4-bit weights (quantization "int4", "awq" or "gptq"); 0 otherwise
+    # inputs per scale group (bitsandbytes: block) of 4-bit weights (quantization in INT4_FORMATS); 0 otherwise
     weight_group_size: int = 0
+    # a bitsandbytes checkpoint's double quantization: each block's absmax stored in 8 bits
+    weight_double_quant: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -111,6 +121,8 @@ class ModelInfo:
         widths = {name: self.projection_shape(name)[0] for name in PROJECTIONS}
         if weights == "int4" and self.checkpoint_quantization == "none":
             group_size = load_group_size(widths, source)
+        if weights == "nf4" and self.checkpoint_quantization == "none":
+            group_size = LOAD_BLOCK_SIZE
         if weights in INT4_FORMATS:
             check_int4_widths(widths, group_size, source)
         return replace(self, quantization=weights, kv_cache_dtype=kv_cache_dtype, weight_group_size=group_size)
@@ -148,7 +160,14 @@ class ModelInfo:
             max_context = min(max_context, config["sliding_window"])
         moe = _moe_fields(architecture, config)
         weights = checkpoint_quantization(config, path)
-        group_size = checkpoint_group_size(config["quantization_config"], path) if weights in INT4_FORMATS else 0
+        group_size = 0
+        if weights in CODEBOOK_FORMATS:
+            group_size = checkpoint_block_size(Path(model_dir), weights)
+        elif weights in INT4_FORMATS:
+            group_size = checkpoint_group_size(config["quantization_config"], path)
+        double_quant = weights in CODEBOOK_FORMATS and bool(
+            config["quantization_config"].get("bnb_4bit_use_double_quant")
+        )
         rope_theta = config.get("rope_theta")
         rope_scaling = config.get("rope_scaling")
         # transformers >= 5 folds rope settings into `rope_parameters`
@@ -179,6 +198,7 @@ class ModelInfo:
             checkpoint_quantization=weights,
             quantization=weights,
             weight_group_size=group_size,
+            weight_double_quant=double_quant,
             **moe,
         )
 

@@ -8,7 +8,8 @@ asked for fp8) or FP8 weights with their scales, as published in two formats:
 each per tensor (one value) or per output channel ([N] or [N, 1]). Either loads as it is, never
 re-quantized. Their static `input_scale`s are not used: activations get a dynamic scale per token,
 never coarser than one fixed scale per tensor. 4-bit checkpoints (quant_method "awq" or "gptq")
-are checked by shared/int4_quantization.py. Anything else is refused at start, naming the file.
+are checked by shared/int4_quantization.py, bitsandbytes' ("bitsandbytes", 4-bit NF4 or FP4) by
+shared/bnb_quantization.py. Anything else is refused at start, naming the file.
 """
 
 from __future__ import annotations
@@ -16,19 +17,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NoReturn
 
+from shared.bnb_quantization import BNB_METHOD, check_bnb_checkpoint
 from shared.errors import ErrorCode, LorafleetError
 from shared.int4_quantization import INT4_METHODS, check_int4_checkpoint
 
-WEIGHT_FORMATS = ("none", "fp8", "int4")  # "none": the checkpoint's own floating-point dtype
+# what --quantization asks for ("none": the checkpoint's own floating-point dtype)
+WEIGHT_FORMATS = ("none", "fp8", "int4", "nf4")
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the weights' activation dtype
-SUPPORTED_METHODS = ("fp8", "compressed-tensors", *INT4_METHODS)
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", *INT4_METHODS, BNB_METHOD)
 # compressed-tensors' per-tensor and per-output-channel weight strategies (block / group are refused)
 _CT_STRATEGIES = ("tensor", "channel")
 
 
 def checkpoint_quantization(config: dict[str, Any], path: Path) -> str:
     """The weight format of the checkpoint whose config.json (at `path`) is `config`: "none", "fp8",
-    "awq" or "gptq".
+    "awq", "gptq", "nf4" or "fp4".
     Raises LorafleetError naming the file and the problem for a format the worker cannot serve."""
     quant = config.get("quantization_config")
     if not quant:
@@ -47,6 +50,8 @@ def checkpoint_quantization(config: dict[str, Any], path: Path) -> str:
         return "fp8"
     if method in INT4_METHODS:
         return check_int4_checkpoint(quant, path)
+    if method == BNB_METHOD:
+        return check_bnb_checkpoint(quant, path)
     _refuse(path, f"quant_method {method!r} is not supported (supported: {', '.join(SUPPORTED_METHODS)})")
 
 
@@ -65,7 +70,8 @@ def _check_ct_group(name: str, group: dict[str, Any], path: Path) -> None:
 def served_quantization(checkpoint: str, requested: str | None, path: Path) -> str:
     """The format the weights are served in: the checkpoint's when it is quantized, else `requested`
     (--quantization; None: the checkpoint's own dtype). A quantized checkpoint cannot be served
-    unquantized; an AWQ or GPTQ one is already what --quantization int4 asks for."""
+    unquantized; an AWQ or GPTQ one is already what --quantization int4 asks for, a bitsandbytes NF4
+    one what --quantization nf4 asks for."""
     if checkpoint != "none":
         if requested not in (None, checkpoint) and not (requested == "int4" and checkpoint in INT4_METHODS):
             _refuse(

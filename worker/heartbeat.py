@@ -113,8 +113,8 @@ class Heartbeat:
             await pipe.execute()
 
     def _quantization(self) -> dict[str, dict[str, str]]:
-        """Per served model: its weights' format ("none", "fp8", "int4", "awq" or "gptq") and its KV
-        cache's dtype."""
+        """Per served model: its weights' format ("none", "fp8", "int4", "awq", "gptq", "nf4" or "fp4")
+        and its KV cache's dtype."""
         return {
             name: {"weights": info.quantization, "kv_cache": info.kv_cache_dtype}
             for name, info in self._residency.infos.items()

@@ -81,10 +81,11 @@ def add_worker(subparsers: argparse._SubParsersAction) -> None:
     )
     engine.add_argument(
         "--quantization",
-        choices=("fp8", "int4"),
+        choices=("fp8", "int4", "nf4"),
         help="quantize the base weights at load: fp8 = W8A8, per-channel weight and per-token activation scales; "
         "int4 = W4A16, 4-bit weights in groups of 128 with a scale and zero point each; "
-        "FP8, AWQ and GPTQ checkpoints load as they are (default: as the checkpoint holds them)",
+        "nf4 = W4A16, bitsandbytes' NF4 levels in blocks of 64 with an absmax each; "
+        "FP8, AWQ, GPTQ and bitsandbytes 4-bit checkpoints load as they are (default: as the checkpoint holds them)",
     )
     engine.add_argument(
         "--kv-cache-dtype",

@@ -64,7 +64,8 @@ async def models(request: web.Request) -> web.Response:
                 "max_model_len": info.max_context,
                 "max_lora_rank": None if limits is None else limits.max_rank,
                 # how its workers serve it: weights "none" (the checkpoint's dtype), "fp8", or 4-bit "int4"
-                # (quantized at load), "awq" or "gptq"; KV "auto" or "fp8"
+                # (quantized at load), "awq", "gptq", "nf4" (bitsandbytes', or quantized at load) or "fp4";
+                # KV "auto" or "fp8"
                 "quantization": info.quantization,
                 "kv_cache_dtype": info.kv_cache_dtype,
             }

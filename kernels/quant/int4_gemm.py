@@ -1,8 +1,10 @@
 """The W4A16 GEMM as Triton kernels (int4_reference.int4_linear_reference is the oracle):
 
-    y[m, n] = sum_k x[m, k] * w[k, n],   w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
+    y[m, n] = sum_k x[m, k] * w[k, n],   w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]   (affine)
+                                         w[k, n] = codebook[q[k, n]] * scales[k // G, n]             (codebook)
 
-w is dequantized in float32 and the products summed in float32. Two kernels, one per regime:
+w is dequantized in float32 and the products summed in float32; a constexpr (CODEBOOK) picks the
+dequantization, everything else is one code. Two kernels, one per regime:
 
 - `_int4_gemv_kernel` (one row: decode of one sequence) multiplies on the CUDA cores: a tensor-core
   tile would be 16 rows of which 15 are padding, and the tensor cores' operand layout costs a
@@ -15,11 +17,13 @@ w is dequantized in float32 and the products summed in float32. Two kernels, one
   int32 over its eight rows in registers, dequantizes with the group's scale and zero point (one row
   of each per K tile: BLOCK_K divides the group size) and rounds w to x's dtype, as the reference.
 
-Both turn a nibble into a float without an integer-to-float conversion (a quarter-rate instruction
-on Hopper, which would bound the kernel below the memory roofline): the nibble's bits OR-ed into
-the mantissa of 2**23 are the float 2**23 + q, and subtracting 2**23 + zero (both exact in float32)
-leaves q - zero exactly. Only the 4-bit weights, their scales and x cross the memory bus: at
-decode sizes that is 3.5x fewer bytes than a bf16 weight.
+Affine weights turn a nibble into a float without an integer-to-float conversion (a quarter-rate
+instruction on Hopper, which would bound the kernel below the memory roofline): the nibble's bits
+OR-ed into the mantissa of 2**23 are the float 2**23 + q, and subtracting 2**23 + zero (both exact in
+float32) leaves q - zero exactly. Codebook weights (NF4, FP4) index their 16-float table with the
+nibble: a gather from 64 bytes that stay in L1, one load per weight in place of the subtraction.
+Only the 4-bit weights, their scales and x cross the memory bus: at decode sizes that is 3.5x fewer
+bytes than a bf16 weight (codebook weights, a float32 scale per block of 64: 3.6x).
 
 Split-K: at decode a [BLOCK_N]-wide column of tiles is all the parallelism there is (4096 / 64 = 64
 programs for o_proj, half an H100); SPLIT_K programs share a column's K range. Each writes its
@@ -63,18 +67,20 @@ MAGIC_VALUE = tl.constexpr(8388608.0)  # 2**23
 
 
 @triton.jit
-def _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, tile, offs_n, mask_n, N, GROUP: tl.constexpr,
-                     BLOCK_K: tl.constexpr):  # fmt: skip
+def _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, codebook_ptr, tile, offs_n, mask_n, N,
+                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, CODEBOOK: tl.constexpr):  # fmt: skip
     """float32 [BLOCK_K / 8, 8, BLOCK_N]: the weight's K tile `tile`; [i, j, n] is row 8 * i + j."""
     packed_rows = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4  # row 8 * i + j's value sits in packed row i at bits 4 * j
     packed_offs = (tile * (BLOCK_K // 8) + packed_rows)[:, None].to(tl.int64) * N + offs_n[None, :]
     packed = tl.load(qweight_ptr + packed_offs, mask=mask_n[None, :])  # [BLOCK_K / 8, BLOCK_N]
-    bits = ((packed[:, None, :] >> shifts[None, :, None]) & 0xF) | MAGIC
+    nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
     group_row = (tile * BLOCK_K // GROUP) * N  # < K / 32 * N: int32 suffices
     scale = tl.load(scales_ptr + group_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if CODEBOOK:
+        return tl.load(codebook_ptr + nibbles) * scale[None, None, :]
     zero = tl.load(zeros_ptr + group_row + offs_n, mask=mask_n, other=0.0).to(tl.float32) + MAGIC_VALUE
-    return (bits.to(tl.float32, bitcast=True) - zero[None, None, :]) * scale[None, None, :]
+    return ((nibbles | MAGIC).to(tl.float32, bitcast=True) - zero[None, None, :]) * scale[None, None, :]
 
 
 @triton.jit
@@ -106,8 +112,9 @@ def _int4_gemv_kernel(
     arrivals_ptr,  # int32 [>= N tiles], zero between launches (SPLIT_K > 1)
     x_ptr,  # [1, K]
     qweight_ptr,  # int32 [K / 8, N], contiguous
-    scales_ptr,  # float16 [K / G, N], contiguous
-    zeros_ptr,  # float16 [K / G, N], contiguous
+    scales_ptr,  # [K / G, N] float16 (affine) or float32 (codebook), contiguous
+    zeros_ptr,  # float16 [K / G, N], contiguous (affine; not read with a codebook)
+    codebook_ptr,  # float32 [16] (codebook; not read when affine)
     M,  # 1
     N,
     K,
@@ -117,6 +124,7 @@ def _int4_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    CODEBOOK: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -129,7 +137,8 @@ def _int4_gemv_kernel(
     x_cols = tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BLOCK_K / 8, 8]: 8 * i + j
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for tile in range(first, last):
-        w = _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, tile, offs_n, mask_n, N, GROUP, BLOCK_K)
+        w = _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, codebook_ptr, tile, offs_n, mask_n, N, GROUP, BLOCK_K,
+                             CODEBOOK)  # fmt: skip
         x = tl.load(x_ptr + tile * BLOCK_K + x_cols).to(tl.float32)
         acc += tl.sum(tl.sum(x[:, :, None] * w, axis=1), axis=0)
     rows = tl.arange(0, BLOCK_M)
@@ -144,8 +153,9 @@ def _int4_gemm_kernel(
     arrivals_ptr,  # int32 [>= grid tiles], zero between launches (SPLIT_K > 1)
     x_ptr,  # [M, K], last axis contiguous
     qweight_ptr,  # int32 [K / 8, N], contiguous
-    scales_ptr,  # float16 [K / G, N], contiguous
-    zeros_ptr,  # float16 [K / G, N], contiguous
+    scales_ptr,  # [K / G, N] float16 (affine) or float32 (codebook), contiguous
+    zeros_ptr,  # float16 [K / G, N], contiguous (affine; not read with a codebook)
+    codebook_ptr,  # float32 [16] (codebook; not read when affine)
     M,
     N,
     K,
@@ -155,6 +165,7 @@ def _int4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    CODEBOOK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -175,7 +186,8 @@ def _int4_gemm_kernel(
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
         # each int32 loaded once and spread over its eight rows in registers (a load of
         # offs_k // 8 would stage every int32 eight times in shared memory)
-        w = _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, tile, offs_n, mask_n, N, GROUP, BLOCK_K)
+        w = _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, codebook_ptr, tile, offs_n, mask_n, N, GROUP, BLOCK_K,
+                             CODEBOOK)  # fmt: skip
         w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x.dtype)  # row 8 * i + j: packed row i, nibble j
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     arrival_index = pid_m * tl.num_programs(1) + pid_n
@@ -192,13 +204,16 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = N
         raise ValueError(f"x [M, K={k}] does not match the weight's K={weight_k}")
     if x.stride(1) != 1:
         raise ValueError("x's last axis must be contiguous")
-    for name, tensor in (("qweight", weight.qweight), ("scales", weight.scales), ("zeros", weight.zeros)):
+    codebook = weight.codebook is not None
+    # the dequantization's second operand: zero points [K/G, N], or the codebook [16]
+    second = weight.codebook if codebook else weight.zeros
+    for name, tensor in (("qweight", weight.qweight), ("scales", weight.scales), ("zeros or codebook", second)):
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if weight.scales.shape != weight.zeros.shape or weight.scales.shape[1] != n:
-        raise ValueError(
-            f"scales {tuple(weight.scales.shape)} and zeros {tuple(weight.zeros.shape)} must be [K/G, N={n}]"
-        )
+    if weight.scales.shape[1] != n or (not codebook and weight.scales.shape != second.shape):
+        raise ValueError(f"scales {tuple(weight.scales.shape)} and zeros must be [K/G, N={n}]")
+    if codebook and (second.shape != (16,) or second.dtype != torch.float32 or weight.scales.dtype != torch.float32):
+        raise ValueError("a codebook weight has a float32 codebook [16] and float32 scales")
     group = weight.group_size
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
@@ -217,9 +232,12 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = N
         arrivals = weight.arrivals
         if grid[0] * grid[1] > arrivals.numel():
             raise ValueError(f"a split-K launch of {grid[0] * grid[1]} tiles exceeds the {arrivals.numel()} counters")
-    operands = (y, partials, arrivals, x, weight.qweight, weight.scales, weight.zeros, m, n, k, x.stride(0))
+    # the operand a launch does not read is given the scales' pointer: the kernels take both
+    zeros, table = (weight.scales, second) if codebook else (second, weight.scales)
+    operands = (y, partials, arrivals, x, weight.qweight, weight.scales, zeros, table, m, n, k, x.stride(0))
     tiles = {"GROUP": group, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-             "SPLIT_K": split, "num_warps": config.num_warps, "num_stages": config.num_stages}  # fmt: skip
+             "SPLIT_K": split, "CODEBOOK": codebook, "num_warps": config.num_warps,
+             "num_stages": config.num_stages}  # fmt: skip
     if config.gemv:
         _int4_gemv_kernel[grid](*operands, **tiles)
     else:

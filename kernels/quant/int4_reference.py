@@ -1,14 +1,18 @@
-"""4-bit group-wise weights (W4A16) in plain torch: the one packed layout every source format is
-repacked into, the quantizer used at load, and the semantics the Triton GEMM (int4_gemm.py)
-reproduces; also the path taken off CUDA.
+"""4-bit group-wise weights with 16-bit activations (W4A16) in plain torch: the one packed layout every
+source format is repacked into, the quantizer used at load, and the semantics the Triton GEMM
+(int4_gemm.py) reproduces; also the path taken off CUDA.
 
 Layout (`Int4Weight`), for a projection weight W [N, K] (N outputs, K inputs) in groups of G inputs:
     qweight  int32 [K / 8, N]    eight 4-bit values along K per int32: q[k, n] is bits 4 * (k % 8)
                                  of qweight[k // 8, n] (GPTQ's own packing, so a GPTQ weight is
                                  copied as it is; AWQ's, packed along N, is repacked)
-    scales   float16 [K / G, N]  one scale per group and output channel
-    zeros    float16 [K / G, N]  one zero point per group and output channel (an integer in 0..16)
-    W[n, k] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]          computed in float32
+    scales   [K / G, N]          one scale per group and output channel
+and one of two ways to turn a 4-bit value into a weight:
+    affine    zeros float16 [K / G, N], scales float16: W[n, k] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
+    codebook  codebook float32 [16], scales float32:    W[n, k] = codebook[q[k, n]] * scales[k // G, n]
+each computed in float32. Affine is int4 / AWQ / GPTQ; codebook is bitsandbytes' NF4 and FP4
+(codebook.py), whose 16 levels are not evenly spaced (no zero point and step can stand for them) and
+whose per-block absmax is float32 as published, so it is kept exact.
 
 The zero points are held as floats (not packed nibbles) so that asymmetric (AWQ, GPTQ, ours) and
 symmetric (GPTQ sym: 8) weights take one kernel, and GPTQ's stored-minus-one zero points (16 for a
@@ -40,15 +44,21 @@ ARRIVAL_COUNTERS = 1024
 
 @dataclass(frozen=True, slots=True)
 class Int4Weight:
-    """A projection's 4-bit weight in the layout above (tensors on one device), with the counters its
-    split-K GEMM synchronises on. They belong to the weight, not to the device: a weight is
-    multiplied by one step at a time (its model's), while two models' steps, or one model's graph
-    capture beside another's serving, may run at once on two streams."""
+    """A projection's 4-bit weight in the layout above (tensors on one device), affine (`zeros`) or
+    codebook (`codebook`), with the counters its split-K GEMM synchronises on. They belong to the
+    weight, not to the device: a weight is multiplied by one step at a time (its model's), while two
+    models' steps, or one model's graph capture beside another's serving, may run at once on two
+    streams."""
 
     qweight: torch.Tensor  # int32 [K / 8, N]
-    scales: torch.Tensor  # float16 [K / G, N]
-    zeros: torch.Tensor  # float16 [K / G, N]
+    scales: torch.Tensor  # [K / G, N]: float16 (affine) or float32 (codebook)
+    zeros: torch.Tensor | None  # float16 [K / G, N] (affine), None (codebook)
     arrivals: torch.Tensor  # int32 [ARRIVAL_COUNTERS], zero between launches
+    codebook: torch.Tensor | None = None  # float32 [16]: the value of each 4-bit code (codebook), else None
+
+    def __post_init__(self) -> None:
+        if (self.zeros is None) == (self.codebook is None):
+            raise ValueError("a 4-bit weight has zero points (affine) or a codebook, exactly one of them")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -130,11 +140,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 
 def dequantize_int4(weight: Int4Weight) -> torch.Tensor:
     """float32 [N, K]: the weight `weight` stands for."""
-    q = unpack_along_k(weight.qweight).float()  # [K, N]
+    q = unpack_along_k(weight.qweight)  # [K, N]
     group = weight.group_size
     scales = weight.scales.float().repeat_interleave(group, dim=0)
+    if weight.codebook is not None:
+        return (weight.codebook.float()[q.long()] * scales).T
     zeros = weight.zeros.float().repeat_interleave(group, dim=0)
-    return ((q - zeros) * scales).T
+    return ((q.float() - zeros) * scales).T
 
 
 def int4_linear_reference(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,8 +17,8 @@ from worker.model.lora_linear import LoRALinear, LoRAPages
 INT4 = "lorafleet int4/auto"
 
 
-def test_int4_is_a_quantization_the_bench_takes():
-    assert build_parser().parse_args(["--quantization", "none", "int4"]).quantization == ["none", "int4"]
+def test_int4_and_nf4_are_quantizations_the_bench_takes():
+    assert build_parser().parse_args(["--quantization", "none", "int4", "nf4"]).quantization == ["none", "int4", "nf4"]
 
 
 def test_the_roofline_reads_half_a_byte_a_weight_and_a_scale_and_zero_per_group():
@@ -33,12 +33,22 @@ def test_the_roofline_reads_half_a_byte_a_weight_and_a_scale_and_zero_per_group(
     assert 3.0 < weight_bytes(bf16) / weight_bytes(int4) < 3.3
 
 
-def test_random_4bit_weights_are_quantized_normal_weights():
+def test_the_nf4_roofline_reads_half_a_byte_a_weight_and_a_float32_absmax_per_block():
+    nf4 = served(LLAMA3_8B, "nf4", "auto")
+    assert nf4.weight_group_size == 64
+    h, i, kv = 4096, 14336, 1024
+    projections = h * (h + 2 * kv) + h * h + 3 * h * i
+    expected = 32 * (projections // 2 + projections // 64 * 4 + 2 * 2 * h) + 2 * (128256 * h + h)
+    assert weight_bytes(nf4) == expected
+
+
+@pytest.mark.parametrize(("quantization", "group"), [("int4", 128), ("nf4", 64)])
+def test_random_4bit_weights_are_quantized_normal_weights(quantization: str, group: int):
     pages = LoRAPages.for_pool(LLAMA3_8B, max_loras=0, max_lora_rank=16)
     layer = LoRALinear(256, {"q_proj": 96, "k_proj": 32}, bias=False, pages=pages, dtype=torch.bfloat16,
-                       device="cpu", quantization="int4", group_size=128)  # fmt: skip
+                       device="cpu", quantization=quantization, group_size=group)  # fmt: skip
     torch.manual_seed(0)
-    quantize_random(layer, 128)
+    quantize_random(layer, group)
     weight = dequantize_int4(layer.base_weight)
     assert weight.shape == (128, 256)
     assert weight.std().item() == pytest.approx(0.02, rel=0.1)

@@ -1,5 +1,5 @@
 """A checkpoint's quantization_config read at start: the FP8 formats accepted, everything else
-refused with the file named (shared/quantization.py)."""
+refused with the file named (shared/quantization.py); bitsandbytes 4-bit's codebook named."""
 
 from __future__ import annotations
 
@@ -27,10 +27,19 @@ def test_plain_and_fp8_checkpoints_are_accepted(quant: dict | None) -> None:
     assert checkpoint_quantization(config, PATH) == ("none" if quant is None else "fp8")
 
 
+@pytest.mark.parametrize(("quant_type", "expected"), [(None, "fp4"), ("nf4", "nf4"), ("fp4", "fp4")])
+def test_bitsandbytes_4bit_checkpoints_are_their_codebook(quant_type: str | None, expected: str) -> None:
+    quant = {"quant_method": "bitsandbytes", "load_in_4bit": True}  # transformers' default quant type: fp4
+    if quant_type is not None:
+        quant["bnb_4bit_quant_type"] = quant_type
+    assert checkpoint_quantization({"quantization_config": quant}, PATH) == expected
+
+
 @pytest.mark.parametrize(
     ("quant", "problem"),
     [
-        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported"),
+        ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "8-bit bitsandbytes weights"),
+        ({"quant_method": "gguf"}, "quant_method 'gguf' is not supported"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
         (fp8_group(type="int", num_bits=4), "holds int 4-bit weights"),
         (fp8_group(strategy="group"), "weight strategy 'group'"),

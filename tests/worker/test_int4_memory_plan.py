@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.random_engine import LLAMA3_8B
 from shared.config import EngineConfig
 from tests.worker.test_memory_plan import GB, plan_one
@@ -30,3 +32,13 @@ def test_int4_weights_leave_the_kv_cache_more_room():
     assert plan_one(served("int4"), CUDA).kv_blocks(LLAMA3_8B.name) > plan_one(served(None), CUDA).kv_blocks(
         LLAMA3_8B.name
     )
+
+
+def test_nf4_weights_take_their_codes_and_a_float32_absmax_per_block():
+    nf4 = plan_one(served("nf4"), CUDA).footprints[LLAMA3_8B.name]
+    int4 = plan_one(served("int4"), CUDA).footprints[LLAMA3_8B.name]
+    # 6.98e9 projection weights at half a byte plus a float32 absmax per 64 (3.93 GB); embedding and
+    # head (2 x 1.05 GB) stay bf16
+    assert 6.0 * GB < nf4.weights < 6.05 * GB
+    assert nf4.weights - int4.weights == pytest.approx(6.98e9 * (4 / 64 - 4 / 128), rel=0.01)
+    assert nf4.dense_lora == int4.dense_lora  # the codebook is part of the weight, not of the adapters' memory

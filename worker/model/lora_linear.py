@@ -17,10 +17,11 @@ from torch import nn
 
 from kernels.lora import LoRABatch, lora_linear, lora_linear_deferred
 from kernels.quant import FP8_DTYPE, Int4Weight
+from kernels.quant.codebook import codebook
 from kernels.quant.int4_reference import PACK, arrival_counters
-from shared.int4_quantization import INT4_FORMATS
+from shared.int4_quantization import CODEBOOK_FORMATS, INT4_FORMATS
 from shared.model_info import ModelInfo
-from worker.model import int4_weights
+from worker.model import bnb_weights, int4_weights
 from worker.model.fp8_weights import copy_fp8, copy_scale, quantize_into
 from worker.model.parallel.sharding import LinearShard, Split
 from worker.model.weights import TensorLoader, copy_weight
@@ -60,7 +61,9 @@ class LoRALinear(nn.Module):
     weight [sum N_i, K] (K = in_features) in the model's dtype, or (quantization "fp8") in fp8 with
     float32 per-output-channel scales weight_scale [sum N_i] (kernels/quant), or (quantization
     "int4", "awq" or "gptq") None, the 4-bit weight held in qweight int32 [K / 8, sum N_i] with
-    float16 scales and zeros [K / G, sum N_i] (kernels/quant/int4_reference.py); bias [sum N_i] or None;
+    float16 scales and zeros [K / G, sum N_i] (kernels/quant/int4_reference.py), or (quantization
+    "nf4" or "fp4") None, the 4-bit codes in qweight with float32 scales [K / B, sum N_i] and the
+    codebook float32 [16]; bias [sum N_i] or None;
     lora_a[i] [num_pages, page_rank, K]; lora_b[i] [num_pages, N_i, page_rank]. Rank row r of an
     adapter lives in its page r // page_rank, at row (of A) / column (of B) r % page_rank; the rows
     past its rank in its last page stay zero, so padding adds nothing.
@@ -86,7 +89,8 @@ class LoRALinear(nn.Module):
         """`projections`: name → output width of each packed slice, in output order; `dtype`: the
         activations' (and adapters'); `quantization` "fp8": the weight is held in fp8; "int4", "awq"
         or "gptq": in 4 bits, in groups of `group_size` inputs (the name says where it came from:
-        quantized at load, or which checkpoint format the loaders read); `shard`: this
+        quantized at load, or which checkpoint format the loaders read); "nf4" or "fp4": in 4 bits on
+        bitsandbytes' codebook, in blocks of `group_size` inputs; `shard`: this
         tensor-parallel rank's part (widths already the rank's), None without tensor parallelism
         (4-bit weights are never sharded: shared/config.py refuses the pair)."""
         super().__init__()
@@ -101,8 +105,16 @@ class LoRALinear(nn.Module):
         if quantization in INT4_FORMATS:
             self.register_parameter("weight", None)
             self.qweight = _frozen(torch.empty(in_features // PACK, total, dtype=torch.int32, device=device))
-            self.scales = _frozen(torch.empty(in_features // group_size, total, dtype=torch.float16, device=device))
-            self.zeros = _frozen(torch.empty(in_features // group_size, total, dtype=torch.float16, device=device))
+            groups = in_features // group_size
+            if quantization in CODEBOOK_FORMATS:  # bitsandbytes' float32 absmax, kept exact
+                self.scales = _frozen(torch.empty(groups, total, dtype=torch.float32, device=device))
+                self.register_parameter("zeros", None)
+                # part of the weight (64 bytes), as the counters are; buffers here are LoRA memory
+                self.codebook = _frozen(codebook(quantization, device))
+            else:
+                self.scales = _frozen(torch.empty(groups, total, dtype=torch.float16, device=device))
+                self.zeros = _frozen(torch.empty(groups, total, dtype=torch.float16, device=device))
+                self.codebook = None
             # the split-K GEMM's counters: part of the weight's storage (4 KiB), not a LoRA buffer
             self.arrivals = _frozen(arrival_counters(device))
         else:
@@ -164,19 +176,20 @@ class LoRALinear(nn.Module):
     def base_weight(self) -> torch.Tensor | Int4Weight:
         """What the base GEMM reads: the weight [sum N_i, K], or the 4-bit weight standing for it."""
         if self.weight is None:
-            return Int4Weight(self.qweight, self.scales, self.zeros, self.arrivals)
+            return Int4Weight(self.qweight, self.scales, self.zeros, self.arrivals, self.codebook)
         return self.weight
 
     def checkpoint_loaders(
-        self, parent: str, *, prequantized: bool = False
+        self, parent: str, *, prequantized: bool = False, double_quant: bool = False
     ) -> dict[str, Callable[[torch.Tensor], None]]:
         """Checkpoint tensor name → loader, for each slice's weight (and bias): `q_proj.weight` of a
         packed qkv layer under `parent` lands in rows [0, N_q) of this layer's weight. An fp8 layer
         quantizes a plain checkpoint's weight as it loads, or (`prequantized`) takes the checkpoint's
         fp8 weight and its `weight_scale` as they are. A 4-bit layer quantizes a plain checkpoint's
         weight, or (`prequantized`) reads an AWQ or GPTQ checkpoint's `qweight`, `qzeros` and
-        `scales` (worker/model/int4_weights.py). A tensor-parallel rank's loaders take its part of
-        each whole checkpoint tensor."""
+        `scales` (worker/model/int4_weights.py), or a bitsandbytes checkpoint's `weight` and quant
+        state, `double_quant` when its absmax is itself quantized (worker/model/bnb_weights.py). A
+        tensor-parallel rank's loaders take its part of each whole checkpoint tensor."""
         loaders: dict[str, Callable[[torch.Tensor], None]] = {}
         prefix = f"{parent}." if parent else ""
         offset = 0
@@ -186,7 +199,7 @@ class LoRALinear(nn.Module):
             rows = slice(offset, offset + width)
             key = f"{prefix}{name}"
             if self.weight is None:
-                loaders.update(self._int4_loaders(key, rows, prequantized=prequantized))
+                loaders.update(self._int4_loaders(key, rows, prequantized=prequantized, double_quant=double_quant))
             elif self.weight_scale is None:
                 loaders[f"{key}.weight"] = partial(copy_weight, self.weight[rows], name=f"{key}.weight")
             elif prequantized:
@@ -208,10 +221,17 @@ class LoRALinear(nn.Module):
         return loaders
 
     def _int4_loaders(
-        self, key: str, columns: slice, *, prequantized: bool
+        self, key: str, columns: slice, *, prequantized: bool, double_quant: bool
     ) -> dict[str, Callable[[torch.Tensor], None]]:
         """The loaders of one slice (output `columns`) of a 4-bit layer, for checkpoint names under `key`."""
-        qweight, scales, zeros = self.qweight[:, columns], self.scales[:, columns], self.zeros[:, columns]
+        qweight, scales = self.qweight[:, columns], self.scales[:, columns]
+        if self.codebook is not None:
+            if prequantized:
+                bnb = bnb_weights.BnbSlice(qweight, scales, quant_type=self.quantization, nested=double_quant)
+                return bnb.loaders(key)
+            quantize = partial(bnb_weights.quantize_into, qweight, scales, self.codebook, name=f"{key}.weight")
+            return {f"{key}.weight": quantize}
+        zeros = self.zeros[:, columns]
         if not prequantized:
             return {f"{key}.weight": partial(int4_weights.quantize_into, qweight, scales, zeros, name=f"{key}.weight")}
         copy_qweight = int4_weights.copy_awq_qweight if self.quantization == "awq" else int4_weights.copy_gptq_qweight

@@ -218,7 +218,12 @@ class CausalLM(nn.Module):
         loaders: dict[str, TensorLoader] = {}
         prequantized = self.info.checkpoint_quantization != "none"
         for module_name, module in self.named_modules():
-            if isinstance(module, LoRALinear | MoEBlock):
+            if isinstance(module, LoRALinear):
+                parent = module_name.rpartition(".")[0]
+                double_quant = self.info.weight_double_quant
+                loaders.update(module.checkpoint_loaders(parent, prequantized=prequantized, double_quant=double_quant))
+                continue
+            if isinstance(module, MoEBlock):
                 loaders.update(module.checkpoint_loaders(module_name.rpartition(".")[0], prequantized=prequantized))
                 continue
             if isinstance(module, VocabParallelEmbedding):

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from shared.bnb_tensors import check_bnb_tensors
 from shared.config import EngineConfig, ModelSpec
 from shared.errors import ErrorCode, LorafleetError
-from shared.int4_quantization import INT4_METHODS
+from shared.int4_quantization import CODEBOOK_FORMATS, INT4_METHODS
 from shared.int4_tensors import check_int4_tensors
 from shared.model_info import ModelInfo
 from worker.model.model import CausalLM, model_dtype
@@ -59,6 +60,8 @@ def served_info(spec: ModelSpec, config: EngineConfig) -> ModelInfo:
     )
     if info.checkpoint_quantization in INT4_METHODS:
         check_int4_tensors(spec.path, info)  # before any weight is read
+    if info.checkpoint_quantization in CODEBOOK_FORMATS:
+        check_bnb_tensors(spec.path, info)
     device = torch.device(config.device)
     if device.type == "cuda" and "fp8" in (info.quantization, info.kv_cache_dtype):
         capability = torch.cuda.get_device_capability(device)

@@ -1,0 +1,109 @@
+"""Codebook 4-bit weights (NF4, FP4: kernels/quant/codebook.py): the quantizer onto bitsandbytes'
+tables, and the W4A16 kernels' codebook dequantization against the torch reference (fp32/fp16
+through the interpreter, bf16 on the GPU), one-row and tensor-core kernels, split-K included."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels.quant.codebook import NF4_CODES, codebook, quantize_codebook
+from kernels.quant.int4_gemm import Int4Config, int4_config, int4_gemm
+from kernels.quant.int4_reference import (
+    Int4Weight,
+    arrival_counters,
+    dequantize_int4,
+    int4_linear_reference,
+    pack_along_k,
+)
+from tests.kernels.test_int4 import DEVICE, DTYPES, random_levels
+
+
+def random_codebook_weight(n: int, k: int, block: int, quant_type: str, seed: int) -> Int4Weight:
+    """A codebook weight [n, k] with random codes and float32 absmax per block."""
+    generator = torch.Generator().manual_seed(seed)
+    return Int4Weight(
+        qweight=pack_along_k(random_levels(k, n, seed)).to(DEVICE),
+        scales=(torch.rand(k // block, n, generator=generator) * 0.1 + 1e-3).to(DEVICE),
+        zeros=None,
+        arrivals=arrival_counters(DEVICE),
+        codebook=codebook(quant_type, DEVICE),
+    )
+
+
+def test_the_tables_are_bitsandbytes_levels():
+    nf4 = codebook("nf4")
+    assert nf4.tolist() == list(NF4_CODES) and torch.equal(nf4, nf4.sort().values)
+    fp4 = codebook("fp4")  # code order: sign bit 8, 0b011 the largest magnitude, 0b001 the subnormal
+    assert fp4[3] == 1.0 and fp4[11] == -1.0 and fp4[2] == pytest.approx(2 / 3) and fp4[1] == pytest.approx(1 / 192)
+    with pytest.raises(ValueError, match="'int8'"):
+        codebook("int8")
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_quantizer_picks_the_nearest_level_of_each_block(quant_type: str):
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(24, 256, generator=generator) * torch.logspace(-3, 1, 24)[:, None]
+    weight[4] = 0.0  # an all-zero row quantizes to the zero code, with absmax 0
+    codes = codebook(quant_type)
+    levels, packed = quantize_codebook(weight, 64, codes)
+    absmax = weight.abs().reshape(24, 4, 64).amax(-1)
+    assert torch.equal(packed.scales, absmax.T) and packed.scales.dtype == torch.float32 and packed.group_size == 64
+    assert packed.zeros is None and torch.equal(packed.codebook, codes)
+    scaled = (weight.reshape(24, 4, 64) / absmax.clamp(min=1e-38)[..., None]).reshape(24, 256)
+    nearest = (scaled[..., None] - codes).abs().amin(-1)
+    chosen = (scaled - codes[levels.T.long()]).abs()
+    assert torch.allclose(chosen, nearest, atol=1e-6)  # no level is nearer than the chosen one
+    dequantized = dequantize_int4(packed)
+    assert torch.equal(dequantized, codes[levels.T.long()] * absmax.repeat_interleave(64, 1))
+    assert bool((dequantized[4] == 0).all())
+    assert dequantized.abs().amax() == weight.abs().amax()  # each block's largest magnitude is exact
+
+
+def test_a_weight_needs_zero_points_or_a_codebook_not_both():
+    weight = random_codebook_weight(16, 64, 64, "nf4", seed=0)
+    with pytest.raises(ValueError, match="exactly one"):
+        dataclasses.replace(weight, zeros=weight.scales.half())
+    with pytest.raises(ValueError, match="exactly one"):
+        dataclasses.replace(weight, codebook=None)
+
+
+CASES = [  # (M, N, K, block): one row, decode sizes, prefill tiles; blocks of 64 (bitsandbytes') and more
+    (1, 72, 256, 64),
+    (5, 40, 256, 64),
+    (17, 136, 512, 256),
+    (70, 96, 256, 64),
+]
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k", "block"), CASES)
+def test_codebook_gemm_matches_the_reference(quant_type: str, dtype: torch.dtype, m: int, n: int, k: int, block: int):
+    weight = random_codebook_weight(n, k, block, quant_type, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype=dtype, device=DEVICE)
+    config = int4_config(m, n, k, block, sm_count=132)
+    if DEVICE == "cpu" and m <= 16:  # the interpreter runs every program in Python: small tiles keep it quick
+        config = dataclasses.replace(config, block_n=32, block_k=32, split_k=1)
+    y = int4_gemm(x, weight, config)
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2  # float32 sums in a different order; one 16-bit rounding
+    assert torch.allclose(y.float(), int4_linear_reference(x, weight).float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("m", "config"), [(1, Int4Config(1, 32, 32, 3, 4, 1, gemv=True)), (20, Int4Config(16, 32, 32, 2, 4, 1))]
+)
+def test_split_k_codebook_launches_sum_the_reference_product(m: int, config: Int4Config):
+    weight = random_codebook_weight(40, 384, 64, "nf4", seed=4)
+    x = torch.randn(m, 384, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    first = int4_gemm(x, weight, config)
+    assert torch.allclose(first, int4_linear_reference(x, weight), rtol=1e-4, atol=1e-4)
+    assert torch.equal(int4_gemm(x, weight, config), first)  # the counters are back at zero
+
+
+def test_a_codebook_weight_with_float16_scales_is_refused():
+    weight = random_codebook_weight(32, 64, 64, "nf4", seed=1)
+    with pytest.raises(ValueError, match="float32 scales"):
+        int4_gemm(torch.randn(2, 64, device=DEVICE), dataclasses.replace(weight, scales=weight.scales.half()))
