@@ -2,7 +2,9 @@
 routed fleet's hit rate is what it is (bench/fleet_report.py prints it under each design's row).
 
 - placed: the gateway's placements (`lorafleet_gateway_jobs_placed`) over the measured phase: gpu / host
-  (a worker held the adapter), home (its rendezvous home had room), spill, backlog, shared;
+  (a worker held the adapter), home (its rendezvous home had room), spill, backlog, shared; and "away",
+  those of them put on a worker other than the adapter's home (`lorafleet_gateway_jobs_placed_away`), by
+  placement: with the workers' stolen jobs (the arrivals), the split of the jobs that ran off their home;
 - on home: the share of the measured jobs whose record says they ran on their adapter's rendezvous home
   among the fleet's workers (gateway/routing.py's rank), whatever placed them there;
 - copies: GPU-tier copies per adapter held on the device at the end, over all workers (1.0: each adapter
@@ -28,28 +30,31 @@ from shared.redis_client import plain_redis
 
 @dataclass
 class PlacementSplit:
-    placed: dict[str, int]  # placement → jobs, over the measured phase
+    placed: dict[str, int]  # placement → jobs, over the measured phase; "away/" + placement: those off home
     on_home: float  # share of the measured adapter jobs that ran on their adapter's home
     copies: float  # GPU-tier copies per distinct GPU-resident adapter, at the end
     held: float  # adapters in a worker's GPU tier at the end, the mean over workers
 
     def describe(self) -> str:
-        placed = " ".join(f"{k}={v}" for k, v in sorted(self.placed.items()) if v)
+        placed = " ".join(f"{k}={v}" for k, v in sorted(self.placed.items()) if v and "/" not in k)
+        away = " ".join(f"{k.removeprefix('away/')}={v}" for k, v in sorted(self.placed.items()) if v and "/" in k)
         copies = f"GPU copies per adapter {self.copies:.2f}, {self.held:.0f} held per worker"
-        return f"placed {placed or '-'}; on home {self.on_home:.1%}; {copies}"
+        return f"placed {placed or '-'}, of them away from home {away or '-'}; on home {self.on_home:.1%}; {copies}"
 
 
 def gateway_placements(url: str, model: str) -> dict[str, int]:
-    """The gateway's placement counter for `model`, as scraped from its /metrics now."""
+    """The gateway's placement counters for `model`, as scraped from its /metrics now: placement → jobs, and
+    "away/" + placement → those of them placed off their adapter's home."""
     with LOCAL_HTTP.open(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
+    prefixes = {"lorafleet_gateway_jobs_placed": "", "lorafleet_gateway_jobs_placed_away": "away/"}
     counts: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
-        if family.name != "lorafleet_gateway_jobs_placed":
+        if family.name not in prefixes:
             continue
         for sample in family.samples:
             if sample.name.endswith("_total") and sample.labels.get("model") == model:
-                counts[sample.labels["placement"]] = int(sample.value)
+                counts[prefixes[family.name] + sample.labels["placement"]] = int(sample.value)
     return counts
 
 

@@ -72,7 +72,9 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         Admission(config.tenant_limits),
         events_idle_s=min(_KEEPALIVE_S, config.limits.max_wait_s),
         model_unserved_after_s=config.model_unserved_after_s,
-        fleet=FleetView(redis, app[METRICS].jobs_placed) if config.adapter_routing else None,
+        fleet=FleetView(redis, app[METRICS].jobs_placed, app[METRICS].jobs_placed_away)
+        if config.adapter_routing
+        else None,
         alias_jobs=app[METRICS].alias_jobs,
     )
     app[FILES] = FileStore(redis, config.batches.file_ttl_s)

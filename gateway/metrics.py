@@ -35,6 +35,13 @@ class GatewayMetrics:
             ["model", "placement"],
             registry=self.registry,
         )
+        self.jobs_placed_away = Counter(
+            "lorafleet_gateway_jobs_placed_away",
+            "of lorafleet_gateway_jobs_placed, the jobs put on a worker other than their adapter's home, by "
+            "placement (a copy of the adapter on another worker: what keeps routing below its hit-rate ceiling)",
+            ["model", "placement"],
+            registry=self.registry,
+        )
         self.alias_jobs = Counter(
             "lorafleet_gateway_alias_jobs",
             "jobs queued through an adapter alias, by alias and the adapter its weights drew (a canary's share)",

@@ -8,7 +8,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.routing import BALANCE, FleetView, Placement, WorkerView, place, rendezvous_rank
+from gateway.routing import BALANCE, HOME_SLACK, FleetView, Placement, WorkerView, place, rendezvous_rank
 from shared import keys
 
 MODEL = "m"
@@ -64,6 +64,13 @@ def test_among_host_holders_the_first_in_the_adapters_rendezvous_order_takes_the
     assert place(MODEL, "x", workers, {}).worker == first
 
 
+def test_a_job_on_a_holder_other_than_its_home_is_placed_away():
+    ids = ["a", "b", "c", "d"]
+    home, other, *_ = rendezvous_order("x", ids)
+    route = place(MODEL, "x", [worker(w, gpu=("x",) if w == other else ()) for w in ids], {})
+    assert (route.placement, route.worker, route.home, route.away) == (Placement.GPU, other, home, True)
+
+
 def test_a_holder_without_room_is_passed_over_for_the_home():
     ids = ["a", "b", "c", "d"]
     holder = next(w for w in ids if w != home_of("x", ids))
@@ -80,12 +87,22 @@ def test_an_unheld_adapter_goes_to_its_home_every_time():
     assert set(homes.values()) == set(ids)  # every worker is home to a share
 
 
-def test_a_full_home_spills_to_the_worker_with_most_room():
+def test_a_full_home_takes_the_job_while_less_than_its_slack_waits_past_its_capacity():
     ids = ["a", "b", "c"]
     home = home_of("x", ids)
-    workers = [worker(w, room=0 if w == home else 3 + (w == "c")) for w in ids]
+    slack = int(HOME_SLACK * 16)
+    workers = [worker(w, room=1 - slack if w == home else 8) for w in ids]  # one job short of its slack
     route = place(MODEL, "x", workers, {})
-    assert route.placement is Placement.SPILL
+    assert (route.placement, route.worker, route.away) == (Placement.HOME, home, False)
+    assert place(MODEL, "x", workers, {home: 1}).placement is Placement.SPILL  # what this gateway placed counts
+
+
+def test_a_home_at_its_slack_spills_to_the_worker_with_most_room():
+    ids = ["a", "b", "c"]
+    home = home_of("x", ids)
+    workers = [worker(w, room=-int(HOME_SLACK * 16) if w == home else 3 + (w == "c")) for w in ids]
+    route = place(MODEL, "x", workers, {})
+    assert (route.placement, route.home, route.away) == (Placement.SPILL, home, True)
     assert route.worker == max((w for w in ids if w != home), key=lambda w: 3 + (w == "c"))
 
 
@@ -112,7 +129,7 @@ def test_a_backlog_job_passes_a_home_over_the_bound_to_the_next_worker_of_the_ad
 def test_a_backlog_job_goes_to_a_holder_of_its_adapter_within_the_bound_before_its_home():
     ids = ["a", "b", "c"]
     holder = next(w for w in ids if w != home_of("x", ids))
-    full = [worker(w, room=0, gpu=("x",) if w == holder else ()) for w in ids]
+    full = [worker(w, room=-4, gpu=("x",) if w == holder else ()) for w in ids]  # each at its home slack
     assert (place(MODEL, "x", full, {}).worker, place(MODEL, "x", full, {}).placement) == (holder, Placement.BACKLOG)
 
 
@@ -120,7 +137,7 @@ def test_a_backlog_job_goes_to_the_first_of_its_adapters_holders_in_its_rendezvo
     ids = ["a", "b", "c", "d"]
     order = rendezvous_order("x", ids)
     holders = order[1:]  # every worker but the home holds x; the list's order is not the rendezvous order
-    full = [worker(w, room=0, gpu=("x",) if w in holders else ()) for w in sorted(ids, reverse=True)]
+    full = [worker(w, room=-4, gpu=("x",) if w in holders else ()) for w in sorted(ids, reverse=True)]
     assert place(MODEL, "x", full, {}).worker == holders[0]
 
 
@@ -161,7 +178,8 @@ async def test_the_fleet_view_routes_from_heartbeat_records_and_ignores_workers_
     await aredis.sadd(keys.WORKERS, "gone")  # listed, but its record expired
     registry = CollectorRegistry()
     placed = Counter("placed", "", ["model", "placement"], registry=registry)
-    fleet = FleetView(aredis, placed, refresh_s=0)
+    away = Counter("away", "", ["model", "placement"], registry=registry)
+    fleet = FleetView(aredis, placed, away, refresh_s=0)
 
     route = await fleet.route(MODEL, "x")
     other = await fleet.route("another-model", "x")  # no worker has it resident
@@ -169,6 +187,9 @@ async def test_the_fleet_view_routes_from_heartbeat_records_and_ignores_workers_
     assert (route.placement, route.worker) == (Placement.GPU, "w1")
     assert other.placement is Placement.SHARED
     assert registry.get_sample_value("placed_total", {"model": MODEL, "placement": "gpu"}) == 1
+    # x's home is w2 (rendezvous), so the job on w1, which holds it, was placed away
+    assert home_of("x", ["w1", "w2"]) == "w2"
+    assert registry.get_sample_value("away_total", {"model": MODEL, "placement": "gpu"}) == 1
 
 
 async def test_jobs_placed_since_a_heartbeat_count_against_its_room_until_a_newer_heartbeat_counts_them(aredis):
@@ -180,7 +201,7 @@ async def test_jobs_placed_since_a_heartbeat_count_against_its_room_until_a_newe
         await aredis.hset(
             keys.worker(worker_id),
             mapping={
-                "adapters": json.dumps({MODEL: {"gpu": ["x"] if worker_id == "holder" else [], "cpu": []}}),
+                "adapters": json.dumps({MODEL: {"gpu": ["u"] if worker_id == "holder" else [], "cpu": []}}),
                 "capacity": 16,
                 "in_flight": 16 - room,
                 "routed_waiting": json.dumps({MODEL: 0}),
@@ -191,11 +212,14 @@ async def test_jobs_placed_since_a_heartbeat_count_against_its_room_until_a_newe
     await beat("holder", 2, beat_ms)
     await beat("other", 16, beat_ms)
     registry = CollectorRegistry()
-    fleet = FleetView(aredis, Counter("placed", "", ["model", "placement"], registry=registry), refresh_s=0)
+    counters = [Counter(name, "", ["model", "placement"], registry=registry) for name in ("placed", "away")]
+    fleet = FleetView(aredis, *counters, refresh_s=0)
 
-    # refresh_s=0: every route re-reads the records, which still say what the first read said
-    routes = [await fleet.route(MODEL, "x") for _ in range(3)]
+    # refresh_s=0: every route re-reads the records, which still say what the first read said; u's home is
+    # "other", which takes u's jobs once the holder has no room
+    assert home_of("u", ["holder", "other"]) == "other"
+    routes = [await fleet.route(MODEL, "u") for _ in range(3)]
     assert [r.worker for r in routes] == ["holder", "holder", "other"]
 
     await beat("holder", 2, int(time.time() * 1000) + 1)  # a newer heartbeat: it counts what was placed
-    assert (await fleet.route(MODEL, "x")).worker == "holder"
+    assert (await fleet.route(MODEL, "u")).worker == "holder"
