@@ -132,6 +132,28 @@ redis.call('EXPIRE', KEYS[2], ARGV[1])
 )
 
 
+TOKENS_LUA = """
+-- KEYS: the events stream of each token's job, one key per token
+-- ARGV: ttl_s, events cap, then per token: text, token id, offset (of its text in the job's output)
+-- Each token is its own XADD: an events key of another type fails that token alone (its error is returned),
+-- the others are written all the same. A job's first event (offset 0) sets its stream's TTL, so a job
+-- that never finishes leaves no stream behind.
+local errors = {}
+for i, key in ipairs(KEYS) do
+  local at = 2 + (i - 1) * 3
+  local offset = ARGV[at + 3]
+  local added = redis.pcall('XADD', key, 'MAXLEN', '~', ARGV[2], '*', 'type', 'token', 'text', ARGV[at + 1],
+    'token_ids', '[' .. ARGV[at + 2] .. ']', 'offset', offset)
+  if type(added) == 'table' and added.err then
+    errors[#errors + 1] = added.err
+  elseif offset == '0' then
+    redis.call('EXPIRE', key, ARGV[1])
+  end
+end
+return errors
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class JobScripts:
     """The scripts registered on one client: each runs by EVALSHA, loading itself after NOSCRIPT."""

@@ -15,7 +15,6 @@ loss of the primary (docs/reliability.md says what that costs).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from typing import Any, Protocol
 import msgpack
 import structlog
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
@@ -33,7 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared import keys
 from shared.config import ReplicaWait
 from shared.job_events import EVENTS_CAP
-from shared.job_scripts import register_job_scripts
+from shared.job_scripts import TOKENS_LUA, register_job_scripts
 from shared.jobstore_errors import ReplicaUnavailable, raise_if_unreadable, raise_on_error
 from shared.rate_limits import AdmissionCheck, AdmissionDenied, denial
 from shared.schema import (
@@ -108,6 +106,13 @@ def _forget(future: Awaitable[Any]) -> None:
             future.cancel()
         elif not future.cancelled():
             future.exception()
+
+
+def _raise_token_errors(reply: Any) -> None:
+    """The tokens script's reply: the errors of the tokens it could not write (SchemaError when an
+    events key is of another type), or the error of the whole call."""
+    errors = [reply] if isinstance(reply, ResponseError) else [ResponseError(e.decode(errors="replace")) for e in reply]
+    raise_on_error(errors, "a job's token events")
 
 
 def now_ms() -> int:
@@ -298,16 +303,18 @@ class JobStore:
         assert not self._replica_wait.replicas
         calls = [self._finish_call(ending) for ending in endings]
         async with self._redis.pipeline(transaction=False) as pipe:
-            self._queue_tokens(pipe, deltas)
+            if deltas:
+                pipe.eval(*self._tokens_call(deltas))
             for script_keys, script_args in calls:
                 pipe.evalsha(self._scripts.finish.sha, len(script_keys), *script_keys, *script_args)
             replies = await pipe.execute(raise_on_error=False)
-        token_replies, finish_replies = replies[: len(replies) - len(calls)], replies[len(replies) - len(calls) :]
         tokens_error = None
         try:
-            raise_on_error(token_replies, "a job's token events")
+            if deltas:
+                _raise_token_errors(replies[0])
         except SchemaError as exc:
             tokens_error = exc
+        finish_replies = replies[1:] if deltas else replies
         stored: list[bool | SchemaError] = []
         for ending, reply in zip(endings, finish_replies, strict=True):
             if isinstance(reply, NoScriptError):  # a restarted Redis: the script call loads it
@@ -365,27 +372,23 @@ class JobStore:
         return reply, confirmed
 
     async def publish_tokens(self, deltas: list[TokenDelta]) -> None:
-        """Append each delta as a `token` event to its job's stream, all in one round trip. A job's
+        """Append each delta as a `token` event to its job's stream, all in one script call. A job's
         first events (offset 0) also set the stream's TTL, so a job that never finishes leaves no
         stream behind. SchemaError when a job's events key is of another type (the others' events are
         written all the same)."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            self._queue_tokens(pipe, deltas)
-            replies = await pipe.execute(raise_on_error=False)
-        raise_on_error(replies, "a job's token events")
+        if deltas:
+            _raise_token_errors(await self._redis.eval(*self._tokens_call(deltas)))
 
-    def _queue_tokens(self, pipe: Pipeline, deltas: list[TokenDelta]) -> None:
+    def _tokens_call(self, deltas: list[TokenDelta]) -> tuple[Any, ...]:
+        """EVAL's arguments for TOKENS_LUA over `deltas`: one command for a step's tokens, where an XADD
+        each cost the worker's I/O thread several times the Python per step (docs/benchmarks.md, issue #20). The
+        script goes as its text, not by SHA: it never meets NOSCRIPT (a restarted Redis), so a step's
+        tokens are never written after the ends that follow them in `publish_step`'s round trip."""
+        streams = [keys.job_events(delta.job_id) for delta in deltas]
+        args: list[Any] = [self._ttl_s, EVENTS_CAP]
         for delta in deltas:
-            stream = keys.job_events(delta.job_id)
-            event = {
-                "type": "token",
-                "text": delta.text,
-                "token_ids": json.dumps([delta.token_id]),
-                "offset": delta.offset,
-            }
-            pipe.xadd(stream, event, maxlen=EVENTS_CAP, approximate=True)
-            if delta.offset == 0:
-                pipe.expire(stream, self._ttl_s)
+            args += (delta.text, delta.token_id, delta.offset)
+        return (TOKENS_LUA, len(streams), *streams, *args)
 
     async def release(self, job_id: str, worker_id: str) -> bool:
         """Hand a running job back to the queue without counting its delivery (a graceful drain).

@@ -40,6 +40,9 @@ class StepStats:
     num_seqs: int = 0
     num_tokens: int = 0
     num_sampled: int = 0
+    # seconds the device sat idle, waiting for the host to launch it, before the step whose tokens this one
+    # read (None: not measured: a CPU engine, or that step was launched with none before it in flight)
+    device_idle_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,11 @@ class WorkerMetrics:
         self.step_seconds = Histogram(
             "lorafleet_worker_step_seconds", "wall time of one engine step (schedule, forward, sample)", labels,
             buckets=_STEP_BUCKETS_S, registry=self.registry,
+        )  # fmt: skip
+        self.device_idle_seconds = Histogram(
+            "lorafleet_worker_device_idle_seconds",
+            "the device's idle time between two back-to-back engine steps: waiting for the host to launch the later",
+            labels, buckets=_STAGE_BUCKETS_S, registry=self.registry,
         )  # fmt: skip
         self.generated_tokens = Counter(
             "lorafleet_worker_generated_tokens", "output tokens sampled", labels, registry=self.registry
@@ -215,6 +223,7 @@ class EngineMetrics:
         self._batch_size = metrics.batch_size.labels(model)
         self._batch_tokens = metrics.batch_tokens.labels(model)
         self._step_seconds = metrics.step_seconds.labels(model)
+        self._device_idle_seconds = metrics.device_idle_seconds.labels(model)
         self._generated = metrics.generated_tokens.labels(model)
         self._preemptions = metrics.preemptions.labels(model)
         self._kv_used = metrics.kv_blocks_used.labels(model)
@@ -228,6 +237,8 @@ class EngineMetrics:
             self._batch_tokens.observe(step.num_tokens)
             self._generated.inc(step.num_sampled)
             self._step_seconds.observe(seconds)
+        if step.device_idle_s is not None:
+            self._device_idle_seconds.observe(step.device_idle_s)
         self.record_load(load)
 
     def record_load(self, load: EngineLoad) -> None:

@@ -57,6 +57,18 @@ class RunRecord:
     probes: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (s, the stack's gauges), 1/s
 
 
+def _event(block: bytes) -> tuple[bytes, bytes]:
+    """(event type, data) of one server-sent event's lines (b"" where it has none: a keep-alive comment)."""
+    event = data = b""
+    for line in block.split(b"\n"):
+        line = line.rstrip(b"\r")
+        if line.startswith(b"event: "):
+            event = line[7:]
+        elif line.startswith(b"data: "):
+            data = line[6:]
+    return event, data
+
+
 class LoadClient:
     def __init__(self, gateway_urls: list[str], api_keys: dict[str, str], model: str) -> None:
         self.gateway_urls = gateway_urls
@@ -94,27 +106,28 @@ class LoadClient:
             if response.status != 200:
                 sample.status = f"events_http_{response.status}"
                 return
-            event, streamed = "", 0
-            async for raw in response.content:
-                line = raw.rstrip(b"\r\n")
-                if line.startswith(b"event: "):
-                    event = line[7:].decode()
-                elif line.startswith(b"data: ") and event == "token":
-                    now = clock()
-                    token_times.append(now)
-                    streamed += 1
-                    if sample.first_token_s is None:
-                        sample.first_token_s = now
-                elif line.startswith(b"data: ") and event == "end":
-                    sample.end_s = clock()
-                    body = json.loads(line[6:])
-                    sample.status = body["status"] if body else "expired"
-                    sample.completion_tokens = (body or {}).get("usage", {}).get("completion_tokens", 0)
-                    # the last token has no event of its own: it arrives with the end
-                    token_times.extend([sample.end_s] * max(0, sample.completion_tokens - streamed))
-                    if sample.first_token_s is None and sample.completion_tokens:
-                        sample.first_token_s = sample.end_s
-                    return
+            pending, streamed = b"", 0
+            # read as it arrives and split into events here: one await per chunk (an event or a few), where a
+            # read per line (four per event) cost this one process's loop ~4,000 events/s at the GPU's loads
+            async for chunk in response.content.iter_any():
+                now = clock()
+                *events, pending = (pending + chunk).split(b"\n\n")
+                for event, data in map(_event, events):
+                    if event == b"token":
+                        token_times.append(now)
+                        streamed += 1
+                        if sample.first_token_s is None:
+                            sample.first_token_s = now
+                    elif event == b"end":
+                        sample.end_s = now
+                        body = json.loads(data)
+                        sample.status = body["status"] if body else "expired"
+                        sample.completion_tokens = (body or {}).get("usage", {}).get("completion_tokens", 0)
+                        # the last token has no event of its own: it arrives with the end
+                        token_times.extend([sample.end_s] * max(0, sample.completion_tokens - streamed))
+                        if sample.first_token_s is None and sample.completion_tokens:
+                            sample.first_token_s = sample.end_s
+                        return
 
     async def _guarded(
         self, session: aiohttp.ClientSession, request: PlannedRequest, sample: Sample, clock: Callable[[], float],

@@ -195,7 +195,8 @@ def _step_times(stack: RunSummary, alone: RunSummary) -> str:
         return ""
     return (
         f"; mean step {stack.worker.step_ms:.2f} ms over {stack.worker.steps} steps (stack) vs "
-        f"{alone.worker.step_ms:.2f} ms over {alone.worker.steps} (engine alone)"
+        f"{alone.worker.step_ms:.2f} ms over {alone.worker.steps} (engine alone); the device idle between "
+        f"steps, waiting for the host, {stack.worker.device_idle_ms:.3f} vs {alone.worker.device_idle_ms:.3f} ms a step"
     )
 
 
@@ -223,8 +224,8 @@ def worker_table(rows: list[RunSummary]) -> str:
     """Where the worker's time went in each run (from its Prometheus counters)."""
     lines = [
         "| phase | mode | offered req/s | steps | step ms | seqs/step | tokens/step | adapter GPU hits % "
-        "| adapter loads | load ms | preemptions | worker CPU ms/request |",
-        "| --- | --- " + "| ---: " * 10 + "|",
+        "| adapter loads | load ms | preemptions | worker CPU ms/request | device idle ms/step |",
+        "| --- | --- " + "| ---: " * 11 + "|",
     ]
     for r in rows:
         if r.worker is None:
@@ -234,7 +235,8 @@ def worker_table(rows: list[RunSummary]) -> str:
         lines.append(
             f"| {r.phase} | {r.mode} | {offered} | {w.steps} | {w.step_ms:.1f} | {w.batch_seqs:.1f} "
             f"| {w.batch_tokens:.0f} | {w.adapter_gpu_hit_pct:.1f} | {w.adapter_loads} | {w.adapter_load_ms:.1f} "
-            f"| {w.preemptions} | {1000 * w.cpu_s / r.requests if r.requests else math.nan:.2f} |"
+            f"| {w.preemptions} | {1000 * w.cpu_s / r.requests if r.requests else math.nan:.2f} "
+            f"| {w.device_idle_ms:.3f} |"
         )
     return "\n".join(lines)
 

@@ -64,6 +64,7 @@ class WorkerStats:
     adapter_load_ms: float  # mean time of a load
     preemptions: int
     cpu_s: float  # the worker process's CPU time (all its threads)
+    device_idle_ms: float  # mean idle time of the device between two back-to-back steps (nan: not measured, CPU)
 
 
 def difference(before: Snapshot, after: Snapshot) -> WorkerStats:
@@ -92,4 +93,6 @@ def difference(before: Snapshot, after: Snapshot) -> WorkerStats:
         ),
         preemptions=int(delta("lorafleet_worker_preemptions_total")),
         cpu_s=delta("process_cpu_seconds_total"),
+        device_idle_ms=1000
+        * ratio(delta("lorafleet_worker_device_idle_seconds_sum"), delta("lorafleet_worker_device_idle_seconds_count")),
     )

@@ -86,14 +86,15 @@ def test_the_ttft_target_looks_at_zipf_where_base_last_kept_the_objective():
 def test_the_overhead_target_sets_the_stacks_step_time_beside_the_engine_alones():
     template = summarize("load", "base", 10.0, [sample(0, 0.0, 0.1, 1.0)])
 
-    def steps(count: int, step_ms: float) -> WorkerStats:
-        return WorkerStats(count, step_ms, 8.0, 8.0, 800, math.nan, 0, math.nan, 0, 1.0)
+    def steps(count: int, step_ms: float, idle_ms: float) -> WorkerStats:
+        return WorkerStats(count, step_ms, 8.0, 8.0, 800, math.nan, 0, math.nan, 0, 1.0, idle_ms)
 
-    stack = replace(template, latency_p50_ms=112.0, worker=steps(100, 14.0))
-    alone = replace(template, phase="engine-alone", latency_p50_ms=100.0, worker=steps(98, 13.0))
+    stack = replace(template, latency_p50_ms=112.0, worker=steps(100, 14.0, 0.25))
+    alone = replace(template, phase="engine-alone", latency_p50_ms=100.0, worker=steps(98, 13.0, 0.125))
     overhead = verdicts([stack, alone], {}, (stack, alone), 0.85, None)[-1]
     assert overhead.met is False and "= 12.0 ms" in overhead.measured
     assert "mean step 14.00 ms over 100 steps (stack) vs 13.00 ms over 98 (engine alone)" in overhead.measured
+    assert "waiting for the host, 0.250 vs 0.125 ms a step" in overhead.measured
 
 
 def test_the_saturation_target_is_the_calibrations_ratio_with_its_byte_floor_beside_it():

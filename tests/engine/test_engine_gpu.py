@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -155,3 +157,21 @@ def test_graph_padding_rows_write_only_the_scratch_block(llama: TinyCheckpoint):
     for old, new in zip(before, caches, strict=True):
         written = (old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist()  # flat slots
         assert {s for s in written if s // BLOCK_SIZE != scratch} == real_slots
+
+
+def test_the_device_idle_time_between_steps_is_the_hosts_delay_in_launching_the_next(llama: TinyCheckpoint):
+    engine = make_engine(llama, device="cuda", dtype="float32")
+    run_to_completion(engine, [greedy_request(llama, "warm-up", None)])  # kernels compiled: no slow launch
+    engine.add(greedy_request(llama, "job", None))  # NEW_TOKENS steps, then one that only reads the last
+    idle = []
+    while engine.num_unfinished:
+        engine.step()
+        idle.append(engine.last_step.device_idle_s)
+        if len(idle) == 4:
+            torch.cuda.synchronize()  # the step in flight ends; the host launches the next 50 ms later
+            time.sleep(0.05)
+    # a step's idle time before it is read once it has finished, a call later; the first two steps
+    # had no step in flight before them
+    assert idle[:2] == [None, None]
+    assert idle[5] >= 0.045
+    assert all(0 <= gap < 0.045 for gap in idle[2:5] + idle[6:])

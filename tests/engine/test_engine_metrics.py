@@ -56,6 +56,7 @@ def test_steps_record_batches_tokens_and_an_empty_cache_after(llama: TinyCheckpo
     assert value(metrics, "lorafleet_worker_batch_size_sum", model="tiny") >= generated
     assert value(metrics, "lorafleet_worker_step_seconds_count", model="tiny") == steps
     assert value(metrics, "lorafleet_worker_step_seconds_sum", model="tiny") > 0
+    assert value(metrics, "lorafleet_worker_device_idle_seconds_count", model="tiny") == 0  # measured on CUDA only
     prompt_tokens = sum(len(greedy_request(llama, "", a).prompt_token_ids) for a in adapters)
     # every prompt token is processed once; every output token but the last is fed back once
     fed_back = generated - len(adapters)

@@ -100,6 +100,29 @@ async def test_redelivery_counts_attempts(aredis):
     assert await store.start("job_1", "w2") == (JobStatus.RUNNING, 2)
 
 
+async def test_token_events_carry_text_token_and_offset_and_a_first_event_sets_the_streams_ttl(aredis):
+    store = JobStore(aredis, job_ttl_s=60)
+    await store.publish_tokens([TokenDelta("job_1", 5, "h", 0), TokenDelta("job_2", 7, "", 3)])
+    await store.publish_tokens([TokenDelta("job_1", 6, "é", 1)])
+    events = [fields for _, fields in await aredis.xrange(keys.job_events("job_1"))]
+    assert events == [
+        {b"type": b"token", b"text": b"h", b"token_ids": b"[5]", b"offset": b"0"},
+        {b"type": b"token", b"text": "é".encode(), b"token_ids": b"[6]", b"offset": b"1"},
+    ]
+    assert 0 < await aredis.ttl(keys.job_events("job_1")) <= 60
+    assert await aredis.ttl(keys.job_events("job_2")) == -1  # not its first event: its TTL was set before
+
+
+async def test_a_token_whose_events_key_is_of_another_type_fails_alone(aredis):
+    store = JobStore(aredis, job_ttl_s=60)
+    await aredis.set(keys.job_events("job_2"), "not a stream")
+    deltas = [TokenDelta("job_1", 5, "h", 0), TokenDelta("job_2", 7, "x", 0), TokenDelta("job_3", 9, "y", 0)]
+    with pytest.raises(SchemaError, match="token events"):
+        await store.publish_tokens(deltas)
+    assert await aredis.xlen(keys.job_events("job_1")) == 1
+    assert await aredis.xlen(keys.job_events("job_3")) == 1
+
+
 async def test_a_steps_tokens_and_ends_are_written_in_order_in_one_round_trip(aredis):
     store = JobStore(aredis, job_ttl_s=60)
     for job_id in ("job_1", "job_2", "job_3"):

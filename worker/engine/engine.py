@@ -7,6 +7,7 @@ together. Single-threaded: the worker calls it from its engine thread only.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -61,11 +62,15 @@ _IDLE_WAIT_S = 0.005
 @dataclass(frozen=True, slots=True)
 class _InFlight:
     """A launched step whose tokens the host has not read yet. output_index: per scheduled item, the
-    index in its sequence's output_token_ids that the sampled token fills (None: a prefill chunk)."""
+    index in its sequence's output_token_ids that the sampled token fills (None: a prefill chunk).
+    On CUDA, `started` marks the start of its device work and `follows` the end of the step in flight
+    when it was launched (None: there was none): the device idled between the two, waiting for the host."""
 
     scheduled: list[ScheduledSequence]
     sampled: SampledTokens
     output_index: list[int | None]
+    started: torch.cuda.Event | None = None
+    follows: torch.cuda.Event | None = None
 
 
 class LLMEngine:
@@ -201,15 +206,16 @@ class LLMEngine:
         take step N-1's tokens on the device (`_mark_launched`). A sequence that step N-1 ends with a
         stop token or string wastes its row of step N, which is discarded."""
         in_flight, self._in_flight = self._in_flight, None
-        results = self._launch_step(idle=in_flight is None)
+        results = self._launch_step(after=in_flight)
         if in_flight is not None:
             results += self._finish_step(in_flight)
         return results
 
-    def _launch_step(self, *, idle: bool) -> list[EngineResult]:
+    def _launch_step(self, *, after: _InFlight | None) -> list[EngineResult]:
         """Schedule a step and launch it without waiting for it (into self._in_flight). Returns the
-        requests that failed on the way. idle: no earlier step is in flight, whose tokens would be
-        kept waiting if this one waited for adapter loads."""
+        requests that failed on the way. after: the earlier step still in flight (None: the engine was
+        idle), whose tokens would be kept waiting if this one waited for adapter loads."""
+        idle = after is None
         self.last_step = StepStats()
         results = self._expire_overdue()
         if self.adapter_pool is not None:
@@ -224,6 +230,7 @@ class LLMEngine:
                 self.adapter_pool.wait(_IDLE_WAIT_S)  # only adapter loads can unblock the queue
             return results
         readers = {s.seq.adapter_uid for s in scheduled if s.seq.adapter_uid is not None}
+        started = _device_mark(self.runner.device)
         try:
             scheduled, sampled = self._run_within_memory(scheduled)
         except torch.OutOfMemoryError:
@@ -241,7 +248,8 @@ class LLMEngine:
         self.last_step = StepStats(
             len(scheduled), sum(s.num_new_tokens for s in scheduled), sum(s.completes_prompt for s in scheduled)
         )
-        self._in_flight = self._mark_launched(scheduled, sampled)
+        follows = None if after is None else after.sampled.ready
+        self._in_flight = self._mark_launched(scheduled, sampled, started, follows)
         return results
 
     def _run_within_memory(self, scheduled: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], SampledTokens]:
@@ -264,7 +272,13 @@ class LLMEngine:
                 scheduled = scheduled[:keep]
                 torch.cuda.empty_cache()  # a no-op unless CUDA is in use
 
-    def _mark_launched(self, scheduled: list[ScheduledSequence], sampled: SampledTokens) -> _InFlight:
+    def _mark_launched(
+        self,
+        scheduled: list[ScheduledSequence],
+        sampled: SampledTokens,
+        started: torch.cuda.Event | None,
+        follows: torch.cuda.Event | None,
+    ) -> _InFlight:
         """Advance each sequence past a launched step as if its token were known: the cache holds its
         scheduled tokens, and a sequence that goes on gets the stand-in token -(row + 1), which the
         next step's inputs read from the device (ModelRunner.execute). A sequence whose length limit
@@ -282,11 +296,14 @@ class LLMEngine:
             if not self._reaches_length_limit(self._tracked[seq.seq_id], index + 1):
                 seq.output_token_ids.append(-(row + 1))
             output_index.append(index)
-        return _InFlight(scheduled, sampled, output_index)
+        return _InFlight(scheduled, sampled, output_index, started, follows)
 
     def _finish_step(self, step: _InFlight) -> list[EngineResult]:
         """Read a launched step's tokens (waiting for its device work, not for later steps') and act on them."""
         tokens, finite = step.sampled.wait()
+        if step.started is not None and step.follows is not None:  # both have happened: the step is done
+            idle_s = step.follows.elapsed_time(step.started) / 1000
+            self.last_step = dataclasses.replace(self.last_step, device_idle_s=max(idle_s, 0.0))
         results: list[EngineResult] = []
         for item, index, token, ok in zip(step.scheduled, step.output_index, tokens, finite, strict=True):
             tracked = self._tracked.get(item.seq.seq_id)
@@ -385,3 +402,12 @@ class LLMEngine:
                 message = f"adapter {tracked.request.adapter.name!r} could not be loaded: {failure.message}"
                 results.append(self._fail(tracked.seq.seq_id, JobError(ErrorCode.ADAPTER_LOAD_FAILED, message)))
         return results
+
+
+def _device_mark(device: torch.device) -> torch.cuda.Event | None:
+    """A timed event recorded now on `device`'s current stream; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

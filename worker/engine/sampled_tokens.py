@@ -17,14 +17,15 @@ class SampledTokens:
         stacked = torch.stack((tokens, finite.long()))  # [2, B]: one copy for both
         self._host = torch.empty(stacked.shape, dtype=torch.int64, pin_memory=on_cuda)
         self._host.copy_(stacked, non_blocking=on_cuda)
-        self._ready: torch.cuda.Event | None = None
+        # the end of the step's device work; timed, so the engine can measure the device's idle time after it
+        self.ready: torch.cuda.Event | None = None
         if on_cuda:
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+            self.ready = torch.cuda.Event(enable_timing=True)
+            self.ready.record()
 
     def wait(self) -> tuple[list[int], list[bool]]:
         """(token, logits row all finite) per row, once the step's copy has landed."""
-        if self._ready is not None:
-            self._ready.synchronize()
+        if self.ready is not None:
+            self.ready.synchronize()
         tokens, finite = self._host.tolist()
         return tokens, [bool(f) for f in finite]
