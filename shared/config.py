@@ -158,6 +158,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # or "fp8": about twice the KV blocks in the same memory
     max_num_seqs: int = 64  # sequences in the running batch
     max_seqs_per_tenant: int | None = None  # while others wait; None: half the batch
+    # adapter grouping (worker/engine/scheduler.py): admission prefers waiting requests whose adapter the
+    # step reads already, but overtakes a request at most this many times; 0: first-come first-served
+    max_grouping_overtakes: int = 32
     max_num_batched_tokens: int = 2048  # tokens one step may process (prefill chunks + decodes)
     block_size: int = 16  # tokens per KV-cache block
     num_kv_blocks: int | None = None
@@ -188,6 +191,8 @@ class EngineConfig:
             raise ValueError("kernel_tune_budget_s must be >= 0")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_grouping_overtakes < 0:
+            raise ValueError("max_grouping_overtakes must be >= 0 (0: first-come first-served)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:

@@ -71,6 +71,7 @@ def test_worker_config_carries_every_flag(demo_files: DemoFiles, cpu_only: None)
         *("--max-num-seqs", "3", "--max-num-batched-tokens", "99", "--max-loras", "2", "--max-lora-rank", "16"),
         *("--num-kv-blocks", "40", "--gpu-memory-utilization", "0.5", "--worker-id", "w1"),
         *("--adapter-host-cache-gb", "1.5", "--adapter-eviction", "lfu", "--preload-adapters", "a,b.v2,a"),
+        *("--max-grouping-overtakes", "0"),
     )
     config = cfa.worker_config(args)
     assert (config.redis_url, config.worker_id, config.adapter_root) == (REDIS, "w1", demo_files.adapter_root)
@@ -88,7 +89,7 @@ def test_worker_config_carries_every_flag(demo_files: DemoFiles, cpu_only: None)
         40,
         0.5,
     )
-    assert (engine.adapter_host_cache_gb, engine.adapter_eviction) == (1.5, "lfu")
+    assert (engine.adapter_host_cache_gb, engine.adapter_eviction, engine.max_grouping_overtakes) == (1.5, "lfu", 0)
     assert config.preload_adapters == ("a", "b.v2")
 
 
