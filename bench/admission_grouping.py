@@ -27,7 +27,6 @@ import dataclasses
 import json
 import random
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +91,6 @@ class RunRow:
     adapters_per_step: float
     waiting_per_step: float  # sequences waiting in the engine after each step's scheduling
     adapter_loads: int  # adapters brought into a device slot (misses of the GPU tier)
-    ms_per_step: float  # the CPU's, for the record only
     groups: dict[str, GroupWait]  # GROUPS, and "all"
 
 
@@ -127,13 +125,13 @@ class ClosedLoop:
         batch = min(clients, PRESET.engine.max_num_seqs)
         starts = [i * PRESET.output_tokens // batch for i in range(batch)] + [PRESET.output_tokens] * (clients - batch)
         seqs, adapters, waiting = [], [], []
-        started, before = 0.0, read_registry(self.registry)
+        before = read_registry(self.registry)
         for step in range(warmup_steps + steps):
             while starts and starts[0] == step:
                 starts.pop(0)
                 self.add(step)
             if step == warmup_steps:
-                started, before = time.perf_counter(), read_registry(self.registry)
+                before = read_registry(self.registry)
             finished = self.engine.step()
             for delta in self.engine.take_deltas():
                 request = self.requests[delta.job_id]
@@ -147,7 +145,6 @@ class ClosedLoop:
                 if result.status.value != "succeeded":
                     raise RuntimeError(f"request {result.job_id} {result.status.value}: {result.error}")
                 self.add(step + 1)
-        elapsed = time.perf_counter() - started
         loads = difference(before, read_registry(self.registry)).adapter_loads
         measured = [
             r for r in self.requests.values() if r.arrival_step >= warmup_steps and r.first_token_step is not None
@@ -161,7 +158,6 @@ class ClosedLoop:
             adapters_per_step=float(np.mean(adapters)),
             waiting_per_step=float(np.mean(waiting)),
             adapter_loads=loads,
-            ms_per_step=1000 * elapsed / steps,
             groups=groups | {"all": _wait(measured)},
         )
 
@@ -199,9 +195,9 @@ def write_assets(workdir: Path) -> list[tuple[BenchAdapter, AdapterRef]]:
 
 def table(rows: list[RunRow]) -> str:
     lines = [
-        "| clients | max overtakes | seqs/step | adapters/step | waiting/step | adapter loads | CPU ms/step "
+        "| clients | max overtakes | seqs/step | adapters/step | waiting/step | adapter loads "
         "| TTFT steps p50 / p99 / max: popular | middle | rare | all |",
-        "| ---: " * 7 + "| ---: " * 4 + "|",
+        "| ---: " * 6 + "| ---: " * 4 + "|",
     ]
     for r in rows:
         waits = " | ".join(
@@ -209,14 +205,14 @@ def table(rows: list[RunRow]) -> str:
         )
         lines.append(
             f"| {r.clients} | {r.overtakes} | {r.seqs_per_step:.1f} | {r.adapters_per_step:.1f} "
-            f"| {r.waiting_per_step:.1f} | {r.adapter_loads} | {r.ms_per_step:.0f} | {waits} |"
+            f"| {r.waiting_per_step:.1f} | {r.adapter_loads} | {waits} |"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--overtakes", type=int, nargs="+", default=[0, EngineConfig().max_grouping_overtakes])
+    parser.add_argument("--overtakes", type=int, nargs="+", default=[0, PRESET.engine.grouping_overtakes])
     parser.add_argument("--clients", type=int, nargs="+", default=[128, 256], help="requests kept in the engine")
     parser.add_argument("--warmup-steps", type=int, default=512, help="steps before the measured ones")
     parser.add_argument("--steps", type=int, default=1500, help="measured steps per run")

@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--max-grouping-overtakes", type=int, metavar="N",
-        help="the worker's --max-grouping-overtakes (0: admission in arrival order; default: the worker's default), "
-        "so that one machine can run the bench with adapter grouping and without",
+        help="the worker's --max-grouping-overtakes (0: admission in arrival order; default: the worker's, a "
+        "quarter of max_num_seqs), so that one machine can run the bench with adapter grouping and without",
     )  # fmt: skip
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{preset.name} on {bench.notes['device']}: prompt {preset.prompt_tokens} tokens, output "
         f"{preset.output_tokens} tokens, {preset.num_adapters} adapters r{preset.lora_rank} Zipf "
         f"α={preset.zipf_alpha}, max_num_seqs {preset.engine.max_num_seqs}, max_loras {preset.engine.max_loras}, "
-        f"max_grouping_overtakes {preset.engine.max_grouping_overtakes}"
+        f"max_grouping_overtakes {preset.engine.grouping_overtakes}"
     )
     print(table(bench.rows, preset.output_tokens))
     print()

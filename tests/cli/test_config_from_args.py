@@ -106,6 +106,15 @@ def test_worker_model_switching_and_gpu_share_flags(demo_files: DemoFiles, cpu_o
     assert (defaults.max_resident_models, defaults.cpu_model_cache_bytes, defaults.preload_adapters) == (None, 0, ())
 
 
+def test_adapter_grouping_overtakes_a_quarter_of_the_batch_unless_told(demo_files: DemoFiles, cpu_only: None) -> None:
+    base = ("worker", "--redis-url", REDIS, "--model", f"demo={demo_files.model.path}", "--device", "cpu")
+    base += ("--adapter-root", str(demo_files.adapter_root), "--max-num-seqs", "128")
+    assert cfa.worker_config(parse(*base)).engine.grouping_overtakes == 32
+    assert cfa.worker_config(parse(*base, "--max-grouping-overtakes", "0")).engine.grouping_overtakes == 0
+    with pytest.raises(SystemExit):
+        parse(*base, "--max-grouping-overtakes", "-1")
+
+
 def test_max_loras_0_starts_a_worker_without_lora(demo_files: DemoFiles, cpu_only: None) -> None:
     base = ("worker", "--redis-url", REDIS, "--model", f"demo={demo_files.model.path}", "--device", "cpu")
     config = cfa.worker_config(parse(*base, "--adapter-root", str(demo_files.adapter_root), "--max-loras", "0"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from shared.config import EngineConfig
 from shared.schema import Priority, SamplingParams
 from worker.adapter_pool.eviction import LRUPolicy
 from worker.adapter_pool.gpu_slots import GpuSlots
@@ -43,7 +42,7 @@ def make_scheduler(
     budget: int = 64,
     slots: int = 2,
     per_tenant: int | None = None,
-    overtakes: int = EngineConfig().max_grouping_overtakes,
+    overtakes: int = 4,
 ) -> Scheduler:
     return Scheduler(
         max_num_seqs=max_seqs,

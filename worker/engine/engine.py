@@ -106,7 +106,7 @@ class LLMEngine:
             block_manager=self.blocks,
             adapter_slots=self.adapter_slots,
             max_seqs_per_tenant=config.max_seqs_per_tenant or max(1, config.max_num_seqs // 2),
-            max_overtakes=config.max_grouping_overtakes,
+            max_overtakes=config.grouping_overtakes,
         )
         # admitting costs an eager step only where decode-only steps replay graphs (CUDA)
         self._pacer = AdmissionPacer() if runner.graphs is not None else None
