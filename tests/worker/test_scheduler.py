@@ -444,3 +444,18 @@ def test_a_due_request_whose_adapter_is_still_loading_does_not_hold_up_the_other
     scheduler.add(make_seq(2, adapter="a", name="grouped"))
     assert admitted(scheduler) == ["grouped"]
     assert loading.block_table == [] and scheduler.waiting == [loading]
+
+
+def test_a_request_becomes_due_within_the_step_that_overtakes_it_to_the_bound():
+    def one_step(overtakes: int) -> tuple[list[str], int]:
+        scheduler = make_scheduler(max_seqs=3, slots=2, overtakes=overtakes)
+        for uid in ("a", "b"):
+            make_resident(scheduler, uid)
+        running_on(scheduler, make_seq(2, adapter="a"))
+        older = make_seq(2, adapter="b", name="older")
+        for seq in (older, make_seq(2, adapter="a", name="a1"), make_seq(2, adapter="a", name="a2")):
+            scheduler.add(seq)
+        return admitted(scheduler), older.overtaken
+
+    assert one_step(overtakes=4) == (["a1", "a2"], 2)
+    assert one_step(overtakes=1) == (["a1", "older"], 1)

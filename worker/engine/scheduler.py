@@ -131,31 +131,34 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, priority: Priority, budget: int, out: SchedulerOutput) -> int:
-        """Admit waiting sequences of `priority` in admission order (`_next_to_try`); returns the budget
-        left. Those not admitted keep their first-come first-served places."""
+        """Admit waiting sequences of `priority` in admission order (`_admission_order`); returns the
+        budget left. Those not admitted keep their first-come first-served places."""
         queue = self._waiting[priority]
         running_per_tenant = Counter(seq.tenant for seq in self.running if seq.priority is priority)
         read = {seq.adapter_uid for seq in self.running} | {None}  # adapters the step reads already
-        left = list(queue)  # not tried yet, oldest first
+        tried: set[int] = set()
+        # the order changes only when a sequence is admitted: passing one over costs no new order, so a
+        # queue of sequences waiting on their adapters costs one pass, not one per sequence
+        order = self._admission_order(queue, read, tried)
         over_cap: list[Sequence] = []
-        while left and budget > 0 and self._has_slot(priority, out):
-            seq = self._next_to_try(left, read)
-            place = left.index(seq)
-            del left[place]
+        while order and budget > 0 and self._has_slot(priority, out):
+            seq = order.popleft()
+            tried.add(id(seq))
             if running_per_tenant[seq.tenant] >= self.max_seqs_per_tenant:
                 over_cap.append(seq)
                 continue
             admitted = self._admit(seq, budget, out)
             if admitted == 0:  # the KV cache is full
                 break
-            if admitted is not None:
-                running_per_tenant[seq.tenant] += 1
-                budget -= admitted
+            if admitted is None:
+                continue
+            running_per_tenant[seq.tenant] += 1
+            budget -= admitted
+            if self.max_overtakes:  # grouping: seq may have overtaken older ones, and groups its adapter's
                 read.add(seq.adapter_uid)
-                for older in left[:place]:  # overtaken: admitted ahead of them, not first in line
-                    older.overtaken += 1
+                order = self._admission_order(queue, read, tried, admitted=seq)
         # nobody else could use the room: capped tenants may fill it (the cap never idles the batch)
-        while over_cap and not left and budget > 0 and self._has_slot(priority, out):
+        while over_cap and not order and budget > 0 and self._has_slot(priority, out):
             admitted = self._admit(over_cap.pop(0), budget, out)
             if admitted == 0:
                 break
@@ -166,13 +169,29 @@ class Scheduler:
         queue.extend(still_waiting)
         return budget
 
-    def _next_to_try(self, left: list[Sequence], read: set[str | None]) -> Sequence:
-        """Of the sequences not tried yet (oldest first), the one to try next: the oldest due one, else
-        the oldest whose adapter the step reads already (`read`), else the oldest (module docstring)."""
+    def _admission_order(
+        self, queue: deque[Sequence], read: set[str | None], tried: set[int], admitted: Sequence | None = None
+    ) -> deque[Sequence]:
+        """The sequences of `queue` (oldest first) not `tried` yet (ids), in the order to try them: the due
+        ones, then those whose adapter the step reads already (`read`), then the rest, each oldest first
+        (module docstring). Those older than `admitted`, just admitted ahead of them, count an overtake."""
         if self.max_overtakes == 0:
-            return left[0]
-        due = next((seq for seq in left if seq.overtaken >= self.max_overtakes), None)
-        return due or next((seq for seq in left if seq.adapter_uid in read), left[0])
+            return deque(seq for seq in queue if id(seq) not in tried)
+        due: list[Sequence] = []
+        grouped: list[Sequence] = []
+        rest: list[Sequence] = []
+        overtaken = admitted is not None
+        for seq in queue:
+            if seq is admitted:
+                overtaken = False
+            elif id(seq) not in tried:
+                if overtaken:
+                    seq.overtaken += 1
+                if seq.overtaken >= self.max_overtakes:
+                    due.append(seq)
+                else:
+                    (grouped if seq.adapter_uid in read else rest).append(seq)
+        return deque(due + grouped + rest)
 
     def _has_slot(self, priority: Priority, out: SchedulerOutput) -> bool:
         """Whether the running batch has room for one more `priority` sequence, an interactive one
