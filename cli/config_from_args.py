@@ -215,6 +215,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_grouping_overtakes=args.max_grouping_overtakes,
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         gpu_memory_fraction=args.gpu_memory_fraction,

@@ -159,6 +159,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # or "fp8": about twice the KV blocks in the same memory
     max_num_seqs: int = 64  # sequences in the running batch
     max_seqs_per_tenant: int | None = None  # while others wait; None: half the batch
+    # adapter grouping (worker/engine/scheduler.py): admission prefers waiting requests whose adapter the
+    # step reads already, but overtakes a request at most this many times; 0: first-come first-served.
+    # None: a quarter of max_num_seqs (`grouping_overtakes`)
+    max_grouping_overtakes: int | None = None
     max_num_batched_tokens: int = 2048  # tokens one step may process (prefill chunks + decodes)
     block_size: int = 16  # tokens per KV-cache block
     num_kv_blocks: int | None = None
@@ -189,6 +193,8 @@ class EngineConfig:
             raise ValueError("kernel_tune_budget_s must be >= 0")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_grouping_overtakes is not None and self.max_grouping_overtakes < 0:
+            raise ValueError("max_grouping_overtakes must be >= 0 (0: first-come first-served)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:
@@ -203,6 +209,14 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', not {self.kv_cache_dtype!r}")
         if self.adapter_host_cache_gb is not None and self.adapter_host_cache_gb <= 0:
             raise ValueError("adapter_host_cache_gb must be > 0")
+
+    @property
+    def grouping_overtakes(self) -> int:
+        """How often adapter grouping may overtake a waiting request: max_grouping_overtakes, by default a
+        quarter of max_num_seqs. At saturation a batch admits about max_num_seqs requests in one request's
+        time in it, so the extra wait grouping may cause is then about a quarter of that time, whatever
+        the batch size (docs/benchmarks.md, issue #20: what the bound buys and costs)."""
+        return self.max_num_seqs // 4 if self.max_grouping_overtakes is None else self.max_grouping_overtakes
 
     @property
     def lora_enabled(self) -> bool:

@@ -35,11 +35,13 @@ _LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    """What one step ran: sequences in its batch, tokens it processed, tokens it sampled."""
+    """What one step ran: sequences in its batch, tokens it processed, tokens it sampled, distinct
+    adapters its batch read (the base model not counted)."""
 
     num_seqs: int = 0
     num_tokens: int = 0
     num_sampled: int = 0
+    num_adapters: int = 0
     # seconds the device sat idle, waiting for the host to launch it, before the step whose tokens this one
     # read (None: not measured: a CPU engine, or that step was launched with none before it in flight)
     device_idle_s: float | None = None
@@ -99,6 +101,10 @@ class WorkerMetrics:
         self.batch_tokens = Histogram(
             "lorafleet_worker_batch_tokens", "tokens one engine step processed (prefill chunks + decodes)", labels,
             buckets=_TOKEN_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.batch_adapters = Histogram(
+            "lorafleet_worker_batch_adapters", "distinct adapters one engine step read (the LoRA kernels' cost "
+            "grows with them)", labels, buckets=_BATCH_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.step_seconds = Histogram(
             "lorafleet_worker_step_seconds", "wall time of one engine step (schedule, forward, sample)", labels,
@@ -222,6 +228,7 @@ class EngineMetrics:
         }
         self._batch_size = metrics.batch_size.labels(model)
         self._batch_tokens = metrics.batch_tokens.labels(model)
+        self._batch_adapters = metrics.batch_adapters.labels(model)
         self._step_seconds = metrics.step_seconds.labels(model)
         self._device_idle_seconds = metrics.device_idle_seconds.labels(model)
         self._generated = metrics.generated_tokens.labels(model)
@@ -235,6 +242,7 @@ class EngineMetrics:
         if step.num_seqs:
             self._batch_size.observe(step.num_seqs)
             self._batch_tokens.observe(step.num_tokens)
+            self._batch_adapters.observe(step.num_adapters)
             self._generated.inc(step.num_sampled)
             self._step_seconds.observe(seconds)
         if step.device_idle_s is not None:

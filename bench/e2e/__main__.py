@@ -1,6 +1,7 @@
 """The whole stack under load: Zipf adapter traffic and base-only traffic at three offered loads.
 
     python -m bench.e2e [--preset llama3-8b] [--out DIR] [--workdir DIR] [--budget-s 400] [--run-s 15] [--loads RPS ...]
+                        [--max-grouping-overtakes N]
 
 The `tiny` preset runs the same phases on the CPU in seconds (its worker: `--device cpu`).
 
@@ -319,10 +320,18 @@ def main(argv: list[str] | None = None) -> int:
         help="offered loads of the load runs, req/s (default: from the calibrated saturation); the same loads "
         "on every run make runs of two versions comparable",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-grouping-overtakes", type=int, metavar="N",
+        help="the worker's --max-grouping-overtakes (0: admission in arrival order; default: the worker's, a "
+        "quarter of max_num_seqs), so that one machine can run the bench with adapter grouping and without",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     if args.run_s is not None:
         preset = dataclasses.replace(preset, run_s=args.run_s)
+    if args.max_grouping_overtakes is not None:
+        engine = dataclasses.replace(preset.engine, max_grouping_overtakes=args.max_grouping_overtakes)
+        preset = dataclasses.replace(preset, engine=engine)
     # an overloaded run holds two sockets per request in flight, here and in the gateways and Redis
     # (children inherit the limit): lift the soft limit on open files to the hard one
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
@@ -343,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{preset.name} on {bench.notes['device']}: prompt {preset.prompt_tokens} tokens, output "
         f"{preset.output_tokens} tokens, {preset.num_adapters} adapters r{preset.lora_rank} Zipf "
-        f"α={preset.zipf_alpha}, max_num_seqs {preset.engine.max_num_seqs}, max_loras {preset.engine.max_loras}"
+        f"α={preset.zipf_alpha}, max_num_seqs {preset.engine.max_num_seqs}, max_loras {preset.engine.max_loras}, "
+        f"max_grouping_overtakes {preset.engine.grouping_overtakes}"
     )
     print(table(bench.rows, preset.output_tokens))
     print()

@@ -49,6 +49,7 @@ def engine_flags(engine: EngineConfig) -> list[str]:
         "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
         "--max-loras", str(engine.max_loras),
         "--max-lora-rank", str(engine.max_lora_rank),
+        "--max-grouping-overtakes", str(engine.grouping_overtakes),
         "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
     ]  # fmt: skip
     if engine.dtype is not None:

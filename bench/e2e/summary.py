@@ -223,8 +223,8 @@ def table(rows: list[RunSummary], output_tokens: int) -> str:
 def worker_table(rows: list[RunSummary]) -> str:
     """Where the worker's time went in each run (from its Prometheus counters)."""
     lines = [
-        "| phase | mode | offered req/s | steps | step ms | seqs/step | tokens/step | adapter GPU hits % "
-        "| adapter loads | load ms | preemptions | worker CPU ms/request | device idle ms/step |",
+        "| phase | mode | offered req/s | steps | step ms | seqs/step | tokens/step | adapters/step "
+        "| adapter GPU hits % | adapter loads | load ms | preemptions | worker CPU ms/request | device idle ms/step |",
         "| --- | --- " + "| ---: " * 11 + "|",
     ]
     for r in rows:
@@ -234,7 +234,8 @@ def worker_table(rows: list[RunSummary]) -> str:
         offered = f"{r.offered_rps:.1f}" if r.offered_rps else "closed"
         lines.append(
             f"| {r.phase} | {r.mode} | {offered} | {w.steps} | {w.step_ms:.1f} | {w.batch_seqs:.1f} "
-            f"| {w.batch_tokens:.0f} | {w.adapter_gpu_hit_pct:.1f} | {w.adapter_loads} | {w.adapter_load_ms:.1f} "
+            f"| {w.batch_tokens:.0f} | {w.batch_adapters:.1f} | {w.adapter_gpu_hit_pct:.1f} | {w.adapter_loads} "
+            f"| {w.adapter_load_ms:.1f} "
             f"| {w.preemptions} | {1000 * w.cpu_s / r.requests if r.requests else math.nan:.2f} "
             f"| {w.device_idle_ms:.3f} |"
         )

@@ -58,6 +58,7 @@ class WorkerStats:
     step_ms: float  # mean wall time of an engine step
     batch_seqs: float  # mean sequences per step
     batch_tokens: float  # mean tokens per step (prefill chunks + decodes)
+    batch_adapters: float  # mean distinct adapters per step (the LoRA kernels' cost grows with them)
     generated_tokens: int
     adapter_gpu_hit_pct: float  # adapter lookups that found it in a GPU slot
     adapter_loads: int  # lookups the GPU tier missed (each a load from pinned memory or disk)
@@ -84,6 +85,9 @@ def difference(before: Snapshot, after: Snapshot) -> WorkerStats:
         step_ms=1000 * ratio(delta("lorafleet_worker_step_seconds_sum"), steps),
         batch_seqs=ratio(delta("lorafleet_worker_batch_size_sum"), delta("lorafleet_worker_batch_size_count")),
         batch_tokens=ratio(delta("lorafleet_worker_batch_tokens_sum"), delta("lorafleet_worker_batch_tokens_count")),
+        batch_adapters=ratio(
+            delta("lorafleet_worker_batch_adapters_sum"), delta("lorafleet_worker_batch_adapters_count")
+        ),
         generated_tokens=int(delta("lorafleet_worker_generated_tokens_total")),
         adapter_gpu_hit_pct=100 * ratio(hits, hits + misses),
         adapter_loads=int(misses),

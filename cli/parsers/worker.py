@@ -106,6 +106,13 @@ def add_worker(subparsers: argparse._SubParsersAction) -> None:
         help="tokens one engine step may process (default: %(default)s)",
     )
     engine.add_argument(
+        "--max-grouping-overtakes",
+        type=flag_types.count,
+        help="admission prefers waiting requests whose adapter the running batch reads already (fewer distinct "
+        "adapters a step, so cheaper LoRA); a request is overtaken so at most this many times, then admitted "
+        "in arrival order. 0: strict arrival order (default: a quarter of --max-num-seqs)",
+    )
+    engine.add_argument(
         "--max-loras",
         type=flag_types.count,
         default=ENGINE_DEFAULTS.max_loras,

@@ -40,8 +40,10 @@ def test_the_tiny_preset_runs_every_phase_and_its_numbers_add_up(tmp_path: Path)
         if run["mode"] == "zipf":
             assert run["distinct_adapters"] > 1 and run["worker"]["adapter_loads"] >= 0
             assert 0 < run["worker"]["adapter_gpu_hit_pct"] <= 100
+            assert 0 < run["worker"]["batch_adapters"] <= min(PRESET.num_adapters, run["worker"]["batch_seqs"])
         else:
             assert run["distinct_adapters"] == 0 and run["worker"]["adapter_loads"] == 0
+            assert run["worker"]["batch_adapters"] == 0
     alone = runs[-1]
     assert alone["requests"] == loads[0]["requests"] and alone["failed"] == 0  # the lowest base load, replayed
     # the replay's steps, counted as the stack's worker counts its own

@@ -87,7 +87,7 @@ def test_the_overhead_target_sets_the_stacks_step_time_beside_the_engine_alones(
     template = summarize("load", "base", 10.0, [sample(0, 0.0, 0.1, 1.0)])
 
     def steps(count: int, step_ms: float, idle_ms: float) -> WorkerStats:
-        return WorkerStats(count, step_ms, 8.0, 8.0, 800, math.nan, 0, math.nan, 0, 1.0, idle_ms)
+        return WorkerStats(count, step_ms, 8.0, 8.0, 0.0, 800, math.nan, 0, math.nan, 0, 1.0, idle_ms)
 
     stack = replace(template, latency_p50_ms=112.0, worker=steps(100, 14.0, 0.25))
     alone = replace(template, phase="engine-alone", latency_p50_ms=100.0, worker=steps(98, 13.0, 0.125))

@@ -71,6 +71,7 @@ def test_worker_config_carries_every_flag(demo_files: DemoFiles, cpu_only: None)
         *("--max-num-seqs", "3", "--max-num-batched-tokens", "99", "--max-loras", "2", "--max-lora-rank", "16"),
         *("--num-kv-blocks", "40", "--gpu-memory-utilization", "0.5", "--worker-id", "w1"),
         *("--adapter-host-cache-gb", "1.5", "--adapter-eviction", "lfu", "--preload-adapters", "a,b.v2,a"),
+        *("--max-grouping-overtakes", "0"),
     )
     config = cfa.worker_config(args)
     assert (config.redis_url, config.worker_id, config.adapter_root) == (REDIS, "w1", demo_files.adapter_root)
@@ -88,7 +89,7 @@ def test_worker_config_carries_every_flag(demo_files: DemoFiles, cpu_only: None)
         40,
         0.5,
     )
-    assert (engine.adapter_host_cache_gb, engine.adapter_eviction) == (1.5, "lfu")
+    assert (engine.adapter_host_cache_gb, engine.adapter_eviction, engine.max_grouping_overtakes) == (1.5, "lfu", 0)
     assert config.preload_adapters == ("a", "b.v2")
 
 
@@ -103,6 +104,15 @@ def test_worker_model_switching_and_gpu_share_flags(demo_files: DemoFiles, cpu_o
     assert cfa.worker_config(parse(*base, "--gpu-memory-fraction", "0.4")).engine.gpu_memory_fraction == 0.4
     defaults = cfa.worker_config(parse(*base))
     assert (defaults.max_resident_models, defaults.cpu_model_cache_bytes, defaults.preload_adapters) == (None, 0, ())
+
+
+def test_adapter_grouping_overtakes_a_quarter_of_the_batch_unless_told(demo_files: DemoFiles, cpu_only: None) -> None:
+    base = ("worker", "--redis-url", REDIS, "--model", f"demo={demo_files.model.path}", "--device", "cpu")
+    base += ("--adapter-root", str(demo_files.adapter_root), "--max-num-seqs", "128")
+    assert cfa.worker_config(parse(*base)).engine.grouping_overtakes == 32
+    assert cfa.worker_config(parse(*base, "--max-grouping-overtakes", "0")).engine.grouping_overtakes == 0
+    with pytest.raises(SystemExit):
+        parse(*base, "--max-grouping-overtakes", "-1")
 
 
 def test_max_loras_0_starts_a_worker_without_lora(demo_files: DemoFiles, cpu_only: None) -> None:

@@ -61,6 +61,9 @@ def test_steps_record_batches_tokens_and_an_empty_cache_after(llama: TinyCheckpo
     # every prompt token is processed once; every output token but the last is fed back once
     fed_back = generated - len(adapters)
     assert value(metrics, "lorafleet_worker_batch_tokens_sum", model="tiny") == prompt_tokens + fed_back
+    # two adapters, one sequence each: at most 2 a step, and both in each of their sequences' decode steps
+    assert value(metrics, "lorafleet_worker_batch_adapters_bucket", model="tiny", le="2.0") == steps
+    assert value(metrics, "lorafleet_worker_batch_adapters_sum", model="tiny") >= 2 * (NEW_TOKENS - 1)
     assert value(metrics, "lorafleet_worker_running_seqs", model="tiny") == 0
     assert value(metrics, "lorafleet_worker_waiting_seqs", model="tiny") == 0
     assert value(metrics, "lorafleet_worker_kv_blocks_used", model="tiny") == 0

@@ -42,10 +42,12 @@ def make_scheduler(
     budget: int = 64,
     slots: int = 2,
     per_tenant: int | None = None,
+    overtakes: int = 4,
 ) -> Scheduler:
     return Scheduler(
         max_num_seqs=max_seqs,
         max_seqs_per_tenant=per_tenant,
+        max_overtakes=overtakes,
         max_num_batched_tokens=budget,
         block_manager=BlockManager(num_blocks, block_size),
         adapter_slots=GpuSlots(slots, LRUPolicy()),
@@ -326,3 +328,134 @@ def test_tenant_fairness_holds_within_the_batch_class():
         scheduler.add(batch_seq(2, f"a{i}", tenant="a"))
     scheduler.add(batch_seq(2, "b0", tenant="b"))
     assert set(run_step(scheduler)) == {"a0", "b0"}
+
+
+def admitted(scheduler: Scheduler) -> list[str]:
+    """The sequences one step admits, in admission order."""
+    plan = scheduler.schedule()
+    return [item.seq.seq_id for item in plan.scheduled if item.seq.num_computed_tokens == 0]
+
+
+def running_on(scheduler: Scheduler, *seqs: Sequence) -> None:
+    """`seqs` admitted and past their prefill."""
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.schedule()
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens
+        seq.output_token_ids.append(7)
+
+
+def test_a_request_whose_adapter_runs_goes_before_older_ones_whose_adapter_does_not():
+    scheduler = make_scheduler(max_seqs=2, slots=3)
+    for uid in ("a", "b"):
+        make_resident(scheduler, uid)
+    running_on(scheduler, make_seq(2, adapter="a"))
+    scheduler.add(make_seq(2, adapter="b", name="older"))
+    scheduler.add(make_seq(2, adapter="a", name="newer"))
+    assert admitted(scheduler) == ["newer"]
+    assert [s.seq_id for s in scheduler.waiting] == ["older"] and scheduler.waiting[0].overtaken == 1
+
+
+def test_base_model_requests_read_no_new_adapter_and_go_before_those_that_would():
+    scheduler = make_scheduler(max_seqs=2, slots=3)
+    for uid in ("a", "b"):
+        make_resident(scheduler, uid)
+    running_on(scheduler, make_seq(2, adapter="a"))
+    scheduler.add(make_seq(2, adapter="b", name="adapter"))
+    scheduler.add(make_seq(2, name="base"))
+    assert admitted(scheduler) == ["base"]
+
+
+def test_admission_is_first_come_first_served_when_grouping_gains_nothing():
+    scheduler = make_scheduler(max_seqs=3, slots=3)
+    for uid in ("a", "b", "c"):
+        make_resident(scheduler, uid)
+    running_on(scheduler, make_seq(2, adapter="a"))
+    for uid in ("b", "c"):  # neither adapter runs
+        scheduler.add(make_seq(2, adapter=uid, name=uid))
+    scheduler.add(make_seq(2, adapter="c", name="c2"))
+    assert admitted(scheduler) == ["b", "c"]  # c2 would group with c, but the oldest came first
+    assert [(s.seq_id, s.overtaken) for s in scheduler.waiting] == [("c2", 0)]
+
+
+def test_an_adapter_admitted_in_a_step_groups_the_rest_of_that_step():
+    scheduler = make_scheduler(max_seqs=2, slots=3)
+    for uid in ("b", "c"):
+        make_resident(scheduler, uid)
+    for name, uid in (("b1", "b"), ("c1", "c"), ("b2", "b")):
+        scheduler.add(make_seq(2, adapter=uid, name=name))
+    assert admitted(scheduler) == ["b1", "b2"]
+    assert [s.seq_id for s in scheduler.waiting] == ["c1"]
+
+
+def admission_order(overtakes: int) -> list[str]:
+    """A request for a rare adapter waits behind one running a popular adapter, while that adapter's
+    requests keep arriving; one running slot frees a step."""
+    scheduler = make_scheduler(max_seqs=2, slots=2, overtakes=overtakes)
+    for uid in ("popular", "rare"):
+        make_resident(scheduler, uid)
+    running_on(scheduler, make_seq(2, adapter="popular"))
+    scheduler.add(make_seq(2, adapter="rare", name="rare"))
+    order = []
+    for step in range(4):
+        scheduler.add(make_seq(2, adapter="popular", name=f"popular{step}"))
+        order += admitted(scheduler)
+        scheduler.finish(next(seq for seq in scheduler.running if seq.seq_id == order[-1]))
+    return order
+
+
+def test_a_request_overtaken_max_overtakes_times_is_admitted_before_any_grouped_one():
+    assert admission_order(overtakes=2) == ["popular0", "popular1", "rare", "popular2"]
+
+
+def test_grouping_off_is_first_come_first_served():
+    assert admission_order(overtakes=0) == ["rare", "popular0", "popular1", "popular2"]
+
+
+def test_grouping_never_puts_a_batch_request_before_an_interactive_one():
+    scheduler = make_scheduler(max_seqs=2, slots=2)
+    for uid in ("a", "b"):
+        make_resident(scheduler, uid)
+    running_on(scheduler, make_seq(2, adapter="a", priority=Priority.BATCH))
+    scheduler.add(make_seq(2, adapter="b", name="chat"))
+    scheduler.add(make_seq(2, adapter="a", name="batch", priority=Priority.BATCH))
+    assert admitted(scheduler) == ["chat"]
+    assert [s.seq_id for s in scheduler.waiting] == ["batch"]
+
+
+def test_grouping_keeps_the_tenant_cap():
+    scheduler = make_scheduler(max_seqs=2, slots=2, per_tenant=1)
+    for uid in ("a", "b"):
+        make_resident(scheduler, uid)
+    running_on(scheduler, make_seq(2, adapter="a", tenant="x"))
+    scheduler.add(make_seq(2, adapter="b", tenant="y", name="other tenant"))
+    scheduler.add(make_seq(2, adapter="a", tenant="x", name="same adapter, capped tenant"))
+    assert admitted(scheduler) == ["other tenant"]
+
+
+def test_a_due_request_whose_adapter_is_still_loading_does_not_hold_up_the_others():
+    scheduler = make_scheduler(max_seqs=2, slots=2, overtakes=1)
+    make_resident(scheduler, "a")
+    running_on(scheduler, make_seq(2, adapter="a"))
+    loading = make_seq(2, adapter="b", name="loading")
+    loading.overtaken = 1  # due, but its adapter is not on the device yet
+    scheduler.add(loading)
+    scheduler.add(make_seq(2, adapter="a", name="grouped"))
+    assert admitted(scheduler) == ["grouped"]
+    assert loading.block_table == [] and scheduler.waiting == [loading]
+
+
+def test_a_request_becomes_due_within_the_step_that_overtakes_it_to_the_bound():
+    def one_step(overtakes: int) -> tuple[list[str], int]:
+        scheduler = make_scheduler(max_seqs=3, slots=2, overtakes=overtakes)
+        for uid in ("a", "b"):
+            make_resident(scheduler, uid)
+        running_on(scheduler, make_seq(2, adapter="a"))
+        older = make_seq(2, adapter="b", name="older")
+        for seq in (older, make_seq(2, adapter="a", name="a1"), make_seq(2, adapter="a", name="a2")):
+            scheduler.add(seq)
+        return admitted(scheduler), older.overtaken
+
+    assert one_step(overtakes=4) == (["a1", "a2"], 2)
+    assert one_step(overtakes=1) == (["a1", "older"], 1)

@@ -111,6 +111,7 @@ class LLMEngine:
             block_manager=self.blocks,
             adapter_slots=self.adapter_slots,
             max_seqs_per_tenant=config.max_seqs_per_tenant or max(1, config.max_num_seqs // 2),
+            max_overtakes=config.grouping_overtakes,
         )
         # admitting costs an eager step only where decode-only steps replay graphs (CUDA)
         self._pacer = AdmissionPacer() if runner.graphs is not None else None
@@ -246,7 +247,10 @@ class LLMEngine:
             if readers:
                 self.adapter_pool.launched(readers)
         self.last_step = StepStats(
-            len(scheduled), sum(s.num_new_tokens for s in scheduled), sum(s.completes_prompt for s in scheduled)
+            len(scheduled),
+            sum(s.num_new_tokens for s in scheduled),
+            sum(s.completes_prompt for s in scheduled),
+            len({s.seq.adapter_uid for s in scheduled if s.seq.adapter_uid is not None}),
         )
         follows = None if after is None else after.sampled.ready
         self._in_flight = self._mark_launched(scheduled, sampled, started, follows)

@@ -8,15 +8,24 @@ class, in this order:
    full, running sequences are preempted, the newest batch sequence first, then the newest of the
    sequence's own class (batch work never preempts interactive work): their blocks are freed and they
    wait to be recomputed, so memory pressure never becomes an out-of-memory error.
-2. Waiting sequences are admitted first-come first-served while the budget, the running-batch size
-   and KV blocks allow; an interactive sequence that finds no running slot or no KV room preempts
-   the newest running batch sequence instead of waiting for it to finish. A sequence whose adapter
-   is not resident on the device yet (the adapter pool is still loading it) is passed over, so it
-   does not block base-model or resident-adapter work. A tenant already running
-   `max_seqs_per_tenant` sequences of a class is passed over too, but only while others of that
-   class wait: the cap keeps one tenant's burst from starving the rest of its class without leaving
-   the batch idle when that tenant is alone.
+2. Waiting sequences are admitted while the budget, the running-batch size and KV blocks allow;
+   an interactive sequence that finds no running slot or no KV room preempts the newest running
+   batch sequence instead of waiting for it to finish. A sequence whose adapter is not resident on
+   the device yet (the adapter pool is still loading it) is passed over, so it does not block
+   base-model or resident-adapter work. A tenant already running `max_seqs_per_tenant` sequences of
+   a class is passed over too, but only while others of that class wait: the cap keeps one tenant's
+   burst from starving the rest of its class without leaving the batch idle when that tenant is alone.
 Long prompts are prefilled in chunks that share each step with running decodes.
+
+Admission order within a class is first-come first-served, with one exception, adapter grouping:
+a sequence whose adapter the step reads already (a running sequence's, or one admitted earlier in
+the same step; the base model always) goes before older ones whose adapter it does not read. The
+LoRA kernels' cost grows with the distinct adapters a step reads (docs/benchmarks.md, "Multi-LoRA
+kernels"), so a queue of Zipf traffic then adds fewer of them. It matters only when more wait than
+the step admits. The unfairness is bounded: a sequence overtaken this way by `max_overtakes` later
+arrivals of its class is due, and due sequences go first, oldest first, before any grouped one; so
+a request never waits for more than `max_overtakes` admissions beyond its first-come first-served
+turn because of grouping. `max_overtakes` 0: strict first-come first-served.
 """
 
 from __future__ import annotations
@@ -61,10 +70,14 @@ class Scheduler:
         block_manager: BlockManager,
         adapter_slots: GpuSlots,
         max_seqs_per_tenant: int | None = None,
+        max_overtakes: int = 0,
     ) -> None:
+        if max_overtakes < 0:
+            raise ValueError("max_overtakes must be >= 0")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_seqs_per_tenant = max_seqs_per_tenant or max_num_seqs
+        self.max_overtakes = max_overtakes
         self.blocks = block_manager
         self.adapters = adapter_slots
         self._waiting: dict[Priority, deque[Sequence]] = {priority: deque() for priority in PRIORITIES}
@@ -118,38 +131,67 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, priority: Priority, budget: int, out: SchedulerOutput) -> int:
-        """Admit waiting sequences of `priority` first-come first-served; returns the budget left."""
-        waiting = self._waiting[priority]
+        """Admit waiting sequences of `priority` in admission order (`_admission_order`); returns the
+        budget left. Those not admitted keep their first-come first-served places."""
+        queue = self._waiting[priority]
         running_per_tenant = Counter(seq.tenant for seq in self.running if seq.priority is priority)
-        passed_over: list[Sequence] = []
+        read = {seq.adapter_uid for seq in self.running} | {None}  # adapters the step reads already
+        tried: set[int] = set()
+        # the order changes only when a sequence is admitted: passing one over costs no new order, so a
+        # queue of sequences waiting on their adapters costs one pass, not one per sequence
+        order = self._admission_order(queue, read, tried)
         over_cap: list[Sequence] = []
-        while waiting and budget > 0 and self._has_slot(priority, out):
-            seq = waiting.popleft()
+        while order and budget > 0 and self._has_slot(priority, out):
+            seq = order.popleft()
+            tried.add(id(seq))
             if running_per_tenant[seq.tenant] >= self.max_seqs_per_tenant:
                 over_cap.append(seq)
                 continue
             admitted = self._admit(seq, budget, out)
-            if admitted is None:
-                passed_over.append(seq)
-            elif admitted == 0:
-                waiting.appendleft(seq)
+            if admitted == 0:  # the KV cache is full
                 break
-            else:
-                running_per_tenant[seq.tenant] += 1
-                budget -= admitted
+            if admitted is None:
+                continue
+            running_per_tenant[seq.tenant] += 1
+            budget -= admitted
+            if self.max_overtakes:  # grouping: seq may have overtaken older ones, and groups its adapter's
+                read.add(seq.adapter_uid)
+                order = self._admission_order(queue, read, tried, admitted=seq)
         # nobody else could use the room: capped tenants may fill it (the cap never idles the batch)
-        while over_cap and not waiting and budget > 0 and self._has_slot(priority, out):
-            seq = over_cap.pop(0)
-            admitted = self._admit(seq, budget, out)
-            if admitted is None:
-                passed_over.append(seq)
-            elif admitted == 0:
-                over_cap.insert(0, seq)
+        while over_cap and not order and budget > 0 and self._has_slot(priority, out):
+            admitted = self._admit(over_cap.pop(0), budget, out)
+            if admitted == 0:
                 break
-            else:
+            if admitted is not None:
                 budget -= admitted
-        waiting.extendleft(reversed(passed_over + over_cap))
+        still_waiting = [seq for seq in queue if seq.status is SequenceStatus.WAITING]
+        queue.clear()
+        queue.extend(still_waiting)
         return budget
+
+    def _admission_order(
+        self, queue: deque[Sequence], read: set[str | None], tried: set[int], admitted: Sequence | None = None
+    ) -> deque[Sequence]:
+        """The sequences of `queue` (oldest first) not `tried` yet (ids), in the order to try them: the due
+        ones, then those whose adapter the step reads already (`read`), then the rest, each oldest first
+        (module docstring). Those older than `admitted`, just admitted ahead of them, count an overtake."""
+        if self.max_overtakes == 0:
+            return deque(seq for seq in queue if id(seq) not in tried)
+        due: list[Sequence] = []
+        grouped: list[Sequence] = []
+        rest: list[Sequence] = []
+        overtaken = admitted is not None
+        for seq in queue:
+            if seq is admitted:
+                overtaken = False
+            elif id(seq) not in tried:
+                if overtaken:
+                    seq.overtaken += 1
+                if seq.overtaken >= self.max_overtakes:
+                    due.append(seq)
+                else:
+                    (grouped if seq.adapter_uid in read else rest).append(seq)
+        return deque(due + grouped + rest)
 
     def _has_slot(self, priority: Priority, out: SchedulerOutput) -> bool:
         """Whether the running batch has room for one more `priority` sequence, an interactive one

@@ -24,6 +24,7 @@ class Sequence:
     adapter_uid: str | None = None
     priority: Priority = Priority.INTERACTIVE
     arrival: float = 0.0  # monotonic seconds; earlier arrivals are scheduled first and preempted last
+    overtaken: int = 0  # later arrivals admitted ahead of it for their adapter (scheduler.py: grouping)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
