@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,37 +78,52 @@ def _gptq_pack_columns(values: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def save_int4_checkpoint(model_dir: Path, directory: Path, *, method: str) -> Path:
-    """The plain checkpoint in `model_dir` written to `directory` 4-bit quantized (as
-    --quantization int4 quantizes: asymmetric, groups of 128), in `method`'s ("awq" or "gptq")
-    published format."""
+def write_quantized_checkpoint(
+    model_dir: Path, directory: Path, quantized: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    quantization_config: dict,
+) -> Path:  # fmt: skip
+    """The plain checkpoint in `model_dir` written to `directory`: each projection's weight replaced by
+    `quantized(name, weight)` (its tensors by full name), the rest as it was, and `quantization_config`
+    in config.json."""
     directory.mkdir(parents=True)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         parts = name.split(".")
         if parts[-1] != "weight" or parts[-2] not in PROJECTIONS:
             out[name] = tensor
-            continue
-        prefix = name.removesuffix(".weight")
-        levels, packed = quantize_int4(tensor, GROUP_SIZE)  # levels [K, N]
-        zeros = packed.zeros.to(torch.int32)  # [K / G, N]
-        out[f"{prefix}.scales"] = packed.scales
-        if method == "awq":
-            out[f"{prefix}.qweight"] = _awq_pack(levels)
-            out[f"{prefix}.qzeros"] = _awq_pack(zeros)
         else:
-            # GPTQ ("gptq" format) stores zero - 1; a zero point of 0 would not survive (its readers
-            # add 1 to the 4-bit 15), which random groups that straddle zero never have
-            assert bool((zeros > 0).all()), "a GPTQ checkpoint cannot hold a zero point of 0"
-            out[f"{prefix}.qweight"] = _gptq_pack_rows(levels)
-            out[f"{prefix}.qzeros"] = _gptq_pack_columns(zeros - 1)
-            out[f"{prefix}.g_idx"] = torch.arange(levels.shape[0], dtype=torch.int32) // GROUP_SIZE
+            out.update(quantized(name, tensor))
     save_file(out, directory / "model.safetensors")
     config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = quantization_config(method)
+    config["quantization_config"] = quantization_config
     (directory / "config.json").write_text(json.dumps(config))
     shutil.copy(model_dir / "tokenizer.json", directory / "tokenizer.json")
     return directory
+
+
+def save_int4_checkpoint(model_dir: Path, directory: Path, *, method: str) -> Path:
+    """The plain checkpoint in `model_dir` written to `directory` 4-bit quantized (as
+    --quantization int4 quantizes: asymmetric, groups of 128), in `method`'s ("awq" or "gptq")
+    published format."""
+
+    def quantized(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        prefix = name.removesuffix(".weight")
+        levels, packed = quantize_int4(tensor, GROUP_SIZE)  # levels [K, N]
+        zeros = packed.zeros.to(torch.int32)  # [K / G, N]
+        if method == "awq":
+            return {f"{prefix}.scales": packed.scales, f"{prefix}.qweight": _awq_pack(levels),
+                    f"{prefix}.qzeros": _awq_pack(zeros)}  # fmt: skip
+        # GPTQ ("gptq" format) stores zero - 1; a zero point of 0 would not survive (its readers
+        # add 1 to the 4-bit 15), which random groups that straddle zero never have
+        assert bool((zeros > 0).all()), "a GPTQ checkpoint cannot hold a zero point of 0"
+        return {
+            f"{prefix}.scales": packed.scales,
+            f"{prefix}.qweight": _gptq_pack_rows(levels),
+            f"{prefix}.qzeros": _gptq_pack_columns(zeros - 1),
+            f"{prefix}.g_idx": torch.arange(levels.shape[0], dtype=torch.int32) // GROUP_SIZE,
+        }
+
+    return write_quantized_checkpoint(model_dir, directory, quantized, quantization_config(method))
 
 
 def quantization_config(method: str, **fields: object) -> dict:

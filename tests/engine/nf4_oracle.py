@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from peft import PeftModel
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kernels.quant.codebook import NF4_CODES
-from shared.model_info import PROJECTIONS
 from tests.engine.fp8_oracle import _is_base_projection
+from tests.engine.int4_oracle import write_quantized_checkpoint
 
 BLOCK = 64  # bitsandbytes' default
 NESTED_BLOCK = 256  # quantize_4bit's block for the 8-bit absmax codes
@@ -109,21 +108,13 @@ def save_bnb_checkpoint(
 ) -> Path:
     """The plain checkpoint in `model_dir` written to `directory` as transformers saves a
     `load_in_4bit` model: every projection 4-bit, the rest as it was, and the quantization_config."""
-    directory.mkdir(parents=True)
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in load_file(model_dir / "model.safetensors").items():
-        parts = name.split(".")
-        if parts[-1] != "weight" or parts[-2] not in PROJECTIONS:
-            out[name] = tensor
-            continue
-        for suffix, saved in bnb_tensors(tensor, quant_type, double_quant=double_quant).items():
-            out[name + suffix] = saved
-    save_file(out, directory / "model.safetensors")
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = bnb_config(quant_type=quant_type, double_quant=double_quant)
-    (directory / "config.json").write_text(json.dumps(config))
-    shutil.copy(model_dir / "tokenizer.json", directory / "tokenizer.json")
-    return directory
+
+    def quantized(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        saved = bnb_tensors(tensor, quant_type, double_quant=double_quant)
+        return {name + suffix: value for suffix, value in saved.items()}
+
+    config = bnb_config(quant_type=quant_type, double_quant=double_quant)
+    return write_quantized_checkpoint(model_dir, directory, quantized, config)
 
 
 def bnb_config(*, quant_type: str = "nf4", double_quant: bool = False, **fields: object) -> dict:
