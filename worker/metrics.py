@@ -42,8 +42,9 @@ class StepStats:
     num_tokens: int = 0
     num_sampled: int = 0
     num_adapters: int = 0
-    # seconds the device sat idle, waiting for the host to launch it, before the step whose tokens this one
-    # read (None: not measured: a CPU engine, or that step was launched with none before it in flight)
+    # seconds the device sat idle before the host began the step whose tokens this one read: the mark is
+    # recorded before the step's inputs are built, so a launch delayed inside a step counts as step time,
+    # not here (None: not measured: a CPU engine, or that step was begun with none before it in flight)
     device_idle_s: float | None = None
 
 
@@ -112,7 +113,8 @@ class WorkerMetrics:
         )  # fmt: skip
         self.device_idle_seconds = Histogram(
             "lorafleet_worker_device_idle_seconds",
-            "the device's idle time between two back-to-back engine steps: waiting for the host to launch the later",
+            "the device's idle time between two back-to-back engine steps, until the host began the later "
+            "(marked before its inputs are built: a delay inside a step counts as step time)",
             labels, buckets=_STAGE_BUCKETS_S, registry=self.registry,
         )  # fmt: skip
         self.generated_tokens = Counter(
