@@ -1,8 +1,11 @@
-"""GPU utilisation and memory of the worker's device, read from NVML (nvidia-ml-py) at scrape time.
+"""GPU utilisation, memory, clocks, power, temperature and clock slowdowns of the worker's device,
+read from NVML (nvidia-ml-py) at scrape time.
 
 Reading at scrape time costs the engine nothing, and the numbers are NVML's own (utilisation is the
 share of the driver's last sample period in which a kernel ran). A worker on the CPU, or on a
-machine where NVML does not start, registers no collector: its GPU series are simply absent.
+machine where NVML does not start, registers no collector: its GPU series are simply absent. The
+clocks and what holds them down say whether a step ran slower because the device did (heat, the
+power cap) rather than because the host fed it late.
 """
 
 from __future__ import annotations
@@ -16,6 +19,22 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 log = structlog.get_logger(__name__)
+
+# The clock-event reasons that hold a loaded device's clocks down (NVML's nvmlClocksEventReason*
+# bits). The others NVML sets (idle, application clocks, sync boost, display) say why the clocks
+# are what they are, not that the device is being slowed.
+SLOWDOWN_REASONS: dict[str, int] = {
+    "sw_power_cap": pynvml.nvmlClocksEventReasonSwPowerCap,
+    "sw_thermal": pynvml.nvmlClocksEventReasonSwThermalSlowdown,
+    "hw_slowdown": pynvml.nvmlClocksEventReasonHwSlowdown,  # set with either of the two below, or alone
+    "hw_thermal": pynvml.nvmlClocksEventReasonHwThermalSlowdown,
+    "hw_power_brake": pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown,
+}
+
+
+def slowdowns(reasons: int) -> dict[str, bool]:
+    """Which of SLOWDOWN_REASONS the bitmask `reasons` (nvmlDeviceGetCurrentClocksEventReasons) holds."""
+    return {name: bool(reasons & bit) for name, bit in SLOWDOWN_REASONS.items()}
 
 
 def cuda_index(device: str) -> int | None:
@@ -40,7 +59,9 @@ def nvml_id(ordinal: int, cuda_visible_devices: str | None) -> int | str:
 
 
 class GpuCollector(Collector):
-    """Exports `lorafleet_worker_gpu_utilization_ratio` and `..._gpu_memory_{used,total}_bytes` for one GPU."""
+    """Exports, for one GPU, `lorafleet_worker_gpu_utilization_ratio`, `..._gpu_memory_{used,total}_bytes`,
+    `..._gpu_{sm,memory}_clock_hertz`, `..._gpu_power_watts`, `..._gpu_temperature_celsius` and
+    `..._gpu_clocks_slowed{reason}` (1 while that reason of SLOWDOWN_REASONS holds the clocks down, else 0)."""
 
     def __init__(self, handle: object, index: int) -> None:
         self._handle = handle
@@ -79,3 +100,31 @@ class GpuCollector(Collector):
         total = GaugeMetricFamily("lorafleet_worker_gpu_memory_total_bytes", "device memory", labels=["gpu"])
         total.add_metric([self._gpu], memory.total)
         yield from (busy, used, total)
+        yield from self._clock_state()
+
+    def _clock_state(self) -> Iterator[GaugeMetricFamily]:
+        """Read apart from utilisation and memory: a device that cannot report power (some virtual
+        GPUs answer NOT_SUPPORTED) still exports those."""
+        try:
+            sm_mhz = pynvml.nvmlDeviceGetClockInfo(self._handle, pynvml.NVML_CLOCK_SM)
+            memory_mhz = pynvml.nvmlDeviceGetClockInfo(self._handle, pynvml.NVML_CLOCK_MEM)
+            power_mw = pynvml.nvmlDeviceGetPowerUsage(self._handle)
+            celsius = pynvml.nvmlDeviceGetTemperature(self._handle, pynvml.NVML_TEMPERATURE_GPU)
+            reasons = pynvml.nvmlDeviceGetCurrentClocksEventReasons(self._handle)
+        except pynvml.NVMLError as exc:
+            log.warning("gpu_clock_metrics_read_failed", gpu=self._gpu, error=str(exc))
+            return
+        sm = GaugeMetricFamily("lorafleet_worker_gpu_sm_clock_hertz", "SM clock", labels=["gpu"])
+        sm.add_metric([self._gpu], sm_mhz * 1e6)
+        memory = GaugeMetricFamily("lorafleet_worker_gpu_memory_clock_hertz", "memory clock", labels=["gpu"])
+        memory.add_metric([self._gpu], memory_mhz * 1e6)
+        power = GaugeMetricFamily("lorafleet_worker_gpu_power_watts", "power draw", labels=["gpu"])
+        power.add_metric([self._gpu], power_mw / 1000.0)
+        temperature = GaugeMetricFamily("lorafleet_worker_gpu_temperature_celsius", "die temperature", labels=["gpu"])
+        temperature.add_metric([self._gpu], celsius)
+        slowed = GaugeMetricFamily(
+            "lorafleet_worker_gpu_clocks_slowed", "1 while this reason holds the clocks down", labels=["gpu", "reason"]
+        )
+        for reason, active in slowdowns(reasons).items():
+            slowed.add_metric([self._gpu, reason], float(active))
+        yield from (sm, memory, power, temperature, slowed)

@@ -6,8 +6,8 @@ Four groups, one registry per worker (so several workers in one test process nev
   engine; no device sync, nothing per token, a few lock-protected adds per step);
 - adapter-pool series, per model and tier (gpu / cpu / disk): the adapter pool records hits, misses,
   evictions, load latency and residency through `AdapterMetrics`;
-- GPU utilisation and memory, read from NVML at scrape time (worker/gpu_metrics.py); a worker
-  without a GPU simply has no such series;
+- GPU utilisation, memory, clocks, power, temperature and clock slowdowns, read from NVML at scrape
+  time (worker/gpu_metrics.py); a worker without a GPU simply has no such series;
 - the process's CPU time and memory (prometheus_client's process collector, `process_*`).
 """
 

@@ -14,7 +14,7 @@ from tests.engine.test_engine_generation import NEW_TOKENS, greedy_request
 from tests.engine.tiny_hf import TinyCheckpoint
 from worker.engine.engine_request import EngineResult
 from worker.engine_thread import EngineThread, StepOutput
-from worker.gpu_metrics import GpuCollector, cuda_index, nvml_id
+from worker.gpu_metrics import SLOWDOWN_REASONS, GpuCollector, cuda_index, nvml_id, slowdowns
 from worker.metrics import AdapterTier, EngineLoad, WorkerMetrics
 
 
@@ -114,6 +114,16 @@ def test_cuda_ordinals_map_to_nvml_through_cuda_visible_devices():
         nvml_id(0, "")
 
 
+def test_clock_event_bits_decode_to_the_reasons_that_slow_the_device():
+    assert slowdowns(0) == dict.fromkeys(SLOWDOWN_REASONS, False)
+    # idle (0x1) and the application-clocks setting (0x2) hold nothing down; the power cap (0x4) and
+    # hardware thermal slowdown (0x40) with the hardware-slowdown bit (0x8) do
+    assert not any(slowdowns(0x1 | 0x2).values())
+    assert {reason for reason, on in slowdowns(0x1 | 0x4 | 0x8 | 0x40).items() if on} == {
+        "sw_power_cap", "hw_slowdown", "hw_thermal"
+    }  # fmt: skip
+
+
 def test_a_cpu_worker_exports_no_gpu_series():
     assert GpuCollector.for_device("cpu") is None
     exported = {metric.name for metric in WorkerMetrics(device="cpu").registry.collect()}
@@ -130,6 +140,20 @@ def test_a_cuda_worker_exports_its_gpus_memory_and_utilisation():
     assert abs(total - torch.cuda.get_device_properties(0).total_memory) < 0.05 * total  # NVML and CUDA agree
     assert 0 < used <= total
     assert 0.0 <= busy <= 1.0
+
+
+@pytest.mark.gpu
+def test_a_cuda_worker_exports_its_gpus_clocks_power_temperature_and_slowdowns():
+    metrics = WorkerMetrics(device="cuda")
+    gpu = {"gpu": _gpu_label(metrics)}
+
+    def read(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(f"lorafleet_worker_gpu_{name}", gpu | labels)
+
+    assert 100e6 < read("sm_clock_hertz") < 5e9 and 100e6 < read("memory_clock_hertz") < 20e9
+    assert 1.0 < read("power_watts") < 2000.0
+    assert 0.0 < read("temperature_celsius") < 120.0
+    assert all(read("clocks_slowed", reason=reason) in (0.0, 1.0) for reason in SLOWDOWN_REASONS)
 
 
 def _gpu_label(metrics: WorkerMetrics) -> str:
