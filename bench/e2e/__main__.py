@@ -22,8 +22,11 @@ The `tiny` preset runs the same phases on the CPU in seconds (its worker: `--dev
    where the stack's added time goes.
 
 Every phase checks the time left in --budget-s first and is skipped if it cannot finish, so the
-table always prints. Written to --out: e2e.jsonl (one line per run, then the targets), e2e_requests.csv
-(one line per request), e2e_load.png and e2e_timeline.png.
+table always prints. Every run samples the device once a second (utilisation, clocks, power,
+temperature, clock slowdowns: bench/e2e/device_clocks.py), the replay too, so a step slower in the
+stack can be told from a device running slower. Written to --out: e2e.jsonl (one line per run, the
+targets, the stages, then one line per reading, `t_s` on the run's clock), e2e_requests.csv (one line
+per request), e2e_load.png and e2e_timeline.png.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch
 
 from bench.e2e.assets import adapter_specs, write_adapters, write_model
 from bench.e2e.client import LoadClient, RunRecord, Sample
+from bench.e2e.device_clocks import Probe, device_probe, sampled_each_second
 from bench.e2e.engine_alone import on_engine_thread, replay, run_to_completion
 from bench.e2e.floor import AdapterFloor, adapter_floor
 from bench.e2e.plots import plot_load, plot_timeline
@@ -53,6 +57,7 @@ from bench.e2e.stages import StageRow, engine_points, stack_points, stage_rows, 
 from bench.e2e.summary import (
     RunSummary,
     Verdict,
+    clocks_table,
     summarize,
     table,
     verdict_table,
@@ -117,6 +122,7 @@ class Bench:
         self.rows: list[RunSummary] = []
         self.loads: list[LoadRun] = []
         self.samples: list[tuple[RunSummary, list[Sample]]] = []
+        self.probes: list[tuple[RunSummary, list[tuple[float, Probe]]]] = []  # (s since the run's start, reading)
         self.capacity_rps: dict[str, float] = {}
         self.notes: dict[str, float | str] = {"device": _device_name(preset), "preset": preset.name}
         self.bandwidth = _copy_bandwidth(preset)  # bytes/s; measured before the worker takes the GPU
@@ -186,6 +192,7 @@ class Bench:
             row = summarize("calibration", mode, 0.0, record.samples, probes=record.probes, worker=worker)
             self.rows.append(dataclasses.replace(row, output_tok_s=tok_s))
             self.samples.append((self.rows[-1], record.samples))
+            self.probes.append((self.rows[-1], record.probes))
             print(f"calibration {mode}: {tok_s:.0f} tok/s = {self.capacity_rps[mode]:.2f} req/s", flush=True)
         calibrated = {r.mode: r.worker for r in self.rows if r.phase == "calibration"}
         zipf, base = calibrated.get(Mode.ZIPF), calibrated.get(Mode.BASE)
@@ -210,6 +217,7 @@ class Bench:
         self.rows.append(row)
         self.loads.append(LoadRun(row, record, plan, stack.traces(succeeded)))
         self.samples.append((row, record.samples))
+        self.probes.append((row, record.probes))
         print(_row_line(row), flush=True)
 
     def engine_alone(self) -> tuple[RunSummary, RunSummary] | None:
@@ -236,11 +244,17 @@ class Bench:
         on_engine_thread(lambda: run_to_completion(engine, warmup))
         self.timed("engine_load", started)
         before = read_registry(metrics.registry)
-        alone = on_engine_thread(lambda: replay(engine, stack_run.plan))
+        # the device read once a second as the stack's worker is scraped: the same collector, its registry
+        # rendered on a thread of this process beside the engine's, as the worker renders it beside its own
+        with sampled_each_second(lambda: device_probe(read_registry(metrics.registry))) as readings:
+            alone = on_engine_thread(lambda: replay(engine, stack_run.plan))
         worker = difference(before, read_registry(metrics.registry))  # its steps, as the stack's worker counts them
-        row = summarize("engine-alone", Mode.BASE, stack_run.row.offered_rps, alone.samples, worker=worker)
+        probes = [(unix_s - alone.start_unix_s, probe) for unix_s, probe in readings]  # on the replay's clock
+        row = summarize("engine-alone", Mode.BASE, stack_run.row.offered_rps, alone.samples, probes=probes,
+                        worker=worker)  # fmt: skip
         self.rows.append(row)
         self.samples.append((row, alone.samples))
+        self.probes.append((row, probes))
         print(_row_line(row), flush=True)
         stack_points_ = stack_points(stack_run.record.samples, stack_run.traces, stack_run.record.start_unix_s)
         alone_points = engine_points(alone.samples, alone.results, alone.start_unix_s)
@@ -263,6 +277,11 @@ class Bench:
                 f.write(json.dumps({"kind": "target", **asdict(verdict)}) + "\n")
             for stage in self.stages[0] if self.stages else ():
                 f.write(json.dumps({"kind": "stage", **asdict(stage)}) + "\n")
+            # the once-a-second readings, on the run's clock (t_s): e2e_requests.csv's times line up with them
+            for row, probes in self.probes:
+                for t_s, probe in probes:
+                    line = {"kind": "probe", "phase": row.phase, "mode": row.mode, "offered_rps": row.offered_rps}
+                    f.write(json.dumps({**line, "t_s": round(t_s, 3), **probe}) + "\n")
         with (self.out / "e2e_requests.csv").open("w", newline="") as f:
             writer = csv.writer(f)
             fields = [field.name for field in dataclasses.fields(Sample)]
@@ -301,10 +320,11 @@ def _preset_dict(preset: Preset) -> dict:
 
 
 def _row_line(row: RunSummary) -> str:
+    clocks = "" if row.clocks is None else f", SM {row.clocks.sm_clock_mhz:.0f} MHz, {row.clocks.power_w:.0f} W"
     return (
         f"{row.phase} {row.mode} offered {row.offered_rps:.2f} req/s: {row.requests} requests, {row.failed} failed, "
         f"{row.output_tok_s:.0f} tok/s, TTFT p50/p99 {row.ttft_p50_ms:.0f}/{row.ttft_p99_ms:.0f} ms, latency "
-        f"p50/p99 {row.latency_p50_ms:.0f}/{row.latency_p99_ms:.0f} ms, GPU {row.gpu_util_pct:.0f}%"
+        f"p50/p99 {row.latency_p50_ms:.0f}/{row.latency_p99_ms:.0f} ms, GPU {row.gpu_util_pct:.0f}%{clocks}"
     )
 
 
@@ -359,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(worker_table(bench.rows))
     print()
+    if any(row.clocks is not None for row in bench.rows):
+        print(clocks_table(bench.rows))
+        print()
     print(verdict_table(found))
     if bench.stages is not None:
         print()

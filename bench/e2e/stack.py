@@ -17,6 +17,7 @@ import redis
 import redis.asyncio as aioredis
 
 from bench.e2e.assets import BenchAdapter, tenant_name
+from bench.e2e.device_clocks import device_probe
 from bench.e2e.summary import JobTimes
 from bench.e2e.worker_metrics import Snapshot, gauge, scrape
 from bench.local_http import answers_ok
@@ -92,15 +93,16 @@ class Stack:
 
     def probe(self) -> dict[str, float]:
         """The gauges sampled during a run: the model's stream length (queued + running jobs: workers
-        delete an entry once it finishes), GPU utilisation (%), running and waiting sequences."""
+        delete an entry once it finishes), running and waiting sequences, the device's utilisation,
+        clocks, power, temperature and slowdowns (bench/e2e/device_clocks.py)."""
         with redis.Redis.from_url(self.redis_url) as client:
             queue = client.xlen(keys.queue(self.model.name))
         snapshot = self.worker_metrics()
         return {
             "queue": queue,
-            "gpu_util_pct": 100 * gauge(snapshot, "lorafleet_worker_gpu_utilization_ratio"),
             "running_seqs": gauge(snapshot, "lorafleet_worker_running_seqs"),
             "waiting_seqs": gauge(snapshot, "lorafleet_worker_waiting_seqs"),
+            **device_probe(snapshot),
         }
 
     def job_times(self, job_ids: list[str]) -> dict[str, JobTimes]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench.e2e.client import Sample
+from bench.e2e.device_clocks import DeviceClocks, Probe, device_clocks
 from bench.e2e.floor import AdapterFloor
 from bench.e2e.worker_metrics import WorkerStats
 
@@ -60,11 +61,12 @@ class RunSummary:
     peak_queue: int  # most entries seen in the model's stream (queued + running)
     failures: dict[str, int]  # status -> count, for the failed ones
     worker: WorkerStats | None  # from the worker's metrics, before and after the run
+    clocks: DeviceClocks | None  # the device's clocks, power and slowdowns, sampled once a second (None: no GPU)
 
 
 def summarize(
     phase: str, mode: str, offered_rps: float, samples: list[Sample], *, start_unix_s: float = 0.0,
-    job_times: dict[str, JobTimes] | None = None, probes: list[tuple[float, dict[str, float]]] = (),
+    job_times: dict[str, JobTimes] | None = None, probes: list[tuple[float, Probe]] = (),
     worker: WorkerStats | None = None,
 ) -> RunSummary:  # fmt: skip
     ok = [s for s in samples if s.ok]
@@ -102,9 +104,10 @@ def summarize(
         delivery_p50_ms=percentile([end_ms[i] - _stamp_ms(t.finished_ms) for i, t in zip(ids, times, strict=True)], 50),
         gpu_util_pct=_mean([p["gpu_util_pct"] for _, p in probes if not math.isnan(p["gpu_util_pct"])]),
         distinct_adapters=len({s.adapter for s in samples if s.adapter is not None}),
-        peak_queue=int(max((p["queue"] for _, p in probes), default=0)),
+        peak_queue=int(max((p.get("queue", 0) for _, p in probes), default=0)),  # the replay has no stream
         failures=failures,
         worker=worker,
+        clocks=device_clocks(list(probes)),
     )
 
 
@@ -190,13 +193,21 @@ def verdicts(
 
 def _step_times(stack: RunSummary, alone: RunSummary) -> str:
     """The engine's mean step in the stack's worker and alone, at the same load: what of the added
-    latency the engine itself loses inside the worker (its I/O thread beside it), and what is outside."""
+    latency the engine itself loses inside the worker (its I/O thread beside it), and what is outside;
+    and the device's clocks in both, which say whether the device or the host was slower."""
     if stack.worker is None or alone.worker is None:
         return ""
+    clocks = ""
+    if stack.clocks is not None and alone.clocks is not None:
+        clocks = (
+            f"; mean SM clock {stack.clocks.sm_clock_mhz:.0f} vs {alone.clocks.sm_clock_mhz:.0f} MHz, clocks slowed "
+            f"in {stack.clocks.slowed_pct:.0f} vs {alone.clocks.slowed_pct:.0f}% of readings"
+        )
     return (
         f"; mean step {stack.worker.step_ms:.2f} ms over {stack.worker.steps} steps (stack) vs "
         f"{alone.worker.step_ms:.2f} ms over {alone.worker.steps} (engine alone); the device idle between "
         f"steps, waiting for the host, {stack.worker.device_idle_ms:.3f} vs {alone.worker.device_idle_ms:.3f} ms a step"
+        f"{clocks}"
     )
 
 
@@ -238,6 +249,27 @@ def worker_table(rows: list[RunSummary]) -> str:
             f"| {w.adapter_load_ms:.1f} "
             f"| {w.preemptions} | {1000 * w.cpu_s / r.requests if r.requests else math.nan:.2f} "
             f"| {w.device_idle_ms:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def clocks_table(rows: list[RunSummary]) -> str:
+    """The device through each run (from the worker's NVML gauges, once a second): a run whose steps
+    are slower at the same load with lower clocks, or clocks held down, ran on a slower device."""
+    lines = [
+        "| phase | mode | offered req/s | readings | GPU util % | SM clock MHz | memory clock MHz | power W "
+        "| temperature °C | clocks slowed % | by reason % |",
+        "| --- | --- " + "| ---: " * 8 + "| --- |",
+    ]
+    for r in rows:
+        if r.clocks is None:
+            continue
+        c = r.clocks
+        offered = f"{r.offered_rps:.1f}" if r.offered_rps else "closed"
+        reasons = ", ".join(f"{reason} {pct:.0f}" for reason, pct in c.reasons_pct.items()) or "–"
+        lines.append(
+            f"| {r.phase} | {r.mode} | {offered} | {c.samples} | {r.gpu_util_pct:.0f} | {c.sm_clock_mhz:.0f} "
+            f"| {c.memory_clock_mhz:.0f} | {c.power_w:.0f} | {c.temperature_c:.1f} | {c.slowed_pct:.0f} | {reasons} |"
         )
     return "\n".join(lines)
 

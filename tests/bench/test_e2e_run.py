@@ -1,6 +1,6 @@
 """bench/e2e end to end on the CPU with the tiny preset: Redis, a gateway and a CPU worker as real
 processes, calibration, six open-loop runs and the engine-alone replay; then the results agree with
-what the worker itself counted."""
+what the worker itself counted, and every run kept its once-a-second readings."""
 
 from __future__ import annotations
 
@@ -50,6 +50,14 @@ def test_the_tiny_preset_runs_every_phase_and_its_numbers_add_up(tmp_path: Path)
     assert alone["worker"]["generated_tokens"] == alone["requests"] * PRESET.output_tokens
     assert alone["worker"]["steps"] > 0 and alone["worker"]["step_ms"] > 0
     assert [line["met"] is not None for line in lines if line["kind"] == "target"] == [True] * 4
+    # every run's once-a-second readings, the replay's too, on the run's own clock (a CPU has no clocks to read)
+    probes = [line for line in lines if line["kind"] == "probe"]
+    assert {(p["phase"], p["mode"], p["offered_rps"]) for p in probes} == {
+        (r["phase"], r["mode"], r["offered_rps"]) for r in runs
+    }
+    replayed = [p["t_s"] for p in probes if p["phase"] == "engine-alone"]
+    assert abs(replayed[0]) < 1.0 and replayed[-1] <= alone["duration_s"] + 2.0  # the first read as it starts
+    assert all(run["clocks"] is None for run in runs)
 
     with (out / "e2e_requests.csv").open() as f:
         requests = list(csv.DictReader(f))
