@@ -1,7 +1,7 @@
 """The whole stack under load: Zipf adapter traffic and base-only traffic at three offered loads.
 
     python -m bench.e2e [--preset llama3-8b] [--out DIR] [--workdir DIR] [--budget-s 400] [--run-s 15] [--loads RPS ...]
-                        [--max-grouping-overtakes N]
+                        [--max-grouping-overtakes N] [--heat-alone]
 
 The `tiny` preset runs the same phases on the CPU in seconds (its worker: `--device cpu`).
 
@@ -19,7 +19,9 @@ The `tiny` preset runs the same phases on the CPU in seconds (its worker: `--dev
    in-process LLMEngine; the p50 differences are what the gateway, Redis and the worker's I/O add,
    and the mean step times (stack's worker vs engine alone, same load) what the engine loses inside
    the worker process. The last table splits both runs' latency stage by stage (bench/e2e/stages.py):
-   where the stack's added time goes.
+   where the stack's added time goes. With --heat-alone the engine first runs a closed loop as long
+   as the two calibrations (not measured), so that the replay starts from the device state the
+   stack's first load run started from rather than from an idle device.
 
 Every phase checks the time left in --budget-s first and is skipped if it cannot finish, so the
 table always prints. Every run samples the device once a second (utilisation, clocks, power,
@@ -48,7 +50,7 @@ import torch
 from bench.e2e.assets import adapter_specs, write_adapters, write_model
 from bench.e2e.client import LoadClient, RunRecord, Sample
 from bench.e2e.device_clocks import Probe, device_probe, sampled_each_second
-from bench.e2e.engine_alone import on_engine_thread, replay, run_to_completion
+from bench.e2e.engine_alone import keep_busy, on_engine_thread, replay, run_to_completion
 from bench.e2e.floor import AdapterFloor, adapter_floor
 from bench.e2e.plots import plot_load, plot_timeline
 from bench.e2e.presets import PRESETS, Preset
@@ -108,11 +110,14 @@ def offered_loads(capacity_rps: dict[str, float]) -> list[float]:
 
 class Bench:
     def __init__(
-        self, preset: Preset, workdir: Path, out: Path, budget: Budget, fixed_loads: list[float] | None = None
-    ) -> None:
-        """`fixed_loads`: the load runs' offered req/s, instead of fractions of the calibrated saturation."""
+        self, preset: Preset, workdir: Path, out: Path, budget: Budget, fixed_loads: list[float] | None = None,
+        heat_alone: bool = False,
+    ) -> None:  # fmt: skip
+        """`fixed_loads`: the load runs' offered req/s, instead of fractions of the calibrated saturation;
+        `heat_alone`: a closed loop on the engine alone before its replay, as long as the calibrations."""
         self.preset = preset
         self.fixed_loads = fixed_loads
+        self.heat_alone = heat_alone
         self.workdir = workdir
         self.out = out
         self.budget = budget
@@ -227,7 +232,8 @@ class Bench:
             return None
         stack_run = base[0]
         load_s = float(self.notes.get("stack_start_s", 60.0))
-        if not self.budget.allows(load_s + self.preset.run_s + 10, "the engine-alone replay"):
+        heat_s = 2 * self.preset.calibration_s if self.heat_alone else 0.0  # both modes' calibrations
+        if not self.budget.allows(load_s + heat_s + self.preset.run_s + 10, "the engine-alone replay"):
             return None
         started = time.monotonic()
         # built as a worker builds it (one resident model), the stack's worker having stopped
@@ -243,6 +249,11 @@ class Bench:
         warmup = [source.draw(i, 0.0) for i in range(self.preset.engine.max_num_seqs // 4)]
         on_engine_thread(lambda: run_to_completion(engine, warmup))
         self.timed("engine_load", started)
+        if heat_s:
+            started = time.monotonic()
+            heat = RequestSource(self.shape(Mode.BASE), seed=3).endless()  # not the warm-up's prompts again
+            on_engine_thread(lambda: keep_busy(engine, heat, self.preset.engine.max_num_seqs, heat_s))
+            self.timed("engine_heat", started)
         before = read_registry(metrics.registry)
         # the device read once a second as the stack's worker is scraped: the same collector, its registry
         # rendered on a thread of this process beside the engine's, as the worker renders it beside its own
@@ -345,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the worker's --max-grouping-overtakes (0: admission in arrival order; default: the worker's, a "
         "quarter of max_num_seqs), so that one machine can run the bench with adapter grouping and without",
     )  # fmt: skip
+    parser.add_argument(
+        "--heat-alone", action="store_true",
+        help="before the engine-alone replay, keep the engine busy in a closed loop as long as the two "
+        "calibrations (not measured), so that it starts from the device state the stack's load runs start from",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     if args.run_s is not None:
@@ -360,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"workdir {workdir}", flush=True)
     overhead = None
-    bench = Bench(preset, workdir, args.out, budget, args.loads)
+    bench = Bench(preset, workdir, args.out, budget, args.loads, args.heat_alone)
     try:
         bench.write_assets()
         bench.serve()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -52,6 +52,20 @@ def run_to_completion(engine: LLMEngine, requests: list[PlannedRequest]) -> None
     for request in requests:
         engine.add(_engine_request(request, f"warmup-{request.index}"))
     while engine.num_unfinished:
+        engine.step()
+        engine.take_deltas()
+
+
+def keep_busy(engine: LLMEngine, requests: Iterator[PlannedRequest], concurrency: int, seconds: float) -> None:
+    """Keep `concurrency` requests in the engine for `seconds`, then let them finish, measuring nothing:
+    the device heated as the stack's closed-loop calibration heats it before its load runs."""
+    deadline = time.perf_counter() + seconds
+    while engine.num_unfinished or time.perf_counter() < deadline:
+        while engine.num_unfinished < concurrency and time.perf_counter() < deadline:
+            request = next(requests)
+            failed = engine.add(_engine_request(request, f"heat-{request.index}"))
+            if failed is not None:
+                raise RuntimeError(f"a heating request failed: {failed.status.value}")
         engine.step()
         engine.take_deltas()
 

@@ -1,6 +1,6 @@
 """bench/e2e end to end on the CPU with the tiny preset: Redis, a gateway and a CPU worker as real
-processes, calibration, six open-loop runs and the engine-alone replay; then the results agree with
-what the worker itself counted, and every run kept its once-a-second readings."""
+processes, calibration, six open-loop runs and the engine-alone replay (heated first); then the
+results agree with what the worker itself counted, and every run kept its once-a-second readings."""
 
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ PRESET = PRESETS["tiny"]
 
 def test_the_tiny_preset_runs_every_phase_and_its_numbers_add_up(tmp_path: Path):
     out = tmp_path / "out"
-    assert main(["--preset", "tiny", "--out", str(out), "--workdir", str(tmp_path / "work"), "--budget-s", "150"]) == 0
+    argv = ["--preset", "tiny", "--out", str(out), "--workdir", str(tmp_path / "work"), "--budget-s", "150"]
+    assert main([*argv, "--heat-alone"]) == 0
 
     lines = [json.loads(line) for line in (out / "e2e.jsonl").read_text().splitlines()]
+    assert lines[0]["engine_heat_s"] >= 2 * PRESET.calibration_s  # the engine kept busy before its replay
     runs = [line for line in lines if line["kind"] == "run"]
     assert [(r["phase"], r["mode"]) for r in runs] == [
         ("calibration", "zipf"), ("calibration", "base"),
