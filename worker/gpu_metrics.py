@@ -20,20 +20,21 @@ from prometheus_client.registry import Collector
 
 log = structlog.get_logger(__name__)
 
-# The clock-event reasons that hold a loaded device's clocks down (NVML's nvmlClocksEventReason*
-# bits). The others NVML sets (idle, application clocks, sync boost, display) say why the clocks
-# are what they are, not that the device is being slowed.
+# The clock-event reasons that hold a loaded device's clocks down: nvml.h's nvmlClocksEventReason*
+# (formerly ...ThrottleReason*) bits, written out because nvidia-ml-py names them only from 12.535
+# and pyproject allows 12.0. The others NVML sets (idle, application clocks, sync boost, display)
+# say why the clocks are what they are, not that the device is being slowed.
 SLOWDOWN_REASONS: dict[str, int] = {
-    "sw_power_cap": pynvml.nvmlClocksEventReasonSwPowerCap,
-    "sw_thermal": pynvml.nvmlClocksEventReasonSwThermalSlowdown,
-    "hw_slowdown": pynvml.nvmlClocksEventReasonHwSlowdown,  # set with either of the two below, or alone
-    "hw_thermal": pynvml.nvmlClocksEventReasonHwThermalSlowdown,
-    "hw_power_brake": pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown,
+    "sw_power_cap": 0x4,
+    "sw_thermal": 0x20,
+    "hw_slowdown": 0x8,  # set with either of the two below, or alone
+    "hw_thermal": 0x40,
+    "hw_power_brake": 0x80,
 }
 
 
 def slowdowns(reasons: int) -> dict[str, bool]:
-    """Which of SLOWDOWN_REASONS the bitmask `reasons` (nvmlDeviceGetCurrentClocksEventReasons) holds."""
+    """Which of SLOWDOWN_REASONS the bitmask `reasons` (nvmlDeviceGetCurrentClocksThrottleReasons) holds."""
     return {name: bool(reasons & bit) for name, bit in SLOWDOWN_REASONS.items()}
 
 
@@ -110,7 +111,7 @@ class GpuCollector(Collector):
             memory_mhz = pynvml.nvmlDeviceGetClockInfo(self._handle, pynvml.NVML_CLOCK_MEM)
             power_mw = pynvml.nvmlDeviceGetPowerUsage(self._handle)
             celsius = pynvml.nvmlDeviceGetTemperature(self._handle, pynvml.NVML_TEMPERATURE_GPU)
-            reasons = pynvml.nvmlDeviceGetCurrentClocksEventReasons(self._handle)
+            reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(self._handle)  # the name every version has
         except pynvml.NVMLError as exc:
             log.warning("gpu_clock_metrics_read_failed", gpu=self._gpu, error=str(exc))
             return
