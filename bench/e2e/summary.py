@@ -236,7 +236,7 @@ def worker_table(rows: list[RunSummary]) -> str:
     lines = [
         "| phase | mode | offered req/s | steps | step ms | seqs/step | tokens/step | adapters/step "
         "| adapter GPU hits % | adapter loads | load ms | preemptions | worker CPU ms/request | device idle ms/step |",
-        "| --- | --- " + "| ---: " * 11 + "|",
+        "| --- | --- " + "| ---: " * 12 + "|",
     ]
     for r in rows:
         if r.worker is None:

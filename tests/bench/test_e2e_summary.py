@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.e2e.client import Sample
 from bench.e2e.floor import adapter_floor, expected_distinct
-from bench.e2e.summary import JobTimes, summarize, verdicts
+from bench.e2e.summary import JobTimes, summarize, table, verdicts, worker_table
 from bench.e2e.traffic import zipf_weights
 from bench.e2e.worker_metrics import Snapshot, WorkerStats, difference
 
@@ -34,6 +34,15 @@ def test_a_rows_throughput_latencies_and_failures_come_from_its_samples():
     assert math.isclose(row.ttft_p50_ms, 95.0) and row.ttft_p99_ms > 135.0
     assert math.isclose(row.latency_p50_ms, 500.0)
     assert row.queue_p50_ms == 3.0 and row.server_ttft_p50_ms == 40.0
+
+
+def test_every_table_has_as_many_columns_in_its_rows_as_in_its_header():
+    worker = WorkerStats(10, 8.0, 8.0, 8.0, 2.0, 800, 90.0, 1, 5.0, 0, 1.0, 0.01)
+    row = summarize("load", "zipf", 10.0, [sample(0, 0.0, ttft=0.05, latency=0.5)], worker=worker)
+    for rendered in (table([row], output_tokens=8), worker_table([row])):
+        header, separator, *rows = rendered.splitlines()
+        columns = header.count("|")
+        assert separator.count("|") == columns and all(line.count("|") == columns for line in rows), rendered
 
 
 def test_a_records_whole_ms_stamps_count_from_the_middle_of_their_millisecond():
