@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -82,3 +83,32 @@ async def test_preloading_stops_when_the_host_cache_is_full_and_skips_a_failed_r
     )
     assert await preload_adapters(aredis, names, {llama.info.name: engine}) == {llama.info.name: 1}
     assert engine.adapter_pool.host.resident == [records[1].ref().uid]  # the bad one skipped, then no room
+
+
+async def test_the_room_goes_in_order_when_a_later_read_carves_first(
+    aredis: Redis, llama: TinyCheckpoint, tmp_path: Path
+) -> None:
+    # the reads run in parallel: hold the first one back until the second has carved the only section
+    names = ("all_r8", "mlp_k_r4")
+    records = [await register(aredis, llama, tmp_path, name, llama.info) for name in names]
+    largest = max_adapter_bytes(llama.info, max_rank=8, dtype=torch.float32)
+    engine = make_engine(
+        llama, tmp_path, dtype="float32", max_loras=1, adapter_host_cache_gb=(largest + 64) / (1 << 30)
+    )
+    pool = engine.adapter_pool
+    second_read = threading.Event()
+    read = pool._read
+
+    def first_read_last(ref, *args):
+        if ref.uid == records[0].ref().uid and not second_read.is_set():
+            assert second_read.wait(10)
+        try:
+            return read(ref, *args)
+        finally:
+            if ref.uid == records[1].ref().uid:
+                second_read.set()
+
+    pool._read = first_read_last
+    assert await preload_adapters(aredis, names, {llama.info.name: engine}) == {llama.info.name: 1}
+    assert pool.host.resident == [records[0].ref().uid]  # the first named, not the first to carve
+    assert pool.arena.allocator.bookkeeping_size() == len(pool.host) == 1  # the second's block given back

@@ -165,34 +165,61 @@ class AdapterPool:
             for ref, _ in reads:
                 self._mirror.reading(ref)
         preloaded = len(refs) - len(reads)
-        for index, (ref, read) in enumerate(reads, 1):
+        position = 0
+        while position < len(reads):
+            ref, read = reads[position]
             try:
-                adapter, seconds = read.result()
+                try:
+                    adapter, seconds = read.result()
+                except ArenaFull:
+                    adapter, seconds = self._read_alone(reads, position)
             except ArenaFull:
                 log.warning("adapter_preload_stopped", reason="the host cache is full", preloaded=preloaded)
                 break
             except Exception as exc:
                 message = exc.message if isinstance(exc, LorafleetError) else f"{type(exc).__name__}: {exc}"
                 log.warning("adapter_preload_failed", adapter=ref.uid, error=message)
+                position += 1
                 continue
             self.host.put(adapter.uid, adapter, evictable=lambda _: False)
             self._metrics.loaded(AdapterTier.DISK, seconds)
             preloaded += 1
+            position += 1
             log.info(
                 "adapter_preloaded",
                 adapter=adapter.uid,
-                done=index,
+                done=position,
                 total=len(reads),
                 mb=round(adapter.nbytes / 1e6, 1),
                 seconds=round(seconds, 3),
             )
-        else:
-            index = len(reads)
-        for _, read in reads[index:]:  # after a full cache: those not started are cancelled, the others given back
-            if not read.cancel() and read.exception() is None:
-                self.arena.free(read.result()[0].buffer)
+        self._give_back(reads[position + 1 :])  # after a full cache
         self.resident = (tuple(self.gpu.resident), tuple(self.host.resident))
         return preloaded
+
+    def _read_alone(self, reads: list[tuple[AdapterRef, Future]], position: int) -> tuple[HostAdapter, float]:
+        """Read `reads[position]` again with nothing else carving: preload's reads carve in parallel, so a
+        later one may have taken its room, which in order is its own. The later reads give their blocks
+        back first and start again after it, unless it finds no room even so (ArenaFull: the cache is
+        full, and they are dropped)."""
+        later = [ref for ref, _ in reads[position + 1 :]]
+        self._give_back(reads[position + 1 :])
+        del reads[position + 1 :]
+        try:
+            read = self._read(reads[position][0])
+        except ArenaFull:
+            raise  # full in order: nothing after it is read
+        except Exception:
+            reads += [(ref, self._executor.submit(self._read, ref)) for ref in later]
+            raise
+        reads += [(ref, self._executor.submit(self._read, ref)) for ref in later]
+        return read
+
+    def _give_back(self, reads: Sequence[tuple[AdapterRef, Future]]) -> None:
+        """Cancel the reads not started; give back the blocks of those that carved one."""
+        for _, read in reads:
+            if not read.cancel() and read.exception() is None:
+                self.arena.free(read.result()[0].buffer)
 
     def drop(self, uid: str) -> None:
         """A request naming `uid` finished or left; the adapter stays cached but becomes evictable
