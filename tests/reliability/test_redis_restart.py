@@ -30,7 +30,7 @@ def test_jobs_queued_and_running_across_a_redis_restart_all_complete(demo_assets
         fleet = open_fleet(server.url, demo_assets, tmp_path, stack)
         gateway = fleet.start_gateway()
         worker = fleet.start_worker("w1")
-        jobs = jobs_for(30, max_tokens=16)
+        jobs = jobs_for(60, max_tokens=16)  # more than the worker holds (16) and can finish before a restart
         job_ids = fleet.submit(jobs)
         adapter_ids = [job_id for job, job_id in zip(jobs, job_ids, strict=True) if "adapter" in job]
         wait_until(
