@@ -64,6 +64,7 @@ from bench.engine_report import (
     NO_LORA,
     Row,
     engine_system,
+    kernel_split_table,
     print_lora_off_ratios,
     print_rows,
     print_targets,
@@ -144,12 +145,16 @@ def main(argv: list[str] | None = None) -> None:
         batch, context = args.mixed_steps, args.prompts[0]
         bench = EngineBench(info, max(args.adapters), batch + 1, context + max(args.chunks) + 1, root)
         print(f"{'batch':>6}{'chunk':>7}{'adapt':>6}{'decode ms':>11}{'piecewise ms':>14}{'eager ms':>10}")
+        splits = []
         for adapters in args.adapters:
-            decode = mixed_step_ms(bench, batch, context, 0, adapters)["decode"]
+            decode, split = mixed_step_ms(bench, batch, context, 0, adapters)
+            splits.append((0, adapters, split))
             for chunk in args.chunks:
-                times = mixed_step_ms(bench, batch, context, chunk, adapters)
-                print(f"{batch:>6}{chunk:>7}{adapters:>6}{decode:>11.2f}{times['piecewise']:>14.2f}"
+                times, split = mixed_step_ms(bench, batch, context, chunk, adapters)
+                splits.append((chunk, adapters, split))
+                print(f"{batch:>6}{chunk:>7}{adapters:>6}{decode['decode']:>11.2f}{times['piecewise']:>14.2f}"
                       f"{times['eager']:>10.2f}", flush=True)  # fmt: skip
+        print(kernel_split_table(batch, splits))
         return
     bandwidth = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)

@@ -136,10 +136,12 @@ def hf_generate(info: ModelInfo, batch: int, prompt: int, new_tokens: int, adapt
     return wall, batch * new_tokens / wall
 
 
-# torch.profiler kernel names → the kinds a decode step's GPU time is reported in
+# torch.profiler kernel names → the kinds a step's GPU time is reported in (first match wins)
 _KERNEL_KINDS = (
-    ("lora", ("_shrink_kernel", "_expand_kernel", "_expand_gather_kernel", "_fused_kernel")),
-    ("attention", ("_paged_attention_kernel",)),
+    ("lora shrink", ("_shrink_kernel",)),
+    ("lora expand", ("_expand_kernel", "_expand_gather_kernel", "_fused_kernel")),
+    ("lora metadata", ("_build_kernel",)),
+    ("attention", ("_paged_attention_kernel", "flash", "attention")),
     ("fused", ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_and_cache_kernel")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma")),
     ("copy", ("memcpy", "memset")),
@@ -151,24 +153,16 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in _KERNEL_KINDS if any(m in lowered for m in marks)), "other")
 
 
-def profile_decode(bench: EngineBench, batch: int, prompt: int, adapters: int, steps: int = 10) -> dict[str, float]:
-    """Milliseconds per decode step of `batch` sequences of `prompt` tokens: "wall" under the profiler
-    and the GPU kernel time by kind (kernels inside graph replays included; kernels that run at once
-    on two streams both count, so "gpu" can exceed the wall time)."""
-    engine = bench.engine
-    prefill_steps = -(-batch * prompt // PREFILL_TOKENS_PER_STEP)
-    params = SamplingParams(max_tokens=prefill_steps + steps + 4, temperature=0.0, ignore_eos=True)
-    for i, tokens in enumerate(prompts(batch, prompt, bench.info.vocab_size)):
-        adapter = bench.refs[i % adapters] if adapters else None
-        engine.add(EngineRequest(job_id=str(i), prompt_token_ids=tokens, sampling=params, adapter=adapter))
-    for _ in range(prefill_steps + 2):  # prefill chunks, then decode steps warm
-        engine.step()
+def kernel_ms(step: Callable[[], None], steps: int) -> dict[str, float]:
+    """Milliseconds per call of `step`: "wall" under the profiler, and the GPU kernel time by kind
+    (kernels inside graph replays included; kernels that run at once on two streams both count, so
+    "gpu", their sum, can exceed the wall time)."""
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
-            engine.step()
+            step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     times = {"wall": wall * 1e3 / steps}
@@ -178,15 +172,32 @@ def profile_decode(bench: EngineBench, batch: int, prompt: int, adapters: int, s
             kind = kernel_kind(event.key)
             times[kind] = times.get(kind, 0.0) + event.self_device_time_total / 1e3 / steps
     times["gpu"] = sum(v for k, v in times.items() if k != "wall")
+    return times
+
+
+def profile_decode(bench: EngineBench, batch: int, prompt: int, adapters: int, steps: int = 10) -> dict[str, float]:
+    """kernel_ms of one decode step of `batch` sequences of `prompt` tokens."""
+    engine = bench.engine
+    prefill_steps = -(-batch * prompt // PREFILL_TOKENS_PER_STEP)
+    params = SamplingParams(max_tokens=prefill_steps + steps + 4, temperature=0.0, ignore_eos=True)
+    for i, tokens in enumerate(prompts(batch, prompt, bench.info.vocab_size)):
+        adapter = bench.refs[i % adapters] if adapters else None
+        engine.add(EngineRequest(job_id=str(i), prompt_token_ids=tokens, sampling=params, adapter=adapter))
+    for _ in range(prefill_steps + 2):  # prefill chunks, then decode steps warm
+        engine.step()
+    times = kernel_ms(engine.step, steps)
     while engine.num_unfinished:  # the engine is the bench's for its whole run: leave it empty
         engine.step()
     return times
 
 
-def mixed_step_ms(bench: EngineBench, batch: int, context: int, chunk: int, adapters: int) -> dict[str, float]:
+def mixed_step_ms(
+    bench: EngineBench, batch: int, context: int, chunk: int, adapters: int
+) -> tuple[dict[str, float], dict[str, float]]:
     """Mean ms per step of the runner (host and GPU overlapped, as the engine steps): "decode", B
     decoding sequences alone; "piecewise" and "eager", the same beside one prefill chunk of `chunk`
-    tokens (no chunk: only "decode")."""
+    tokens (no chunk: only "decode"). Second: the piecewise mixed step's kernel_ms (the decode
+    step's without a chunk), where its GPU time goes."""
     runner, block_size = bench.runner, bench.config.block_size
     blocks = BlockManager(runner.num_blocks, block_size)
     tokens = prompts(batch + 1, context + chunk, bench.info.vocab_size)
@@ -218,14 +229,16 @@ def mixed_step_ms(bench: EngineBench, batch: int, context: int, chunk: int, adap
         return (time.perf_counter() - start) * 1e3 / steps
 
     times = {"decode": timed(decode)}
-    if chunk:
-        times["piecewise"] = timed(mixed)
-        piecewise, runner.piecewise = runner.piecewise, None
-        try:
-            times["eager"] = timed(mixed)
-        finally:
-            runner.piecewise = piecewise
-    return times
+    if not chunk:
+        return times, kernel_ms(lambda: runner.execute(decode, slot_of, block_size), 10)
+    times["piecewise"] = timed(mixed)
+    split = kernel_ms(lambda: runner.execute(mixed, slot_of, block_size), 10)
+    piecewise, runner.piecewise = runner.piecewise, None
+    try:
+        times["eager"] = timed(mixed)
+    finally:
+        runner.piecewise = piecewise
+    return times, split
 
 
 def run_engine_rows(

@@ -113,3 +113,24 @@ def print_targets(rows: list[Row], kv_blocks: dict[str, int]) -> None:
         weights_only = kv_blocks.get(LORAFLEET if weights == "none" else f"lorafleet {weights}/auto")
         if weights_only:
             print(f"  {system}: {blocks / weights_only:.2f}x the KV blocks of the same weights' bf16 cache (>= 1.9)")
+
+
+SPLIT_KINDS = ("gemm", "lora shrink", "lora expand", "lora metadata", "attention", "fused", "copy", "other")
+
+
+def kernel_split_table(batch: int, splits: list[tuple[int, int, dict[str, float]]]) -> str:
+    """Markdown table of where a step's GPU time goes (bench.engine --mixed-steps): one row per
+    (prefill chunk, adapters, kernel_ms times), chunk 0 being the decode step alone. LoRA's share is
+    the LoRA kernels' time over the rest's; both streams' kernels count, so it is the work LoRA
+    adds, not the wall time it adds when the shrink runs beside the base GEMM."""
+    header = ["chunk", "adapters", "wall ms", "gpu ms", *(f"{kind} ms" for kind in SPLIT_KINDS), "LoRA / rest"]
+    lines = [f"steps of {batch} decodes (+ a prefill chunk), piecewise graphs, under the profiler",
+             "| " + " | ".join(header) + " |", "|" + " ---: |" * len(header)]  # fmt: skip
+    for chunk, adapters, times in splits:
+        lora = sum(v for k, v in times.items() if k.startswith("lora"))
+        rest = times["gpu"] - lora
+        kinds = [f"{times.get(kind, 0.0):.3f}" for kind in SPLIT_KINDS]
+        share = f"{lora / rest:.1%}" if rest else "–"
+        cells = [str(chunk), str(adapters), f"{times['wall']:.2f}", f"{times['gpu']:.2f}", *kinds, share]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -12,7 +12,7 @@ import pytest
 
 from bench.engine import build_parser, parse_args
 from bench.engine_measure import EngineBench
-from bench.engine_report import LORAFLEET, NO_LORA, Row, lora_off_ratios
+from bench.engine_report import LORAFLEET, NO_LORA, Row, kernel_split_table, lora_off_ratios
 from bench.random_engine import LLAMA3_8B
 from bench.roofline import weight_bytes
 from bench.tensor_parallel import LLAMA_70B, rank_roofline, rank_weight_bytes
@@ -74,3 +74,17 @@ def test_a_ranks_roofline_reads_its_share_of_the_weights():
     assert 0.49 < rank_weight_bytes(LLAMA3_8B, 2) / weight_bytes(LLAMA3_8B) < 0.51
     assert 69e9 < rank_weight_bytes(LLAMA_70B, 2) < 70e9  # bf16, half of 70B parameters
     assert rank_roofline(LLAMA3_8B, 2, 1, 192, 3e12) > 1.9 * rank_roofline(LLAMA3_8B, 1, 1, 192, 3e12)
+
+
+def test_the_kernel_split_gives_each_kind_its_column_and_lora_its_share_of_the_rest():
+    split = {"wall": 20.0, "gpu": 24.0, "gemm": 12.0, "lora shrink": 1.0, "lora expand": 2.0, "lora metadata": 1.0,
+             "attention": 8.0}  # fmt: skip
+    table = kernel_split_table(96, [(0, 0, {"wall": 10.0, "gpu": 9.0, "gemm": 9.0}), (256, 40, split)])
+    header, separator, decode, mixed = table.splitlines()[1:]
+    assert header.count("|") == separator.count("|") == decode.count("|") == mixed.count("|")
+    cells = [c.strip() for c in mixed.strip("|").split("|")]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert cells[columns.index("lora expand ms")] == "2.000"
+    assert cells[columns.index("other ms")] == "0.000"
+    assert cells[-1] == "20.0%"  # 4 ms of LoRA kernels over the other 20
+    assert decode.strip("| ").endswith("0.0%")
