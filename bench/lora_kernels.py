@@ -18,11 +18,12 @@ bench.tune_moe's). Per case it times, as medians of CUDA-graph replays (triton.t
 The LoRA metadata is built once per engine step, outside the layer (its time is printed apart).
 
 Token layout (kernels/lora/tuning/layer.py): up to 256 tokens are decode tokens, each of its own
-request, adapters spread evenly and shuffled; above, d prefill requests of T/d contiguous tokens,
-one adapter each. Adapters sit in random slots of a 64-slot pool whose max rank is the case's rank,
-stored in pages of --page-rank rank rows (default: as the engine pages the model's adapters, 16 for
-llama-3-8b, one page of the whole rank for an MoE model) scattered over the page pool in random
-order (--page-rank 0: the unpaged layout, one page of the case's rank per slot).
+request, adapters spread evenly and shuffled; above, a mixed step of 128 such decodes and prefill
+chunks of at most 256 tokens, one adapter each. Adapters sit in random slots of a 64-slot pool
+whose max rank is the case's rank, stored in pages of --page-rank rank rows (default: as the engine
+pages the model's adapters, 16 for llama-3-8b, one page of the whole rank for an MoE model)
+scattered over the page pool in random order (--page-rank 0: the unpaged layout, one page of the
+case's rank per slot).
 
 Byte floor: what LoRA must move beyond the base GEMM if the update rides in the GEMM's epilogue:
 each distinct adapter's A and B once, plus x once for the shrink, at the measured copy bandwidth.

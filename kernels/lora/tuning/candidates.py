@@ -28,21 +28,24 @@ def gather_candidates(num_tokens: int, r_pad: int) -> list[GatherConfig]:
 
 
 def shrink_candidates(num_tokens: int, r_pad: int) -> list[ShrinkConfig]:
-    block_ms = (16,) if num_tokens <= 256 else (32, 64)
+    # past 256 tokens a step is mixed (tuning/layer.py): its decodes sit in groups of a few tokens
+    block_ms = (16,) if num_tokens <= 256 else (16, 32, 64)
     # expand reads all partials of z: past 8 they cost it more than they save the shrink
-    splits = (2, 4, 8) if num_tokens <= 256 else (1, 2)
+    splits = (2, 4, 8) if num_tokens <= 256 else (1, 2, 4)
     block_ks = (64, 128) if r_pad >= 64 else (128, 256)
     return [ShrinkConfig(block_m=bm, block_k=bk, split_k=sk) for bm in block_ms for bk in block_ks for sk in splits]
 
 
 def expand_candidates(num_tokens: int, r_pad: int) -> list[ExpandConfig]:
-    if num_tokens <= 256:
-        block_ms, walks = (16,), ((64, 64), (128, 512), (128, 2048), (256, 1024), (256, 4096))
-    else:
-        block_ms, walks = (64, 128), ((128, 128), (128, 1024), (256, 256), (256, 2048))
+    decode_walks = ((64, 64), (128, 512), (128, 2048), (256, 1024), (256, 4096))
+    prefill_walks = ((128, 128), (128, 1024), (256, 256), (256, 2048))
+    # (block_m, its (block_n, n_chunk) walks); a mixed step's decodes want the small token tiles
+    tiles = [(16, decode_walks)]
+    if num_tokens > 256:
+        tiles += [(64, prefill_walks), (128, prefill_walks)]
     return [
         ExpandConfig(block_m=bm, block_n=bn, n_chunk=chunk, num_warps=4 if bn <= 128 else 8, num_stages=3)
-        for bm in block_ms
+        for bm, walks in tiles
         for bn, chunk in walks
     ]
 

@@ -1,8 +1,11 @@
 """A random decoder layer of given projection shapes, its adapters paged as the engine pages them,
 and one step's LoRA metadata over it: what the tuner and bench.lora_kernels time, on a CUDA GPU.
 
-Token layout: up to DECODE_MAX_TOKENS tokens are decode tokens, each of its own request, adapters
-spread evenly and shuffled; above, d prefill requests of T/d contiguous tokens, one adapter each.
+Token layout, as a served step carries them: up to DECODE_MAX_TOKENS tokens are decode tokens, each of
+its own request, adapters spread evenly and shuffled; above, a mixed step: MIXED_DECODES decode tokens
+laid out the same way, then prefill chunks of at most PREFILL_CHUNK contiguous tokens, each of one
+request whose adapter is one of the chosen ones in turn. (A served step at saturation carries ~90-128
+decodes beside its prefill chunks: bench.e2e's worker table.)
 Adapters sit in random slots of a POOL_SLOTS-slot pool whose max rank is the case's rank, stored in
 pages of `page_rank` rank rows scattered over the page pool in random order (page_rank 0: the
 unpaged layout, one page of the case's rank per slot).
@@ -21,6 +24,8 @@ from kernels.lora.metadata import LoRABatch
 
 POOL_SLOTS = 64
 DECODE_MAX_TOKENS = 256
+MIXED_DECODES = 128
+PREFILL_CHUNK = 256
 HEAD_DIM = 128  # the attention head width of most models: q heads = q width / head_dim
 
 
@@ -96,12 +101,13 @@ def token_slots(num_tokens: int, adapters: int, slots: int = POOL_SLOTS, seed: i
     """Slot of each token (see the module docstring for the layout)."""
     rng = random.Random(seed)
     chosen = rng.sample(range(slots), adapters)
-    if num_tokens <= DECODE_MAX_TOKENS:
-        per_token = [chosen[i % adapters] for i in range(num_tokens)]
-        rng.shuffle(per_token)
-    else:
-        run = math.ceil(num_tokens / adapters)
-        per_token = [chosen[min(i // run, adapters - 1)] for i in range(num_tokens)]
+    decodes = num_tokens if num_tokens <= DECODE_MAX_TOKENS else MIXED_DECODES
+    per_token = [chosen[i % adapters] for i in range(decodes)]
+    rng.shuffle(per_token)
+    prefill = num_tokens - decodes
+    chunks = math.ceil(prefill / PREFILL_CHUNK)
+    for c in range(chunks):  # near-equal chunks, in order
+        per_token += [chosen[c % adapters]] * (prefill * (c + 1) // chunks - prefill * c // chunks)
     return torch.tensor(per_token, dtype=torch.int32, device="cuda")
 
 
