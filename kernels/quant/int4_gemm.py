@@ -38,6 +38,7 @@ by shapes: a decode step is CUDA-graph capturable.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -45,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant.codebook_lookup import lookup_levels
 from kernels.quant.int4_reference import PACK, Int4Weight
 
 
@@ -68,16 +70,18 @@ MAGIC_VALUE = tl.constexpr(8388608.0)  # 2**23
 
 @triton.jit
 def _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, codebook_ptr, tile, offs_n, mask_n, N,
-                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, CODEBOOK: tl.constexpr):  # fmt: skip
+                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, DEQUANT: tl.constexpr):  # fmt: skip
     """float32 [BLOCK_K / 8, 8, BLOCK_N]: the weight's K tile `tile`; [i, j, n] is row 8 * i + j."""
     packed_rows = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4  # row 8 * i + j's value sits in packed row i at bits 4 * j
     packed_offs = (tile * (BLOCK_K // 8) + packed_rows)[:, None].to(tl.int64) * N + offs_n[None, :]
     packed = tl.load(qweight_ptr + packed_offs, mask=mask_n[None, :])  # [BLOCK_K / 8, BLOCK_N]
-    nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
     group_row = (tile * BLOCK_K // GROUP) * N  # < K / 32 * N: int32 suffices
     scale = tl.load(scales_ptr + group_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if CODEBOOK:
+    if DEQUANT == "nf4" or DEQUANT == "fp4":
+        return lookup_levels(packed, DEQUANT) * scale[None, None, :]
+    nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
+    if DEQUANT == "table":
         return tl.load(codebook_ptr + nibbles) * scale[None, None, :]
     zero = tl.load(zeros_ptr + group_row + offs_n, mask=mask_n, other=0.0).to(tl.float32) + MAGIC_VALUE
     return ((nibbles | MAGIC).to(tl.float32, bitcast=True) - zero[None, None, :]) * scale[None, None, :]
@@ -124,7 +128,7 @@ def _int4_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    CODEBOOK: tl.constexpr,
+    DEQUANT: tl.constexpr,  # "affine", "table" (the codebook read from memory), "nf4" or "fp4" (in registers)
 ):
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -138,7 +142,7 @@ def _int4_gemv_kernel(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for tile in range(first, last):
         w = _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, codebook_ptr, tile, offs_n, mask_n, N, GROUP, BLOCK_K,
-                             CODEBOOK)  # fmt: skip
+                             DEQUANT)  # fmt: skip
         x = tl.load(x_ptr + tile * BLOCK_K + x_cols).to(tl.float32)
         acc += tl.sum(tl.sum(x[:, :, None] * w, axis=1), axis=0)
     rows = tl.arange(0, BLOCK_M)
@@ -165,7 +169,7 @@ def _int4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    CODEBOOK: tl.constexpr,
+    DEQUANT: tl.constexpr,  # "affine", "table" (the codebook read from memory), "nf4" or "fp4" (in registers)
     DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -187,7 +191,7 @@ def _int4_gemm_kernel(
         # each int32 loaded once and spread over its eight rows in registers (a load of
         # offs_k // 8 would stage every int32 eight times in shared memory)
         w = _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, codebook_ptr, tile, offs_n, mask_n, N, GROUP, BLOCK_K,
-                             CODEBOOK)  # fmt: skip
+                             DEQUANT)  # fmt: skip
         w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x.dtype)  # row 8 * i + j: packed row i, nibble j
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     arrival_index = pid_m * tl.num_programs(1) + pid_n
@@ -236,7 +240,7 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = N
     zeros, table = (weight.scales, second) if codebook else (second, weight.scales)
     operands = (y, partials, arrivals, x, weight.qweight, weight.scales, zeros, table, m, n, k, x.stride(0))
     tiles = {"GROUP": group, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-             "SPLIT_K": split, "CODEBOOK": codebook, "num_warps": config.num_warps,
+             "SPLIT_K": split, "DEQUANT": dequantization(weight), "num_warps": config.num_warps,
              "num_stages": config.num_stages}  # fmt: skip
     if config.gemv:
         _int4_gemv_kernel[grid](*operands, **tiles)
@@ -244,6 +248,17 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = N
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 models get float32 products
         _int4_gemm_kernel[grid](*operands, **tiles, DOT_PRECISION=precision)
     return y
+
+
+def dequantization(weight: Int4Weight) -> str:
+    """The kernels' DEQUANT for `weight`: "affine"; a named codebook's (NF4, FP4) in registers on the
+    GPU; any other codebook, and every codebook under the interpreter (which runs no inline
+    assembly), "table": read from memory."""
+    if weight.codebook is None:
+        return "affine"
+    if weight.codebook_name is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return "table"
+    return weight.codebook_name
 
 
 @cache
