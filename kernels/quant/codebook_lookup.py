@@ -9,7 +9,8 @@ nibble each) a plane takes two permutes, one over levels 0-7 and one over 8-15, 
 select by each code's bit 3. prmt reads a selector nibble's bit 3 as "replicate the byte's sign", so
 the selectors are masked with 0x7777, and the same mode builds the select mask: a byte holding code
 j's bit 3 as its top bit, replicated, is 0xFF for codes 8-15. Eight more permutes transpose the four
-planes of four codes into four float32 words.
+planes of four codes into four float32 words. A table whose levels 8-15 are levels 0-7 negated (FP4)
+needs no select: one permute a plane over levels 0-7, and each code's bit 3 becomes its sign bit.
 
 The program is a list of instructions (`lookup_program`), rendered as PTX (`lookup_ptx`) and checked
 instruction by instruction on the host by tests/kernels/test_codebook_lookup.py.

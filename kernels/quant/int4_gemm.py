@@ -3,8 +3,8 @@
     y[m, n] = sum_k x[m, k] * w[k, n],   w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]   (affine)
                                          w[k, n] = codebook[q[k, n]] * scales[k // G, n]             (codebook)
 
-w is dequantized in float32 and the products summed in float32; a constexpr (CODEBOOK) picks the
-dequantization, everything else is one code. Two kernels, one per regime:
+w is dequantized in float32 and the products summed in float32; a constexpr (DEQUANT, chosen by
+`dequantization`) picks the dequantization, everything else is one code. Two kernels, one per regime:
 
 - `_int4_gemv_kernel` (one row: decode of one sequence) multiplies on the CUDA cores: a tensor-core
   tile would be 16 rows of which 15 are padding, and the tensor cores' operand layout costs a
@@ -20,8 +20,12 @@ dequantization, everything else is one code. Two kernels, one per regime:
 Affine weights turn a nibble into a float without an integer-to-float conversion (a quarter-rate
 instruction on Hopper, which would bound the kernel below the memory roofline): the nibble's bits
 OR-ed into the mantissa of 2**23 are the float 2**23 + q, and subtracting 2**23 + zero (both exact in
-float32) leaves q - zero exactly. Codebook weights (NF4, FP4) index their 16-float table with the
-nibble: a gather from 64 bytes that stay in L1, one load per weight in place of the subtraction.
+float32) leaves q - zero exactly. Codebook weights (NF4, FP4) look their levels up in registers
+(codebook_lookup.py): one inline-PTX call turns a packed int32 into its eight float32 levels by byte
+permutes over the table held as immediates, no memory access per weight, bit for bit the table's.
+A gathered load per weight from the 16 floats in memory (in L1) made NF4 decode 6x slower than int4
+(docs/benchmarks.md, "NF4 and int4 decode on the H100"); that gather stays for the interpreter,
+which runs no inline assembly, and for a codebook of other levels (DEQUANT "table").
 Only the 4-bit weights, their scales and x cross the memory bus: at decode sizes that is 3.5x fewer
 bytes than a bf16 weight (codebook weights, a float32 scale per block of 64: 3.6x).
 
