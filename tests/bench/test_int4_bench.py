@@ -57,10 +57,13 @@ def test_random_4bit_weights_are_quantized_normal_weights(quantization: str, gro
     assert layer.base_weight.codebook_name == (None if quantization == "int4" else "nf4")
 
 
-@pytest.mark.parametrize(("weight_format", "group", "codebook_name"), [("int4", 128, None), ("nf4", 64, "nf4")])
+@pytest.mark.parametrize(
+    ("weight_format", "group", "codebook_name"), [("int4", 128, None), ("nf4", 64, "nf4"), ("nf4-gather", 64, None)]
+)
 def test_the_gemm_bench_quantizes_as_a_worker_does(weight_format: str, group: int, codebook_name: str | None):
     packed = quantized(weight_format, torch.randn(96, 256) * 0.02)
     assert packed.shape == (96, 256) and packed.group_size == group and packed.codebook_name == codebook_name
+    assert (packed.codebook is None) == (weight_format == "int4")
     # float16 scale and zero point per 128 weights (int4), a float32 absmax per 64 (nf4): 1/32 or 1/16 byte a weight
     scale_bytes = 96 * 256 // (32 if weight_format == "int4" else 16)
     assert kernel_bytes(weight_format, 1, 96, 256) == 96 * 256 // 2 + scale_bytes + 2 * 256 + 2 * 96
