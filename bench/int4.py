@@ -35,7 +35,7 @@ def quantize_random(module: LoRALinear, group_size: int) -> None:
     n, k = module.qweight.shape[1], module.in_features
     weight = torch.empty(n, k, dtype=torch.bfloat16, device=module.qweight.device).normal_(0.0, 0.02)
     if module.codebook is not None:
-        _, packed = quantize_codebook(weight, group_size, module.codebook)
+        _, packed = quantize_codebook(weight, group_size, module.quantization)
     else:
         _, packed = quantize_int4(weight, group_size)
         module.zeros.copy_(packed.zeros)

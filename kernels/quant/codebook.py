@@ -37,18 +37,18 @@ def codebook(quant_type: str, device: torch.device | str = "cpu") -> torch.Tenso
     raise ValueError(f"no 4-bit codebook {quant_type!r} (known: nf4, fp4)")
 
 
-def quantize_codebook(weight: torch.Tensor, block: int, codes: torch.Tensor) -> tuple[torch.Tensor, Int4Weight]:
+def quantize_codebook(weight: torch.Tensor, block: int, quant_type: str) -> tuple[torch.Tensor, Int4Weight]:
     """(4-bit codes int32 [K, N], the packed Int4Weight) of weight [N, K]: each block of `block`
     inputs of an output scaled by its absmax (float32) into [-1, 1], each value given the code of the
-    nearest level of `codes` float32 [16] (the midpoints between sorted levels decide, as in
-    bitsandbytes). Runs on the weight's device."""
+    nearest level of `quant_type`'s codebook ("nf4" or "fp4"; the midpoints between sorted levels
+    decide, as in bitsandbytes). Runs on the weight's device."""
     n, k = weight.shape
     if k % block:
         raise ValueError(f"K={k} must be a multiple of the block size {block}")
     blocks = weight.float().reshape(n, k // block, block)
     absmax = blocks.abs().amax(dim=-1, keepdim=True)
     scaled = (blocks * (1.0 / absmax.clamp(min=_MIN_ABSMAX))).clamp(-1.0, 1.0)
-    codes = codes.to(weight.device)
+    codes = codebook(quant_type, weight.device)
     order = torch.argsort(codes)  # FP4 lists its levels in code order
     midpoints = (codes[order[:-1]] + codes[order[1:]]) / 2
     q = order[torch.bucketize(scaled, midpoints)].to(torch.int32).reshape(n, k)
@@ -58,5 +58,6 @@ def quantize_codebook(weight: torch.Tensor, block: int, codes: torch.Tensor) -> 
         zeros=None,
         arrivals=arrival_counters(weight.device),
         codebook=codes,
+        codebook_name=quant_type,
     )
     return q.T.contiguous(), layout

@@ -3,8 +3,8 @@
     y[m, n] = sum_k x[m, k] * w[k, n],   w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]   (affine)
                                          w[k, n] = codebook[q[k, n]] * scales[k // G, n]             (codebook)
 
-w is dequantized in float32 and the products summed in float32; a constexpr (CODEBOOK) picks the
-dequantization, everything else is one code. Two kernels, one per regime:
+w is dequantized in float32 and the products summed in float32; a constexpr (DEQUANT, chosen by
+`dequantization`) picks the dequantization, everything else is one code. Two kernels, one per regime:
 
 - `_int4_gemv_kernel` (one row: decode of one sequence) multiplies on the CUDA cores: a tensor-core
   tile would be 16 rows of which 15 are padding, and the tensor cores' operand layout costs a
@@ -20,8 +20,12 @@ dequantization, everything else is one code. Two kernels, one per regime:
 Affine weights turn a nibble into a float without an integer-to-float conversion (a quarter-rate
 instruction on Hopper, which would bound the kernel below the memory roofline): the nibble's bits
 OR-ed into the mantissa of 2**23 are the float 2**23 + q, and subtracting 2**23 + zero (both exact in
-float32) leaves q - zero exactly. Codebook weights (NF4, FP4) index their 16-float table with the
-nibble: a gather from 64 bytes that stay in L1, one load per weight in place of the subtraction.
+float32) leaves q - zero exactly. Codebook weights (NF4, FP4) look their levels up in registers
+(codebook_lookup.py): one inline-PTX call turns a packed int32 into its eight float32 levels by byte
+permutes over the table held as immediates, no memory access per weight, bit for bit the table's.
+A gathered load per weight from the 16 floats in memory (in L1) made NF4 decode 6x slower than int4
+(docs/benchmarks.md, "NF4 and int4 decode on the H100"); that gather stays for the interpreter,
+which runs no inline assembly, and for a codebook of other levels (DEQUANT "table").
 Only the 4-bit weights, their scales and x cross the memory bus: at decode sizes that is 3.5x fewer
 bytes than a bf16 weight (codebook weights, a float32 scale per block of 64: 3.6x).
 
@@ -38,6 +42,7 @@ by shapes: a decode step is CUDA-graph capturable.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -45,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant.codebook_lookup import lookup_levels
 from kernels.quant.int4_reference import PACK, Int4Weight
 
 
@@ -68,16 +74,18 @@ MAGIC_VALUE = tl.constexpr(8388608.0)  # 2**23
 
 @triton.jit
 def _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, codebook_ptr, tile, offs_n, mask_n, N,
-                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, CODEBOOK: tl.constexpr):  # fmt: skip
+                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, DEQUANT: tl.constexpr):  # fmt: skip
     """float32 [BLOCK_K / 8, 8, BLOCK_N]: the weight's K tile `tile`; [i, j, n] is row 8 * i + j."""
     packed_rows = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4  # row 8 * i + j's value sits in packed row i at bits 4 * j
     packed_offs = (tile * (BLOCK_K // 8) + packed_rows)[:, None].to(tl.int64) * N + offs_n[None, :]
     packed = tl.load(qweight_ptr + packed_offs, mask=mask_n[None, :])  # [BLOCK_K / 8, BLOCK_N]
-    nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
     group_row = (tile * BLOCK_K // GROUP) * N  # < K / 32 * N: int32 suffices
     scale = tl.load(scales_ptr + group_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if CODEBOOK:
+    if DEQUANT == "nf4" or DEQUANT == "fp4":
+        return lookup_levels(packed, DEQUANT) * scale[None, None, :]
+    nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
+    if DEQUANT == "table":
         return tl.load(codebook_ptr + nibbles) * scale[None, None, :]
     zero = tl.load(zeros_ptr + group_row + offs_n, mask=mask_n, other=0.0).to(tl.float32) + MAGIC_VALUE
     return ((nibbles | MAGIC).to(tl.float32, bitcast=True) - zero[None, None, :]) * scale[None, None, :]
@@ -124,7 +132,7 @@ def _int4_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    CODEBOOK: tl.constexpr,
+    DEQUANT: tl.constexpr,  # "affine", "table" (the codebook read from memory), "nf4" or "fp4" (in registers)
 ):
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -138,7 +146,7 @@ def _int4_gemv_kernel(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for tile in range(first, last):
         w = _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, codebook_ptr, tile, offs_n, mask_n, N, GROUP, BLOCK_K,
-                             CODEBOOK)  # fmt: skip
+                             DEQUANT)  # fmt: skip
         x = tl.load(x_ptr + tile * BLOCK_K + x_cols).to(tl.float32)
         acc += tl.sum(tl.sum(x[:, :, None] * w, axis=1), axis=0)
     rows = tl.arange(0, BLOCK_M)
@@ -165,7 +173,7 @@ def _int4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    CODEBOOK: tl.constexpr,
+    DEQUANT: tl.constexpr,  # "affine", "table" (the codebook read from memory), "nf4" or "fp4" (in registers)
     DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -187,7 +195,7 @@ def _int4_gemm_kernel(
         # each int32 loaded once and spread over its eight rows in registers (a load of
         # offs_k // 8 would stage every int32 eight times in shared memory)
         w = _dequantize_tile(qweight_ptr, scales_ptr, zeros_ptr, codebook_ptr, tile, offs_n, mask_n, N, GROUP, BLOCK_K,
-                             CODEBOOK)  # fmt: skip
+                             DEQUANT)  # fmt: skip
         w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x.dtype)  # row 8 * i + j: packed row i, nibble j
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     arrival_index = pid_m * tl.num_programs(1) + pid_n
@@ -236,7 +244,7 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = N
     zeros, table = (weight.scales, second) if codebook else (second, weight.scales)
     operands = (y, partials, arrivals, x, weight.qweight, weight.scales, zeros, table, m, n, k, x.stride(0))
     tiles = {"GROUP": group, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-             "SPLIT_K": split, "CODEBOOK": codebook, "num_warps": config.num_warps,
+             "SPLIT_K": split, "DEQUANT": dequantization(weight), "num_warps": config.num_warps,
              "num_stages": config.num_stages}  # fmt: skip
     if config.gemv:
         _int4_gemv_kernel[grid](*operands, **tiles)
@@ -244,6 +252,17 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4Config | None = N
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 models get float32 products
         _int4_gemm_kernel[grid](*operands, **tiles, DOT_PRECISION=precision)
     return y
+
+
+def dequantization(weight: Int4Weight) -> str:
+    """The kernels' DEQUANT for `weight`: "affine"; a named codebook's (NF4, FP4) in registers on the
+    GPU; any other codebook, and every codebook under the interpreter (which runs no inline
+    assembly), "table": read from memory."""
+    if weight.codebook is None:
+        return "affine"
+    if weight.codebook_name is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return "table"
+    return weight.codebook_name
 
 
 @cache

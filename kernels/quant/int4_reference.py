@@ -35,6 +35,8 @@ MAX_LEVEL = 15  # the largest 4-bit value
 MIN_SCALE = 2.0**-14
 # AWQ's GEMM packing along N: nibble i of an int32 holds column AWQ_ORDER[i] of its eight
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# the fixed codebooks (codebook.py) the GPU kernel holds in registers (codebook_lookup.py)
+CODEBOOK_NAMES = ("nf4", "fp4")
 
 
 # split-K arrival counters a weight keeps for its GEMM (int4_gemm.py): more than the tiles of any
@@ -55,10 +57,15 @@ class Int4Weight:
     zeros: torch.Tensor | None  # float16 [K / G, N] (affine), None (codebook)
     arrivals: torch.Tensor  # int32 [ARRIVAL_COUNTERS], zero between launches
     codebook: torch.Tensor | None = None  # float32 [16]: the value of each 4-bit code (codebook), else None
+    # which of CODEBOOK_NAMES `codebook` holds (the GPU kernel then looks levels up in registers), or
+    # None: any other 16 levels, read from `codebook`
+    codebook_name: str | None = None
 
     def __post_init__(self) -> None:
         if (self.zeros is None) == (self.codebook is None):
             raise ValueError("a 4-bit weight has zero points (affine) or a codebook, exactly one of them")
+        if self.codebook_name is not None and (self.codebook is None or self.codebook_name not in CODEBOOK_NAMES):
+            raise ValueError(f"codebook_name {self.codebook_name!r} names none of {CODEBOOK_NAMES} or has no codebook")
 
     @property
     def shape(self) -> tuple[int, int]:

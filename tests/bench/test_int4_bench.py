@@ -9,6 +9,7 @@ import torch
 from bench.engine import build_parser
 from bench.engine_report import LORAFLEET, Row
 from bench.int4 import print_int4_targets, quantize_random
+from bench.int4_gemm import kernel_bytes, quantized
 from bench.random_engine import LLAMA3_8B, served
 from bench.roofline import weight_bytes
 from kernels.quant.int4_reference import dequantize_int4
@@ -52,6 +53,20 @@ def test_random_4bit_weights_are_quantized_normal_weights(quantization: str, gro
     weight = dequantize_int4(layer.base_weight)
     assert weight.shape == (128, 256)
     assert weight.std().item() == pytest.approx(0.02, rel=0.1)
+    # the GEMM reads NF4's levels from registers (the codebook named), not from the table in memory
+    assert layer.base_weight.codebook_name == (None if quantization == "int4" else "nf4")
+
+
+@pytest.mark.parametrize(
+    ("weight_format", "group", "codebook_name"), [("int4", 128, None), ("nf4", 64, "nf4"), ("nf4-gather", 64, None)]
+)
+def test_the_gemm_bench_quantizes_as_a_worker_does(weight_format: str, group: int, codebook_name: str | None):
+    packed = quantized(weight_format, torch.randn(96, 256) * 0.02)
+    assert packed.shape == (96, 256) and packed.group_size == group and packed.codebook_name == codebook_name
+    assert (packed.codebook is None) == (weight_format == "int4")
+    # float16 scale and zero point per 128 weights (int4), a float32 absmax per 64 (nf4): 1/32 or 1/16 byte a weight
+    scale_bytes = 96 * 256 // (32 if weight_format == "int4" else 16)
+    assert kernel_bytes(weight_format, 1, 96, 256) == 96 * 256 // 2 + scale_bytes + 2 * 256 + 2 * 96
 
 
 def test_the_4bit_targets_print_beside_their_rows(capsys: pytest.CaptureFixture[str]):

@@ -1,6 +1,8 @@
 """Codebook 4-bit weights (NF4, FP4: kernels/quant/codebook.py): the quantizer onto bitsandbytes'
 tables, and the W4A16 kernels' codebook dequantization against the torch reference (fp32/fp16
-through the interpreter, bf16 on the GPU), one-row and tensor-core kernels, split-K included."""
+through the interpreter, bf16 on the GPU), one-row and tensor-core kernels, split-K included. On the
+GPU the named tables are looked up in registers (codebook_lookup.py): bit for bit the levels the
+table in memory gives, per tile and per GEMM."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.quant.codebook import NF4_CODES, codebook, quantize_codebook
-from kernels.quant.int4_gemm import Int4Config, int4_config, int4_gemm
+from kernels.quant.int4_gemm import Int4Config, _dequantize_tile, dequantization, int4_config, int4_gemm
 from kernels.quant.int4_reference import (
     Int4Weight,
     arrival_counters,
@@ -30,6 +34,7 @@ def random_codebook_weight(n: int, k: int, block: int, quant_type: str, seed: in
         zeros=None,
         arrivals=arrival_counters(DEVICE),
         codebook=codebook(quant_type, DEVICE),
+        codebook_name=quant_type,
     )
 
 
@@ -48,10 +53,10 @@ def test_quantizer_picks_the_nearest_level_of_each_block(quant_type: str):
     weight = torch.randn(24, 256, generator=generator) * torch.logspace(-3, 1, 24)[:, None]
     weight[4] = 0.0  # an all-zero row quantizes to the zero code, with absmax 0
     codes = codebook(quant_type)
-    levels, packed = quantize_codebook(weight, 64, codes)
+    levels, packed = quantize_codebook(weight, 64, quant_type)
     absmax = weight.abs().reshape(24, 4, 64).amax(-1)
     assert torch.equal(packed.scales, absmax.T) and packed.scales.dtype == torch.float32 and packed.group_size == 64
-    assert packed.zeros is None and torch.equal(packed.codebook, codes)
+    assert packed.zeros is None and torch.equal(packed.codebook, codes) and packed.codebook_name == quant_type
     scaled = (weight.reshape(24, 4, 64) / absmax.clamp(min=1e-38)[..., None]).reshape(24, 256)
     nearest = (scaled[..., None] - codes).abs().amin(-1)
     chosen = (scaled - codes[levels.T.long()]).abs()
@@ -68,6 +73,8 @@ def test_a_weight_needs_zero_points_or_a_codebook_not_both():
         dataclasses.replace(weight, zeros=weight.scales.half())
     with pytest.raises(ValueError, match="exactly one"):
         dataclasses.replace(weight, codebook=None)
+    with pytest.raises(ValueError, match="'int8'"):
+        dataclasses.replace(weight, codebook_name="int8")
 
 
 CASES = [  # (M, N, K, block): one row, decode sizes, prefill tiles; blocks of 64 (bitsandbytes') and more
@@ -107,3 +114,61 @@ def test_a_codebook_weight_with_float16_scales_is_refused():
     weight = random_codebook_weight(32, 64, 64, "nf4", seed=1)
     with pytest.raises(ValueError, match="float32 scales"):
         int4_gemm(torch.randn(2, 64, device=DEVICE), dataclasses.replace(weight, scales=weight.scales.half()))
+
+
+def every_code_weight(n: int, k: int, block: int, quant_type: str) -> Int4Weight:
+    """A codebook weight [n, k] in which every code sits at every nibble position of some int32."""
+    codes = (torch.arange(k)[:, None] + torch.arange(n)[None, :] * 3) % 16  # [K, N]
+    return dataclasses.replace(
+        random_codebook_weight(n, k, block, quant_type, seed=n), qweight=pack_along_k(codes).to(DEVICE)
+    )
+
+
+@triton.jit
+def _tile_kernel(out_ptr, qweight_ptr, scales_ptr, codebook_ptr, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr):  # fmt: skip
+    """out float32 [K / 8, 8, N]: every K tile of the weight as _dequantize_tile gives it."""
+    tile = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w = _dequantize_tile(qweight_ptr, scales_ptr, scales_ptr, codebook_ptr, tile, offs_n, mask_n, N, GROUP, BLOCK_K,
+                         DEQUANT)  # fmt: skip
+    rows = tile * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    offs = (rows[:, None, None] * 8 + tl.arange(0, 8)[None, :, None]) * N + offs_n[None, None, :]
+    tl.store(out_ptr + offs, w, mask=mask_n[None, None, :])
+
+
+def dequantized_tiles(weight: Int4Weight, dequant: str) -> torch.Tensor:
+    """float32 [N, K]: the weight as the kernels' DEQUANT `dequant` dequantizes it, tile by tile."""
+    n, k = weight.shape
+    out = torch.empty(k // 8, 8, n, device=DEVICE)
+    block_k, block_n = 64, 64
+    grid = (k // block_k, triton.cdiv(n, block_n))
+    _tile_kernel[grid](out, weight.qweight, weight.scales, weight.codebook, n, weight.group_size, block_k, block_n,
+                       dequant)  # fmt: skip
+    return out.reshape(k, n).T
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="inline PTX runs on the GPU only")
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_registers_dequantize_every_code_as_the_table_in_memory(quant_type: str):
+    weight = every_code_weight(200, 256, 64, quant_type)  # N 200: the last column tile masked
+    in_registers = dequantized_tiles(weight, quant_type)
+    assert torch.equal(in_registers, dequantized_tiles(weight, "table"))
+    assert torch.equal(in_registers, dequantize_int4(weight))  # float32 level x float32 absmax, as torch rounds it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="inline PTX runs on the GPU only")
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("m", [1, 5, 70, 300])  # the CUDA-core kernel, decode tiles, 65-256 rows, prefill
+@pytest.mark.parametrize("n", [4096, 200])  # split-K; a masked last column tile
+def test_gemm_in_registers_equals_the_gemm_reading_the_table(quant_type: str, m: int, n: int):
+    weight = every_code_weight(n, 1024, 64, quant_type)
+    unnamed = dataclasses.replace(weight, codebook_name=None)  # any other table: read from memory
+    assert (dequantization(weight), dequantization(unnamed)) == (quant_type, "table")
+    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(dtype=torch.bfloat16, device=DEVICE)
+    y = int4_gemm(x, weight)
+    assert torch.equal(y, int4_gemm(x, unnamed))
+    assert torch.allclose(y.float(), int4_linear_reference(x, weight).float(), rtol=1e-2, atol=1e-2)

@@ -240,8 +240,9 @@ def test_a_split_k_decode_gemm_replays_from_a_cuda_graph():
 def test_the_kernel_compiles_for_hopper():
     """Compiled ahead of time for sm_90 on any machine, outside the interpreter (a process of its own:
     this one's Triton may be the interpreter's): what the interpreter accepts and the GPU compiler
-    refuses. Split-K decode launches in bf16 and fp16, a prefill launch in float32, and codebook (NF4)
-    launches of each kernel."""
+    refuses. Split-K decode launches in bf16 and fp16, a prefill launch in float32, and codebook
+    launches of each kernel: NF4 and FP4 in registers (inline PTX, which ptxas must accept), a table
+    read from memory."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.kernels.int4_hopper_compile"],
@@ -252,5 +253,6 @@ def test_the_kernel_compiles_for_hopper():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [
-        "bf16", "fp16", "bf16", "fp32", "bf16", "fp16", "bf16-codebook", "bf16-codebook", "bf16-codebook"
+        "bf16", "fp16", "bf16", "fp32", "bf16", "fp16", "bf16-nf4", "bf16-nf4", "bf16-nf4", "bf16-fp4", "bf16-fp4",
+        "bf16-table",
     ]  # fmt: skip

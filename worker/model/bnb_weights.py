@@ -34,16 +34,16 @@ _NESTED_PARTS = ("absmax", "nested_absmax", "nested_quant_map", "quant_state")
 
 
 def quantize_into(
-    qweight: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, tensor: torch.Tensor, *, name: str
+    qweight: torch.Tensor, scales: torch.Tensor, quant_type: str, tensor: torch.Tensor, *, name: str
 ) -> None:
-    """Quantize the checkpoint's floating-point `tensor` [N_i, K] onto `codebook` float32 [16] into a
+    """Quantize the checkpoint's floating-point `tensor` [N_i, K] onto `quant_type`'s codebook into a
     slice's `qweight` [K / 8, N_i] and float32 `scales` [K / B, N_i] (B: K over the scales' rows)."""
     if not tensor.is_floating_point():
         raise ValueError(f"{name}: the checkpoint holds {tensor.dtype} weights but its config.json has no "
                          "quantization_config")  # fmt: skip
     k = qweight.shape[0] * PACK
     staged = _staged(tensor, (qweight.shape[1], k), tensor.dtype, qweight.device, name=name)
-    _, packed = quantize_codebook(staged, k // scales.shape[0], codebook)
+    _, packed = quantize_codebook(staged, k // scales.shape[0], quant_type)
     qweight.copy_(packed.qweight)
     scales.copy_(packed.scales)
 

@@ -176,7 +176,8 @@ class LoRALinear(nn.Module):
     def base_weight(self) -> torch.Tensor | Int4Weight:
         """What the base GEMM reads: the weight [sum N_i, K], or the 4-bit weight standing for it."""
         if self.weight is None:
-            return Int4Weight(self.qweight, self.scales, self.zeros, self.arrivals, self.codebook)
+            codebook_name = None if self.codebook is None else self.quantization
+            return Int4Weight(self.qweight, self.scales, self.zeros, self.arrivals, self.codebook, codebook_name)
         return self.weight
 
     def checkpoint_loaders(
@@ -229,7 +230,7 @@ class LoRALinear(nn.Module):
             if prequantized:
                 bnb = bnb_weights.BnbSlice(qweight, scales, quant_type=self.quantization, nested=double_quant)
                 return bnb.loaders(key)
-            quantize = partial(bnb_weights.quantize_into, qweight, scales, self.codebook, name=f"{key}.weight")
+            quantize = partial(bnb_weights.quantize_into, qweight, scales, self.quantization, name=f"{key}.weight")
             return {f"{key}.weight": quantize}
         zeros = self.zeros[:, columns]
         if not prequantized:
