@@ -164,11 +164,16 @@ def test_registers_dequantize_every_code_as_the_table_in_memory(quant_type: str)
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("m", [1, 5, 70, 300])  # the CUDA-core kernel, decode tiles, 65-256 rows, prefill
 @pytest.mark.parametrize("n", [4096, 200])  # split-K; a masked last column tile
-def test_gemm_in_registers_equals_the_gemm_reading_the_table(quant_type: str, m: int, n: int):
+def test_gemm_in_registers_matches_the_gemm_reading_the_table(quant_type: str, m: int, n: int):
     weight = every_code_weight(n, 1024, 64, quant_type)
     unnamed = dataclasses.replace(weight, codebook_name=None)  # any other table: read from memory
     assert (dequantization(weight), dequantization(unnamed)) == (quant_type, "table")
     x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(dtype=torch.bfloat16, device=DEVICE)
     y = int4_gemm(x, weight)
-    assert torch.equal(y, int4_gemm(x, unnamed))
+    # the weights are the table's bit for bit (the test above), but the two programs may contract the
+    # scale multiply into the sum's FMAs differently (seen on an H100 at N 4096, M 1 and 5: split-K):
+    # float32 sums that differ in their last bits: bf16 outputs one rounding step apart (rtol), or a
+    # few float32 steps of the ~30-magnitude partial sums where they cancel to near zero (atol); a
+    # wrong level would be off by ~0.1
+    torch.testing.assert_close(y, int4_gemm(x, unnamed), rtol=2**-7, atol=1e-3)
     assert torch.allclose(y.float(), int4_linear_reference(x, weight).float(), rtol=1e-2, atol=1e-2)
