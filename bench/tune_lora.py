@@ -1,7 +1,7 @@
 """Tune the multi-LoRA launch configurations and paths for this GPU; writes kernels/configs/<GPU>.json.
 
-    python -m bench.tune_lora [--model llama-3-8b] [--tokens 1 8 32 64 256 1024 4096] [--ranks 16 64]
-                              [--adapters 16]
+    python -m bench.tune_lora [--model llama-3-8b] [--tokens 1 8 32 64 96 ... 4096] [--ranks 16 64]
+                              [--adapters 40]
 
 --model picks the layer whose projection shapes are tuned (bench.lora_kernels.MODELS): llama-3-8b,
 its qkv, o, gate_up and down; qwen3-30b-a3b, its attention's qkv and o (its experts are
@@ -28,7 +28,8 @@ import torch
 
 from bench.lora_kernels import MODELS
 from kernels.lora.configs import Plan, PlanKey, config_file, read_plans
-from kernels.lora.tuning import LayerTuner, update_plan_file
+from kernels.lora.tuning import ADAPTERS, LayerTuner, update_plan_file
+from worker.kernel_plans import TOKEN_LADDER
 
 
 def stored_plans(
@@ -45,9 +46,9 @@ def stored_plans(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=MODELS, default="llama-3-8b", help="whose projection shapes to tune")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 1024, 4096])
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKEN_LADDER))
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--adapters", type=int, default=16, help="distinct adapters per batch (capped at T)")
+    parser.add_argument("--adapters", type=int, default=ADAPTERS, help="distinct adapters per batch (capped at T)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timings of each path per layer")
     parser.add_argument(
         "--paths-only", action="store_true", help="keep the stored kernel configurations, choose paths again"

@@ -47,9 +47,11 @@ from worker.model.lora_linear import LoRAPages
 
 log = structlog.get_logger(__name__)
 
-# The token buckets plans are tuned for, as the committed tables were (bench/tune_lora.py's default):
-# a batch of T tokens takes the smallest bucket >= T.
-TOKEN_LADDER = (1, 8, 32, 64, 256, 1024, 4096)
+# The token buckets plans are tuned for, as the committed H100 table was (bench/tune_lora.py's default):
+# a batch of T tokens takes the smallest bucket >= T. The steps between 64 and 512 tokens are the
+# served decode and mixed steps (~90-128 decodes, with prefill chunks beside them), where a plan of the
+# next bucket up lost the most (docs/benchmarks.md, "mixed steps re-tuned").
+TOKEN_LADDER = (1, 8, 32, 64, 96, 128, 192, 256, 384, 512, 1024, 4096)
 
 
 def page_rank(info: ModelInfo, max_lora_rank: int) -> int:

@@ -89,8 +89,9 @@ def test_the_tuned_keys_are_what_the_engines_layers_look_up(tmp_path: Path, fami
 
 
 def test_buckets_reach_the_largest_step_and_no_further() -> None:
-    assert token_buckets(2048) == TOKEN_LADDER == (1, 8, 32, 64, 256, 1024, 4096)
-    assert token_buckets(512) == (1, 8, 32, 64, 256, 1024)
+    assert token_buckets(2048) == TOKEN_LADDER == (1, 8, 32, 64, 96, 128, 192, 256, 384, 512, 1024, 4096)
+    assert token_buckets(512) == (1, 8, 32, 64, 96, 128, 192, 256, 384, 512)
+    assert token_buckets(300) == (1, 8, 32, 64, 96, 128, 192, 256, 384)
     assert token_buckets(64) == (1, 8, 32, 64)
     assert token_buckets(16384) == (*TOKEN_LADDER, 16384)
 
@@ -112,7 +113,7 @@ def tune_into(directory: Path, keys: list, buckets: list[int]) -> None:
 
 def test_an_untuned_gpu_misses_every_bucket_in_ascending_order(tmp_path: Path, tables: tuple[Path, Path]) -> None:
     shapes = adapted_layer(model_info(tmp_path, "llama"), 64)
-    assert missing_buckets("Test GPU", shapes, 64, [4096, 1, 256, 8, 1024, 32, 64], tables[1]) == list(TOKEN_LADDER)
+    assert missing_buckets("Test GPU", shapes, 64, TOKEN_LADDER[::-1], tables[1]) == list(TOKEN_LADDER)
 
 
 def test_buckets_in_the_packaged_table_or_the_cache_are_not_missing(tmp_path: Path, tables: tuple[Path, Path]) -> None:
@@ -121,14 +122,14 @@ def test_buckets_in_the_packaged_table_or_the_cache_are_not_missing(tmp_path: Pa
     keys = plan_keys(shapes, 64)
     tune_into(packaged, keys, [1, 8, 32])
     tune_into(cache, keys, [64, 4096])
-    assert missing_buckets("Test GPU", shapes, 64, TOKEN_LADDER, cache) == [256, 1024]
+    assert missing_buckets("Test GPU", shapes, 64, TOKEN_LADDER, cache) == [96, 128, 192, 256, 384, 512, 1024]
 
 
 def test_a_partial_cache_file_resumes_where_the_last_tune_stopped(tmp_path: Path, tables: tuple[Path, Path]) -> None:
     """A tune cut short wrote every bucket it finished, each for the whole layer."""
     shapes = adapted_layer(model_info(tmp_path, "llama"), 64)
     tune_into(tables[1], plan_keys(shapes, 64), [1, 8])
-    assert missing_buckets("Test GPU", shapes, 64, TOKEN_LADDER, tables[1]) == [32, 64, 256, 1024, 4096]
+    assert missing_buckets("Test GPU", shapes, 64, TOKEN_LADDER, tables[1]) == list(TOKEN_LADDER[2:])
 
 
 def test_a_bucket_one_projection_lacks_is_missing(tmp_path: Path, tables: tuple[Path, Path]) -> None:
