@@ -2,8 +2,8 @@
 dequantization on the GPU: one inline-PTX call turns a packed int32 (eight 4-bit codes, code j at bits
 4j) into the eight float32 levels, bit for bit the table's, with no memory access per weight.
 
-The levels are immediates in the PTX, split into byte planes: plane b's four words hold byte b of
-levels 0-3, 4-7, 8-11 and 12-15. `prmt.b32` picks four bytes out of two words by four 3-bit
+The levels are split into byte planes: plane b's four words hold byte b of levels 0-3, 4-7, 8-11
+and 12-15. `prmt.b32` picks four bytes out of two words by four 3-bit
 selectors, so for four codes at once (the low or high 16 bits of the packed int32, one selector
 nibble each) a plane takes two permutes, one over levels 0-7 and one over 8-15, and a byte-wise
 select by each code's bit 3. prmt reads a selector nibble's bit 3 as "replicate the byte's sign", so
@@ -11,6 +11,13 @@ the selectors are masked with 0x7777, and the same mode builds the select mask: 
 j's bit 3 as its top bit, replicated, is 0xFF for codes 8-15. Eight more permutes transpose the four
 planes of four codes into four float32 words. A table whose levels 8-15 are levels 0-7 negated (FP4)
 needs no select: one permute a plane over levels 0-7, and each code's bit 3 becomes its sign bit.
+
+A permute reads one of its two table words as an immediate, the other from a register. ptxas holds a
+constant, and any value it can prove the same in every thread of a warp, in a uniform register, which
+prmt cannot read: it copied the word into an ordinary register before every permute (an instruction
+on the FMA pipe each, and more registers live). So the kernel passes those words in (`table`: 8 for
+NF4, 4 for FP4), each or-ed with a zero ptxas cannot see through: they are loaded into ordinary
+registers once per program and stay there.
 
 The program is a list of instructions (`lookup_program`), rendered as PTX (`lookup_ptx`) and checked
 instruction by instruction on the host by tests/kernels/test_codebook_lookup.py.
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -33,6 +41,8 @@ from kernels.quant.codebook import codebook
 Instruction = tuple[str, str, tuple[str | int, ...]]
 
 PACKED = "$8"
+# the table words the program reads from registers, LookupProgram.table[i] in operand "$(9 + i)"
+FIRST_TABLE_OPERAND = 9
 # lop3's truth tables: (a & ~c) | (b & c), a byte of b where c's byte is 0xFF, else a's; a | (b & c)
 _SELECT = 0xD8
 _OR_MASKED = 0xF8
@@ -50,9 +60,17 @@ def _bits(level: float) -> int:
     return struct.unpack("<I", struct.pack("<f", level))[0]
 
 
-def lookup_program(levels: Sequence[float]) -> list[Instruction]:
-    """The instructions mapping PACKED to "$0".."$7" = the float32 bits of levels[code j], code j at
-    bits 4j of PACKED; `levels`: 16 float32 values."""
+class LookupProgram(NamedTuple):
+    """Instructions mapping PACKED to "$0".."$7", and the table words they read from registers
+    (`table[i]`, unsigned 32-bit, in operand FIRST_TABLE_OPERAND + i)."""
+
+    instructions: list[Instruction]
+    table: tuple[int, ...]
+
+
+def lookup_program(levels: Sequence[float]) -> LookupProgram:
+    """The program whose outputs "$0".."$7" are the float32 bits of levels[code j], code j at bits 4j
+    of PACKED; `levels`: 16 float32 values."""
     if len(levels) != 16:
         raise ValueError(f"a 4-bit codebook has 16 levels, not {len(levels)}")
     bits = [_bits(level) for level in levels]
@@ -61,6 +79,13 @@ def lookup_program(levels: Sequence[float]) -> list[Instruction]:
 
     def plane_word(byte: int, first: int) -> int:  # byte `byte` of levels first..first+3
         return sum(((bits[first + i] >> (8 * byte)) & 0xFF) << (8 * i) for i in range(4))
+
+    table: list[int] = []
+
+    def in_register(word: int) -> str:
+        if word not in table:
+            table.append(word)
+        return f"${FIRST_TABLE_OPERAND + table.index(word)}"
 
     program: list[Instruction] = [
         ("and", "sel0", (PACKED, 0x77777777)),
@@ -72,19 +97,19 @@ def lookup_program(levels: Sequence[float]) -> list[Instruction]:
         selectors, mask = f"sel{half}", f"mask{half}"
         for byte in range(4):
             plane = f"plane{byte}"
-            low_levels = (plane_word(byte, 0), plane_word(byte, 4), selectors)
+            low_levels = (in_register(plane_word(byte, 0)), plane_word(byte, 4), selectors)
             if symmetric:
                 program.append(("prmt", plane, low_levels))
             else:
                 program += [
                     ("prmt", "low", low_levels),
-                    ("prmt", "high", (plane_word(byte, 8), plane_word(byte, 12), selectors)),
+                    ("prmt", "high", (in_register(plane_word(byte, 8)), plane_word(byte, 12), selectors)),
                     ("lop3", plane, ("low", "high", mask, _SELECT)),
                 ]
         if symmetric:
             program.append(("lop3", "plane3", ("plane3", mask, 0x80808080, _OR_MASKED)))
         program += _transpose(first_output=4 * half)
-    return program
+    return LookupProgram(program, tuple(table))
 
 
 def _transpose(first_output: int) -> list[Instruction]:
@@ -101,7 +126,7 @@ def _transpose(first_output: int) -> list[Instruction]:
 
 def lookup_ptx(levels: Sequence[float]) -> str:
     """lookup_program(levels) as a PTX block for tl.inline_asm_elementwise."""
-    program = lookup_program(levels)
+    program = lookup_program(levels).instructions
     temporaries = sorted({dest for _, dest, _ in program if not dest.startswith("$")})
     lines = [f".reg .b32 {', '.join(temporaries)};"]
     for opcode, dest, sources in program:
@@ -110,8 +135,33 @@ def lookup_ptx(levels: Sequence[float]) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-NF4_PTX = tl.constexpr(lookup_ptx(codebook("nf4").tolist()))
-FP4_PTX = tl.constexpr(lookup_ptx(codebook("fp4").tolist()))
+def _constraints(levels: Sequence[float]) -> str:
+    return "=r," * 8 + "r" + ",r" * len(lookup_program(levels).table)
+
+
+def _signed_table(levels: Sequence[float]) -> tuple[int, ...]:  # as Triton's int32 constants
+    return tuple(word - (1 << 32) if word >= _SIGN else word for word in lookup_program(levels).table)
+
+
+_NF4, _FP4 = codebook("nf4").tolist(), codebook("fp4").tolist()
+NF4_PTX, FP4_PTX = tl.constexpr(lookup_ptx(_NF4)), tl.constexpr(lookup_ptx(_FP4))
+NF4_CONSTRAINTS, FP4_CONSTRAINTS = tl.constexpr(_constraints(_NF4)), tl.constexpr(_constraints(_FP4))
+NF4_TABLE, FP4_TABLE = tl.constexpr(_signed_table(_NF4)), tl.constexpr(_signed_table(_FP4))
+
+
+@triton.jit
+def _unprovable_zero():
+    """int32 0 that ptxas can neither prove zero nor prove the same in every thread of a warp: a lane's own
+    bit and-ed with the bits of the lanes below it."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 own, below;\nmov.u32 own, %lanemask_eq;\nmov.u32 below, %lanemask_lt;\n"
+        "and.b32 $0, own, below;\n}",
+        "=r",
+        [],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -120,12 +170,20 @@ def lookup_levels(packed, TABLE: tl.constexpr):
     table TABLE ("nf4" or "fp4")."""
     if TABLE == "nf4":
         ptx: tl.constexpr = NF4_PTX
+        constraints: tl.constexpr = NF4_CONSTRAINTS
+        table: tl.constexpr = NF4_TABLE
     else:
         ptx: tl.constexpr = FP4_PTX
+        constraints: tl.constexpr = FP4_CONSTRAINTS
+        table: tl.constexpr = FP4_TABLE
+    zero = _unprovable_zero()
+    operands = (packed,)
+    for i in tl.static_range(len(table)):
+        operands = operands + (zero | table[i],)  # noqa: RUF005 (Triton's frontend has no starred tuples)
     l0, l1, l2, l3, l4, l5, l6, l7 = tl.inline_asm_elementwise(
         ptx,
-        "=r,=r,=r,=r,=r,=r,=r,=r,r",
-        [packed],
+        constraints,
+        operands,
         dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
         is_pure=True,
         pack=1,

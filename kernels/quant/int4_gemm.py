@@ -22,7 +22,8 @@ instruction on Hopper, which would bound the kernel below the memory roofline): 
 OR-ed into the mantissa of 2**23 are the float 2**23 + q, and subtracting 2**23 + zero (both exact in
 float32) leaves q - zero exactly. Codebook weights (NF4, FP4) look their levels up in registers
 (codebook_lookup.py): one inline-PTX call turns a packed int32 into its eight float32 levels by byte
-permutes over the table held as immediates, no memory access per weight, bit for bit the table's.
+permutes over the table's bytes (in registers and immediates), no memory access per weight, bit for bit
+the table's.
 A gathered load per weight from the 16 floats in memory (in L1) made NF4 decode 6x slower than int4
 (docs/benchmarks.md, "NF4 and int4 decode on the H100"); that gather stays for the interpreter,
 which runs no inline assembly, and for a codebook of other levels (DEQUANT "table").

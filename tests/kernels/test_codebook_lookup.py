@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from kernels.quant.codebook import NF4_CODES, codebook
-from kernels.quant.codebook_lookup import PACKED, Instruction, lookup_program, lookup_ptx
+from kernels.quant.codebook_lookup import FIRST_TABLE_OPERAND, PACKED, LookupProgram, lookup_program, lookup_ptx
 
 WORD = 0xFFFFFFFF
 
@@ -47,9 +47,10 @@ OPERATIONS = {
 }
 
 
-def run(program: list[Instruction], packed: int) -> list[int]:
-    registers = {PACKED: packed}
-    for opcode, dest, sources in program:
+def run(program: LookupProgram, packed: int) -> list[int]:
+    """The eight outputs, the table words in their operands as the kernel passes them."""
+    registers = {PACKED: packed} | {f"${FIRST_TABLE_OPERAND + i}": word for i, word in enumerate(program.table)}
+    for opcode, dest, sources in program.instructions:
         registers[dest] = OPERATIONS[opcode](*(s if isinstance(s, int) else registers[s] for s in sources))
     return [registers[f"${j}"] for j in range(8)]
 
@@ -70,9 +71,21 @@ def test_every_code_at_every_position_gives_its_levels_bits(quant_type: str):
 
 
 def test_a_table_of_negated_halves_takes_one_permute_a_plane():
-    nf4, fp4 = lookup_program(NF4_CODES), lookup_program(codebook("fp4").tolist())
+    nf4, fp4 = lookup_program(NF4_CODES).instructions, lookup_program(codebook("fp4").tolist()).instructions
     assert len(fp4) < len(nf4)
     assert sum(opcode == "prmt" for opcode, _, _ in fp4) == 2 + 2 * (4 + 8)  # masks, then per half lookups, transpose
+
+
+@pytest.mark.parametrize(("quant_type", "in_registers"), [("nf4", 8), ("fp4", 4)])
+def test_each_table_permute_reads_one_word_from_a_register_and_one_immediate(quant_type: str, in_registers: int):
+    program = lookup_program(codebook(quant_type).tolist())
+    assert len(program.table) == in_registers
+    operands = {f"${FIRST_TABLE_OPERAND + i}" for i in range(in_registers)}
+    table_permutes = [
+        sources for opcode, _, sources in program.instructions if opcode == "prmt" and sources[0] in operands
+    ]
+    assert len(table_permutes) == 2 * 4 * (1 if quant_type == "fp4" else 2)  # halves, planes, permutes a plane
+    assert all(isinstance(second, int) for _, second, _ in table_permutes)
 
 
 def test_the_ptx_declares_its_temporaries_and_writes_eight_levels():
