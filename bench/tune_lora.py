@@ -1,12 +1,13 @@
 """Tune the multi-LoRA launch configurations and paths for this GPU; writes kernels/configs/<GPU>.json.
 
     python -m bench.tune_lora [--model llama-3-8b] [--tokens 1 8 32 64 96 ... 4096] [--ranks 16 64]
-                              [--adapters 40]
+                              [--adapters N]
 
 --model picks the layer whose projection shapes are tuned (bench.lora_kernels.MODELS): llama-3-8b,
 its qkv, o, gate_up and down; qwen3-30b-a3b, its attention's qkv and o (its experts are
 bench.tune_moe's). For each rank and token bucket T (a batch past the largest bucket takes it, so
-let the largest cover the model's prefill chunk), with min(T, --adapters) adapters, the tuner
+let the largest cover the model's prefill chunk), with as many adapters as a served step of T tokens
+carries (16 up to 64 tokens, 40 above; --adapters N: min(T, N) in every bucket), the tuner
 (kernels/lora/tuning/tuner.py, whose docstring has the details):
   1. per projection shape of the layer, times each kernel's candidate configurations alone, with
      L2 flushed, and keeps the fastest of each;
@@ -28,7 +29,7 @@ import torch
 
 from bench.lora_kernels import MODELS
 from kernels.lora.configs import Plan, PlanKey, config_file, read_plans
-from kernels.lora.tuning import ADAPTERS, LayerTuner, update_plan_file
+from kernels.lora.tuning import LayerTuner, update_plan_file
 from worker.kernel_plans import TOKEN_LADDER
 
 
@@ -48,7 +49,11 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, default="llama-3-8b", help="whose projection shapes to tune")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKEN_LADDER))
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--adapters", type=int, default=ADAPTERS, help="distinct adapters per batch (capped at T)")
+    parser.add_argument(
+        "--adapters",
+        type=int,
+        help="distinct adapters per batch, capped at T (default: as served, 16 up to 64 tokens, 40 above)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timings of each path per layer")
     parser.add_argument(
         "--paths-only", action="store_true", help="keep the stored kernel configurations, choose paths again"

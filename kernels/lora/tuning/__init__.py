@@ -14,16 +14,16 @@ q/k norms exist); nothing here knows a model.
 
 from kernels.lora.tuning.layer import LayerShapes, ProjectionShape
 from kernels.lora.tuning.table import update_plan_file
-from kernels.lora.tuning.tuner import ADAPTERS, BucketResult, Echo, LayerTuner, TuneDeadline, silent
+from kernels.lora.tuning.tuner import BucketResult, Echo, LayerTuner, TuneDeadline, served_adapters, silent
 
 __all__ = [
-    "ADAPTERS",
     "BucketResult",
     "Echo",
     "LayerShapes",
     "LayerTuner",
     "ProjectionShape",
     "TuneDeadline",
+    "served_adapters",
     "silent",
     "update_plan_file",
 ]

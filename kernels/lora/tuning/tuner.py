@@ -2,9 +2,9 @@
 device, per token bucket T (a batch of up to T tokens takes the bucket's plans; past the largest
 bucket, the largest's).
 
-Per bucket, with min(T, adapters) adapters laid out as in layer.py (in scattered pages of as many
-rank rows as the engine pages that model's adapters in; plans are keyed by the padded max rank, so
-they serve any page size):
+Per bucket, with served_adapters(T) adapters (or a fixed count, capped at T) laid out as in
+layer.py (in scattered pages of as many rank rows as the engine pages that model's adapters in;
+plans are keyed by the padded max rank, so they serve any page size):
   1. per projection shape of the layer, time each kernel's candidate configurations alone (fused;
      shrink; the grouped and the gathering expand on the best shrink's z) and keep the fastest of
      each, and the faster of the two expands. These timings are medians of CUDA-graph replays with
@@ -51,9 +51,14 @@ from kernels.lora.tuning.layer import LayerShapes, Projection, make_batch, make_
 from kernels.lora.tuning.timing import Flushed, delta_read_us, median_us, served_us
 
 Echo = Callable[[str], None]  # takes the tuner's progress, a line at a time
-# distinct adapters per batch (capped at T), as the committed H100 table was tuned: a served step at
-# saturation carries ~39 of 100 Zipf(1.0) adapters (bench.e2e's worker table)
-ADAPTERS = 40
+
+
+def served_adapters(num_tokens: int) -> int:
+    """Distinct adapters a served step of num_tokens tokens carries, as the tuner spreads a bucket
+    over them (and the committed H100 table was tuned): a full step at saturation holds ~40 of 100
+    Zipf(1.0) adapters, the small steps of a light load fewer, and plans tuned at 40 for 32 and 64
+    tokens lost at 8 adapters (docs/benchmarks.md, "mixed steps re-tuned"). Never more than T."""
+    return min(num_tokens, 16 if num_tokens <= 64 else 40)
 
 
 def silent(line: str) -> None:
@@ -84,8 +89,15 @@ class LayerTuner:
     Holds a random layer with its adapter pool on the GPU until `close`."""
 
     def __init__(
-        self, shapes: LayerShapes, rank: int, *, adapters: int = ADAPTERS, rounds: int = 3, echo: Echo = silent
+        self,
+        shapes: LayerShapes,
+        rank: int,
+        *,
+        adapters: int | None = None,
+        rounds: int = 3,
+        echo: Echo = silent,
     ) -> None:
+        """adapters: distinct adapters in every bucket's batch (capped at T); None: served_adapters(T)."""
         self.shapes = shapes
         self.rank = rank
         self.adapters = adapters
@@ -106,7 +118,8 @@ class LayerTuner:
         configurations, to choose paths only (step 2). deadline: a time.monotonic() past which the
         bucket is given up (TuneDeadline)."""
         self._deadline = deadline
-        batch = make_batch(num_tokens, min(num_tokens, self.adapters), self.rank, page_rank=self.shapes.page_rank)
+        adapters = served_adapters(num_tokens) if self.adapters is None else min(num_tokens, self.adapters)
+        batch = make_batch(num_tokens, adapters, self.rank, page_rank=self.shapes.page_rank)
         xs = [torch.randn(num_tokens, p.k, device="cuda").to(torch.bfloat16) for p in self.layer]
         if kernels is None:
             kernels = []
