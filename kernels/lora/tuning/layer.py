@@ -97,7 +97,7 @@ def make_layer(
     ]
 
 
-def token_slots(num_tokens: int, adapters: int, slots: int = POOL_SLOTS, seed: int = 0) -> torch.Tensor:
+def slot_layout(num_tokens: int, adapters: int, slots: int = POOL_SLOTS, seed: int = 0) -> list[int]:
     """Slot of each token (see the module docstring for the layout)."""
     rng = random.Random(seed)
     chosen = rng.sample(range(slots), adapters)
@@ -108,7 +108,12 @@ def token_slots(num_tokens: int, adapters: int, slots: int = POOL_SLOTS, seed: i
     chunks = math.ceil(prefill / PREFILL_CHUNK)
     for c in range(chunks):  # near-equal chunks, in order
         per_token += [chosen[c % adapters]] * (prefill * (c + 1) // chunks - prefill * c // chunks)
-    return torch.tensor(per_token, dtype=torch.int32, device="cuda")
+    return per_token
+
+
+def token_slots(num_tokens: int, adapters: int, slots: int = POOL_SLOTS, seed: int = 0) -> torch.Tensor:
+    """int32 [T] on the GPU: slot_layout's slots."""
+    return torch.tensor(slot_layout(num_tokens, adapters, slots, seed), dtype=torch.int32, device="cuda")
 
 
 def make_batch(num_tokens: int, adapters: int, rank: int, *, page_rank: int, slots: int = POOL_SLOTS) -> LoRABatch:
