@@ -66,7 +66,8 @@ def _splits(tiles: int, k: int, block_k: int, num_sms: int, waves: int) -> list[
     return sorted(set(below[-1:] + in_band)) or [1]
 
 
-def _fits(plan: W8A16Plan) -> bool:
+def fits_shared_memory(plan: W8A16Plan) -> bool:
+    """Whether a plan's pipelined tiles stay under SHARED_BYTES (an estimate: the compiler has the last word)."""
     stage_bytes = plan.block_n * plan.block_k + plan.block_m * plan.block_k * 2
     return plan.num_stages * stage_bytes <= SHARED_BYTES
 
@@ -86,13 +87,13 @@ def candidates(num_tokens: int, n: int, k: int, num_sms: int) -> list[W8A16Plan]
         count = triton.cdiv(n, block_n) * triton.cdiv(num_tokens, block_m)
         for split_k in _splits(count, k, block_k, num_sms, waves):
             plans.append(W8A16Plan(block_m, block_n, block_k, split_k, 4, stages, swap))
-    return [plan for plan in plans if _fits(plan)]
+    return [plan for plan in plans if fits_shared_memory(plan)]
 
 
 def refinements(plan: W8A16Plan) -> list[W8A16Plan]:
     """Step 2's plans: `plan` at every other count of warps and stages that fits in shared memory."""
     variants = (dataclasses.replace(plan, num_warps=w, num_stages=s) for w in WARPS for s in STAGES)
-    return [variant for variant in variants if variant != plan and _fits(variant)]
+    return [variant for variant in variants if variant != plan and fits_shared_memory(variant)]
 
 
 def matches(y: torch.Tensor, reference: torch.Tensor) -> bool:
