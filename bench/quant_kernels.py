@@ -7,7 +7,8 @@ Per projection (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, down 14
 token count M, the median time of (CUDA-graph replays, L2 flushed before each: in a model the other
 layers' weights have evicted this one's):
     bf16    F.linear with the bf16 weight (cuBLAS)
-    W8A16   the Triton weight-only kernel (kernels/quant/w8a16.py) with its default plan
+    W8A16   the Triton weight-only kernel (kernels/quant/w8a16.py) with the plan it picks on this GPU
+            (`W8A16 plan`: this GPU's tuned table's, kernels/configs/w8a16_<GPU>.json, else "default")
     W8A8    the per-token quantization kernel and torch._scaled_mm (rowwise scales)
 each beside its byte roofline: the weight (2 or 1 bytes an element, plus a float32 scale a row),
 x and y once, over the measured copy bandwidth. `picked` is what fp8_linear runs at that M.
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from bench.lora_kernels import copy_bandwidth
 from kernels.lora.tuning.timing import Flushed
 from kernels.quant import W8A16_MAX_TOKENS, quantize_weight, w8a8_linear, w8a16_linear
+from kernels.quant.w8a16 import plan_for_tensor
+from kernels.quant.w8a16_plans import tuned_plan
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -38,6 +41,7 @@ class Row:
     w8a16_us: float
     w8a8_us: float
     fp8_roof_us: float
+    w8a16_plan: str  # the plan W8A16 ran (W8A16Plan.describe), and "(tuned)" or "(default)"
 
     @property
     def picked(self) -> str:
@@ -58,6 +62,7 @@ def measure(tokens: list[int], bandwidth: float) -> list[Row]:
         q, scales = quantize_weight(weight)
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            source = "tuned" if tuned_plan(torch.cuda.get_device_name(), m, n, k) else "default"
             rows.append(
                 Row(
                     name,
@@ -67,6 +72,7 @@ def measure(tokens: list[int], bandwidth: float) -> list[Row]:
                     timed(lambda x=x, q=q, scales=scales: w8a16_linear(x, q, scales)),
                     timed(lambda x=x, q=q, scales=scales: w8a8_linear(x, q, scales)),
                     roofline_us(n, k, m, 1, bandwidth),
+                    f"{plan_for_tensor(x, n).describe()} ({source})",
                 )
             )
             print(format_row(rows[-1]), flush=True)
@@ -76,8 +82,8 @@ def measure(tokens: list[int], bandwidth: float) -> list[Row]:
 
 HEADER = (
     "| projection | M | bf16 µs | × roof | W8A16 µs | × roof | W8A8 µs | × roof "
-    "| W8A16 / bf16 | W8A8 / bf16 | picked |\n"
-    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+    "| W8A16 / bf16 | W8A8 / bf16 | picked | W8A16 plan |\n"
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
 )
 
 
@@ -86,7 +92,7 @@ def format_row(r: Row) -> str:
     return (
         f"| {r.projection} | {r.tokens} | {r.bf16_us:.1f} | {r.bf16_roof_us / r.bf16_us:.2f} | "
         f"{r.w8a16_us:.1f} | {r.fp8_roof_us / r.w8a16_us:.2f} | {r.w8a8_us:.1f} | {r.fp8_roof_us / r.w8a8_us:.2f} | "
-        f"{r.bf16_us / r.w8a16_us:.2f}× | {r.bf16_us / r.w8a8_us:.2f}× | {r.picked} |"
+        f"{r.bf16_us / r.w8a16_us:.2f}× | {r.bf16_us / r.w8a8_us:.2f}× | {r.picked} | {r.w8a16_plan} |"
     )
 
 

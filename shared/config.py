@@ -180,8 +180,9 @@ class EngineConfig:
     # hold at least max_loras of them (checked when the engine starts, knowing the model's shapes)
     adapter_host_cache_gb: float | None = None
     adapter_eviction: str = "lru"  # or "lfu": frequency-aware (worker/adapter_pool/eviction.py)
-    # seconds a worker may spend at start tuning the LoRA plans its GPU lacks for a model (0: none);
-    # what the budget does not reach is tuned at the next start (worker/kernel_plans.py)
+    # seconds a worker may spend at start tuning the LoRA plans its GPU lacks for a model, and as many
+    # again for the W8A16 plans of a model served in fp8 (0: none); what the budget does not reach is
+    # tuned at the next start (worker/kernel_plans.py)
     kernel_tune_budget_s: float = 120.0
     # processes (one per GPU) one model is split over by tensor parallelism; rank 0 is the worker
     tensor_parallel: int = 1

@@ -1,4 +1,5 @@
-"""The LoRA launch plans of the models a worker serves, tuned on its GPU where no table has them.
+"""The LoRA launch plans of the models a worker serves, and the W8A16 plans of those it serves in
+fp8, tuned on its GPU where no table has them.
 
 A GPU without a tuned table runs every LoRA projection on `default_plan`, which costs several times
 what tuned plans cost over the base layer (docs/benchmarks.md, "H100: the first tuned table"). So
@@ -17,6 +18,13 @@ that neither the packaged table (kernels/configs/) nor the worker's plan cache h
   the shape has none.
 
 `lorafleet tune` runs the same tuner by hand (cli/tune.py).
+
+A model served in fp8 runs its dense projections at decode sizes on the W8A16 GEMM, whose default
+plan reads 0.4-0.8 of its byte roofline on an H100 (docs/benchmarks.md, "the same code on an H100").
+`ensure_w8a16_tuned` tunes the (weight shape, token bucket) cells neither W8A16 table holds
+(kernels/quant/w8a16_plans.py; w8a16_<GPU>.json in the same two directories), smallest bucket first,
+within its own --kernel-tune-budget-s, after the LoRA plans. Both take the shapes the process runs
+(under tensor parallelism, the worker passes a rank's share: shard_info).
 """
 
 from __future__ import annotations
@@ -41,6 +49,12 @@ from kernels.lora.tuning import (
     silent,
     update_plan_file,
 )
+from kernels.quant.w8a16_plans import PlanKey as W8A16Key
+from kernels.quant.w8a16_plans import config_file as w8a16_file
+from kernels.quant.w8a16_plans import read_plans as read_w8a16_plans
+from kernels.quant.w8a16_tuning import TOKEN_BUCKETS as W8A16_BUCKETS
+from kernels.quant.w8a16_tuning import CellResult, tune_cells
+from kernels.quant.w8a16_tuning import TuneRun as W8A16Run
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from worker.model.lora_linear import LoRAPages
@@ -65,10 +79,10 @@ def pool_rank(info: ModelInfo, max_lora_rank: int) -> int:
     return -(-max_lora_rank // rows) * rows
 
 
-def adapted_layer(info: ModelInfo, max_lora_rank: int) -> LayerShapes:
-    """The dense projections the engine adapts in a decoder layer of this model: attention's qkv and
-    o, and the MLP's gate_up and down unless every layer's MLP is a mixture of experts (the experts
-    keep their own adapter buffers and kernels, kernels/moe/)."""
+def dense_projections(info: ModelInfo) -> tuple[ProjectionShape, ...]:
+    """The dense projections of a decoder layer of this model, each one weight as the engine holds it
+    (q|k|v and gate|up fused): attention's qkv and o, and the MLP's gate_up and down unless every
+    layer's MLP is a mixture of experts (the experts keep their own buffers and kernels, kernels/moe/)."""
     q_widths = tuple(info.projection_shape(p)[1] for p in ("q_proj", "k_proj", "v_proj"))
     o_k, o_n = info.projection_shape("o_proj")
     projections = [ProjectionShape("qkv", info.hidden_size, q_widths), ProjectionShape("o", o_k, (o_n,))]
@@ -76,8 +90,14 @@ def adapted_layer(info: ModelInfo, max_lora_rank: int) -> LayerShapes:
         down_k, down_n = info.projection_shape("down_proj")
         projections.append(ProjectionShape("gate_up", info.hidden_size, (info.intermediate_size,) * 2))
         projections.append(ProjectionShape("down", down_k, (down_n,)))
+    return tuple(projections)
+
+
+def adapted_layer(info: ModelInfo, max_lora_rank: int) -> LayerShapes:
+    """The projections the engine adapts in a decoder layer of this model (dense_projections), as
+    its adapter pool pages them."""
     return LayerShapes(
-        tuple(projections), page_rank=page_rank(info, max_lora_rank), qk_norm=info.qk_norm, head_dim=info.head_dim
+        dense_projections(info), page_rank=page_rank(info, max_lora_rank), qk_norm=info.qk_norm, head_dim=info.head_dim
     )
 
 
@@ -213,26 +233,78 @@ def ensure_tuned(info: ModelInfo, engine: EngineConfig, cache_dir: Path, budget_
 
 
 def tune_at_start(infos: Iterable[ModelInfo], engine: EngineConfig, cache_dir: Path | None) -> None:
-    """The first-start tune of every model a worker serves (`ensure_tuned` each, engine.kernel_tune_budget_s
-    seconds apiece), before any is loaded: tuning beside a serving model would slow it and skew the
-    timings. Nothing without a plan cache (cache_dir None: a worker built in-process, not by the CLI)."""
+    """The first-start tune of every model a worker serves (`ensure_tuned` and `ensure_w8a16_tuned`
+    each, engine.kernel_tune_budget_s seconds apiece), before any is loaded: tuning beside a serving
+    model would slow it and skew the timings. Nothing without a plan cache (cache_dir None: a worker
+    built in-process, not by the CLI)."""
     if cache_dir is None:
         return
     for info in infos:
-        try:
-            ensure_tuned(info, engine, cache_dir, engine.kernel_tune_budget_s)
-        except Exception:  # a faster plan is an optimisation: serve on the tables and defaults rather than not at all
-            log.exception("kernel_tune_failed", model=info.name)
+        for tune in (ensure_tuned, ensure_w8a16_tuned):
+            try:
+                tune(info, engine, cache_dir, engine.kernel_tune_budget_s)
+            except Exception:  # a faster plan is an optimisation: serve on the tables and defaults, not at all
+                log.exception("kernel_tune_failed", model=info.name, plans=tune.__name__)
     if torch.device(engine.device).type == "cuda":
         torch.cuda.empty_cache()  # the tuner's layers and buffers go back before the KV cache is carved
 
 
-def _set_aside_if_unreadable(path: Path) -> None:
+def _set_aside_if_unreadable(path: Path, read: Callable[[Path], object] = read_plans) -> None:
     """A cache file that is not a plan file (written by hand, or by another version) would fail
     every lookup: it is renamed beside itself and tuned again."""
     try:
-        read_plans(path)
+        read(path)
     except ValueError as exc:
         aside = path.with_name(f"{path.name}.unreadable")
         path.replace(aside)
         log.warning("kernel_plans_unreadable", file=str(path), moved_to=str(aside), error=str(exc))
+
+
+def w8a16_cells(info: ModelInfo) -> list[W8A16Key]:
+    """(N, K, bucket) of the W8A16 GEMMs a model served in fp8 runs: each dense projection's weight at
+    every decode bucket, smallest bucket first."""
+    shapes = dict.fromkeys((sum(p.widths), p.k) for p in dense_projections(info))
+    return [(n, k, bucket) for bucket in W8A16_BUCKETS for n, k in shapes]
+
+
+def missing_w8a16_cells(device_name: str, cells: Sequence[W8A16Key], cache_dir: Path) -> list[W8A16Key]:
+    """The cells neither W8A16 table (packaged, cache) holds for this GPU, in `cells`' order."""
+    present = read_w8a16_plans(w8a16_file(device_name)) | read_w8a16_plans(w8a16_file(device_name, cache_dir))
+    return [cell for cell in cells if cell not in present]
+
+
+def ensure_w8a16_tuned(info: ModelInfo, engine: EngineConfig, cache_dir: Path, budget_s: float) -> W8A16Run | None:
+    """Tune, within budget_s seconds, the W8A16 plans this GPU lacks for a model served in fp8, into
+    cache_dir, which this process's plan lookups then search first. None where nothing is tuned: a
+    CPU engine, weights not in fp8, a budget of 0, or no cell missing."""
+    set_plan_cache_dir(cache_dir)
+    device = torch.device(engine.device)
+    if device.type != "cuda" or info.quantization != "fp8":
+        return None
+    device_name = torch.cuda.get_device_name(device)
+    _set_aside_if_unreadable(w8a16_file(device_name, cache_dir), read_w8a16_plans)
+    missing = missing_w8a16_cells(device_name, w8a16_cells(info), cache_dir)
+    fields = {"model": info.name, "device": device_name}
+    if not missing:
+        return None
+    if budget_s <= 0:
+        log.warning("w8a16_tune_off", missing_cells=len(missing), **fields)
+        return None
+    log.info("w8a16_tune_start", missing_cells=len(missing), budget_s=budget_s, cache_dir=str(cache_dir), **fields)
+
+    def progress(result: CellResult, elapsed_s: float) -> None:
+        log.info("w8a16_tune_progress", cell=list(result.key), plan=result.plan.describe(), us=round(result.us, 1),
+                 default_us=round(result.default_us, 1), elapsed_s=round(elapsed_s, 1), **fields)  # fmt: skip
+
+    with torch.cuda.device(device):
+        run = tune_cells(
+            missing,
+            w8a16_file(device_name, cache_dir),
+            device_name=device_name,
+            command=f"lorafleet worker: first-start W8A16 tune of {info.name}",
+            budget_s=budget_s,
+            on_cell=progress,
+        )
+    log.info("w8a16_tune_done", tuned=len(run.results), not_reached=len(run.not_reached),
+             elapsed_s=round(run.elapsed_s, 1), **fields)  # fmt: skip
+    return run

@@ -164,14 +164,15 @@ def add_worker(subparsers: argparse._SubParsersAction) -> None:
     plans.add_argument(
         "--kernel-plans-dir",
         type=Path,
-        help="LoRA plans tuned on this machine, searched before the packaged ones (default: STATE_DIR/kernel-plans)",
+        help="LoRA and W8A16 plans tuned on this machine, searched before the packaged ones "
+        "(default: STATE_DIR/kernel-plans)",
     )
     plans.add_argument(
         "--kernel-tune-budget-s",
         type=flag_types.seconds,
         default=ENGINE_DEFAULTS.kernel_tune_budget_s,
-        help="seconds a model's start may spend tuning the LoRA plans this GPU lacks; what is left is tuned "
-        "at the next start; 0: none (default: %(default)s)",
+        help="seconds a model's start may spend tuning the LoRA plans this GPU lacks, and as many for the "
+        "W8A16 plans of a model served in fp8; what is left is tuned at the next start; 0: none (default: %(default)s)",
     )
     models = worker.add_argument_group("several base models (switching)")
     models.add_argument(

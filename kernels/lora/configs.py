@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-PACKAGED_DIR = Path(__file__).resolve().parent.parent / "configs"
+from kernels.plan_files import PACKAGED_DIR, cache_dir, set_cache_dir
 
 PathName = Literal["fused", "split", "overlap"]
 PATHS: tuple[PathName, ...] = ("fused", "split", "overlap")
@@ -161,24 +161,16 @@ def read_plans(path: Path) -> dict[tuple[PlanKey, int], Plan]:
         raise ValueError(f"{path} is not a LoRA plan file: {type(exc).__name__}: {exc}") from exc
 
 
-@dataclass(slots=True)
-class _Search:
-    cache_dir: Path | None = None  # searched before PACKAGED_DIR
-
-
-_search = _Search()
-
-
 def set_plan_cache_dir(directory: Path | None) -> None:
     """Where this process finds the plans tuned at run time, searched before the packaged ones
     (None: the packaged ones only). Set once by the worker from its configuration; lookups made
     before are forgotten."""
-    _search.cache_dir = directory
+    set_cache_dir(directory)
     reload_plans()
 
 
 def plan_cache_dir() -> Path | None:
-    return _search.cache_dir
+    return cache_dir()
 
 
 def reload_plans() -> None:
@@ -190,7 +182,8 @@ def reload_plans() -> None:
 def plan_files(device_name: str) -> list[Path]:
     """The plan files a lookup reads for this GPU model, the one that wins last."""
     packaged = config_file(device_name)
-    return [packaged] if _search.cache_dir is None else [packaged, config_file(device_name, _search.cache_dir)]
+    cache = cache_dir()
+    return [packaged] if cache is None else [packaged, config_file(device_name, cache)]
 
 
 @functools.cache

@@ -13,62 +13,43 @@ is exact in fp16 and in bf16): Triton's direct e4m3 → bf16 conversion is a lon
 sequence, and at HBM speed the conversion, not the load, was what limited the kernel (numbers:
 docs/benchmarks.md, "Quantized bases").
 
-Grid: (N tiles, M tiles, SPLIT_K). Up to 16 tokens the tile is x [16, BLOCK_K] · w [BLOCK_N, BLOCK_K]ᵀ;
-past 16 the operands swap (w · xᵀ), so the weight's 64 rows are the MMA's M side and the tokens its
-N side. Where the tiles are fewer than three per SM (o_proj and down_proj at Llama-8B widths) the K
-reduction is split so that the whole GPU keeps weight reads in flight. Split partials go to an fp32
-workspace and a second kernel sums them in a fixed order (deterministic, no atomics, no zero fill).
+Grid: (N tiles, M tiles, SPLIT_K). The tile is x [BLOCK_M, BLOCK_K] · w [BLOCK_N, BLOCK_K]ᵀ, or with
+the operands swapped (w · xᵀ) the weight's rows are the MMA's M side and the tokens its N side. Where
+the tiles are too few to keep every SM reading weights, the K reduction is split. Split partials go
+to an fp32 workspace and a second kernel sums them in a fixed order (deterministic, no atomics, no
+zero fill). The launch (tiles, split, order, warps, stages) is a W8A16Plan: tuned per GPU model and
+weight shape where a table has one, else a default (w8a16_plans.py).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.quant.reference import FP8_DTYPE, W8A16_MAX_TOKENS
-
-
-@dataclass(frozen=True, slots=True)
-class W8A16Plan:
-    """A launch of the W8A16 kernel: tile sizes, the K split and the compiler's warps and stages."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int
-    num_stages: int
+from kernels.quant.reference import FP8_DTYPE
+from kernels.quant.w8a16_plans import W8A16Plan, default_plan, plan_for
 
 
 @functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _device(index: int) -> tuple[str, int]:
+    """(name, SM count) of a CUDA device: what its plans are looked up by."""
+    return torch.cuda.get_device_name(index), torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def plan_for(num_tokens: int, n: int, k: int, num_sms: int) -> W8A16Plan:
-    """The launch for x [num_tokens, k] against a weight [n, k] on a GPU of `num_sms` SMs (the sizes
-    measured best at Llama-8B's shapes on an H200: docs/benchmarks.md, "Quantized bases").
-
-    BLOCK_M: tl.dot's minimum 16, up to W8A16_MAX_TOKENS. BLOCK_N 64: the MMA's M side once the
-    operands swap past 16 tokens. Up to 16 tokens the kernel only streams weights: BLOCK_K 128 (an
-    8 KiB fp8 tile), four stages deep (the loads in flight per SM that saturate HBM: bandwidth ×
-    latency / SMs ≈ 4.8 TB/s × ~0.8 µs / 132 ≈ 30 KiB), K split up to 4 ways for at least three
-    programs per SM. Past 16 the MMAs and the x tiles take their share: BLOCK_K 256, three stages,
-    about one program per SM (a K split beyond that only adds partial sums)."""
-    block_m = min(max(16, triton.next_power_of_2(num_tokens)), W8A16_MAX_TOKENS)
-    block_n = 64
-    block_k, stages, programs_per_sm = (128, 4, 3) if block_m == 16 else (256, 3, 1)
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(num_tokens, block_m)
-    split_k = max(1, min(triton.cdiv(programs_per_sm * num_sms, tiles) if block_m == 16 else num_sms // tiles, 4))
-    split_k = min(split_k, max(1, k // (2 * block_k)))
-    return W8A16Plan(block_m, block_n, block_k, split_k, num_warps=4, num_stages=stages)
+def plan_for_tensor(x: torch.Tensor, n: int) -> W8A16Plan:
+    """The plan w8a16_linear takes for x [M, K] against a weight [n, K]: the tuned one of x's GPU
+    (w8a16_plans.py), else the default; through the interpreter, the default for an H100's 132 SMs."""
+    num_tokens, k = x.shape
+    if not x.is_cuda:
+        return default_plan(num_tokens, n, k, num_sms=132)
+    name, sms = _device(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return plan_for(name, num_tokens, n, k, sms)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile serves every token count
 def _w8a16_kernel(
     out_ptr,  # [M, N] x's dtype, or (PARTIAL) float32 partials [SPLIT_K, M, N]
     x_ptr,  # [M, K] bf16/fp16/fp32, last axis contiguous
@@ -153,7 +134,7 @@ def w8a16_linear(
     plan: W8A16Plan | None = None,
 ) -> torch.Tensor:
     """y [M, N] in x's dtype for x [M, K] (bf16/fp16/fp32, contiguous last axis), the fp8 weight [N, K]
-    (contiguous) with float32 per-channel scales [N] and bias [N] or None; `plan` None: plan_for."""
+    (contiguous) with float32 per-channel scales [N] and bias [N] or None; `plan` None: plan_for_tensor."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"w8a16_linear: x {tuple(x.shape)} {x.dtype} must be a float [M, K], last axis contiguous")
     num_tokens, k_size = x.shape
@@ -167,8 +148,7 @@ def w8a16_linear(
     if num_tokens == 0:
         return y
     if plan is None:
-        sms = _num_sms(x.device.index or 0) if x.is_cuda else 132  # the interpreter: an H100's count
-        plan = plan_for(num_tokens, n_size, k_size, sms)
+        plan = plan_for_tensor(x, n_size)
     k_per_split = triton.cdiv(k_size, plan.split_k * plan.block_k) * plan.block_k
     split_k = triton.cdiv(k_size, k_per_split)  # rounding K ranges up to BLOCK_K may need fewer
     out = y if split_k == 1 else torch.empty((split_k, num_tokens, n_size), dtype=torch.float32, device=x.device)
@@ -177,7 +157,7 @@ def w8a16_linear(
         out, x, weight, weight_scale, x if bias is None else bias,
         num_tokens, n_size, k_size, k_per_split, x.stride(0),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-        SWAP=plan.block_m > 16, PARTIAL=split_k > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        SWAP=plan.swap, PARTIAL=split_k > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     if split_k > 1:

@@ -14,7 +14,8 @@ import torch
 
 from kernels.quant import W8A16_MAX_TOKENS, dequantize, fp8_linear, quantize_weight
 from kernels.quant.reference import w8a8_linear_reference, weight_only_linear_reference
-from kernels.quant.w8a16 import W8A16Plan, plan_for, w8a16_linear
+from kernels.quant.w8a16 import w8a16_linear
+from kernels.quant.w8a16_plans import W8A16Plan, default_plan
 from tests.kernels.lora_cases import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,8 +59,9 @@ def test_w8a16_matches_the_reference(dtype: torch.dtype, num_tokens: int, n: int
 def test_split_partials_sum_to_the_same_result(split_k: int):
     # K = 700 in BLOCK_K 64 steps: 11 steps over 2, 3 or 5 ranges, the last one short
     x, q, scales, b = operands(5, 48, 700, torch.float16, seed=split_k)
-    for block_m in (16, 32):  # both operand orders
-        y = w8a16_linear(x, q, scales, b, plan=W8A16Plan(block_m, 32, 64, split_k, num_warps=4, num_stages=2))
+    for block_m, swap in ((16, False), (16, True), (32, True)):  # both operand orders
+        plan = W8A16Plan(block_m, 32, 64, split_k, num_warps=4, num_stages=2, swap=swap)
+        y = w8a16_linear(x, q, scales, b, plan=plan)
         assert_within_rounding(y, x, q, scales, b)
 
 
@@ -70,16 +72,17 @@ def test_a_row_strided_x_is_read_in_place():
     assert torch.equal(w8a16_linear(wide[:, :96], q, scales), w8a16_linear(x, q, scales))
 
 
-def test_plans_fill_the_gpu_at_llama_8b_widths():
+def test_default_plans_fill_the_gpu_at_llama_8b_widths():
     # streaming (up to 16 tokens): qkv, o and down split K for three programs per SM (at most 4 ways);
     # past 16 about one program per SM: only o and down (64 tiles of 64 channels) split, in two
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
         for num_tokens in (1, 8, 16):
-            plan = plan_for(num_tokens, n, k, num_sms=132)
+            plan = default_plan(num_tokens, n, k, num_sms=132)
             assert -(-n // plan.block_n) * plan.split_k >= 3 * 132 or plan.split_k == 4
+            assert not plan.swap
         for num_tokens in (17, 32, 64):
-            plan = plan_for(num_tokens, n, k, num_sms=132)
-            assert plan.split_k == (2 if n == 4096 else 1) and plan.block_m >= num_tokens
+            plan = default_plan(num_tokens, n, k, num_sms=132)
+            assert plan.split_k == (2 if n == 4096 else 1) and plan.block_m >= num_tokens and plan.swap
 
 
 def test_fp8_linear_switches_to_w8a8_past_decode_sizes():

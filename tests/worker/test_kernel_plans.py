@@ -1,5 +1,6 @@
 """What a worker tunes at start: its models' LoRA projection shapes (as the engine builds them), the
-token buckets its steps can take, and which of them this GPU's tables lack."""
+token buckets its steps can take, and which of them this GPU's tables lack; for a model served in
+fp8, its W8A16 GEMMs' weight shapes and decode buckets alike."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from kernels.lora import configs
 from kernels.lora.configs import Plan, config_file, set_plan_cache_dir
 from kernels.lora.tiles import rank_pad
 from kernels.lora.tuning import ProjectionShape, update_plan_file
+from kernels.quant import w8a16_plans
+from kernels.quant.w8a16_plans import W8A16Plan
+from kernels.quant.w8a16_tuning import TOKEN_BUCKETS as W8A16_BUCKETS
+from kernels.quant.w8a16_tuning import update_plan_file as update_w8a16_file
 from shared.config import EngineConfig
 from shared.model_info import ModelInfo
 from worker import kernel_plans
@@ -21,11 +26,14 @@ from worker.kernel_plans import (
     TOKEN_LADDER,
     adapted_layer,
     ensure_tuned,
+    ensure_w8a16_tuned,
     missing_buckets,
+    missing_w8a16_cells,
     plan_keys,
     pool_rank,
     token_buckets,
     tune_at_start,
+    w8a16_cells,
 )
 from worker.model.model import CausalLM
 
@@ -102,6 +110,7 @@ def tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Pa
     packaged, cache = tmp_path / "packaged", tmp_path / "cache"
     packaged.mkdir()
     monkeypatch.setattr(configs, "PACKAGED_DIR", packaged)
+    monkeypatch.setattr(w8a16_plans, "PACKAGED_DIR", packaged)
     yield packaged, cache
     set_plan_cache_dir(None)
 
@@ -182,3 +191,38 @@ def test_a_tune_that_fails_is_logged_and_the_worker_starts_anyway(
 def test_the_tune_budget_cannot_be_negative() -> None:
     with pytest.raises(ValueError, match="kernel_tune_budget_s"):
         EngineConfig(kernel_tune_budget_s=-1)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_the_w8a16_cells_are_the_weights_the_engines_layers_multiply(tmp_path: Path, family: str) -> None:
+    info = model_info(tmp_path, family)
+    model = CausalLM(info, max_loras=2, max_lora_rank=16, device="meta")
+    # fp8_linear: x [T, in_features] against the weight [sum of the slices' out_features, in_features]
+    weights = {
+        (sum(linear.out_features), linear.in_features)
+        for layer in model.model.layers
+        for linear in layer.lora_linears()
+    }
+    cells = w8a16_cells(info)
+    assert len(cells) == len(set(cells)) == len(weights) * len(W8A16_BUCKETS)
+    assert {(n, k) for n, k, _ in cells} == weights
+    assert [bucket for _, _, bucket in cells] == sorted(bucket for _, _, bucket in cells)  # decode sizes first
+
+
+def test_w8a16_cells_in_either_table_are_not_missing(tmp_path: Path, tables: tuple[Path, Path]) -> None:
+    cache = tables[1]
+    cells = w8a16_cells(model_info(tmp_path, "llama"))
+    plan = W8A16Plan(16, 64, 128, 1, num_warps=4, num_stages=4)
+    update_w8a16_file(w8a16_plans.config_file("Test GPU"), "Test GPU", "test", dict.fromkeys(cells[:4], plan))
+    update_w8a16_file(w8a16_plans.config_file("Test GPU", cache), "Test GPU", "test", dict.fromkeys(cells[6:], plan))
+    assert missing_w8a16_cells("Test GPU", cells, cache) == cells[4:6]
+    assert missing_w8a16_cells("Other GPU", cells, cache) == cells
+
+
+def test_only_a_model_served_in_fp8_on_a_gpu_tunes_w8a16_plans(tmp_path: Path, tables: tuple[Path, Path]) -> None:
+    # on this CPU-only machine, reaching the tuner would fail asking CUDA for the device's name
+    info = model_info(tmp_path, "llama")
+    fp8 = info.served(quantization="fp8", kv_cache_dtype="auto", source=tmp_path / "llama")
+    assert ensure_w8a16_tuned(info, EngineConfig(device="cuda"), tables[1], 60.0) is None
+    assert ensure_w8a16_tuned(fp8, EngineConfig(device="cpu"), tables[1], 60.0) is None
+    assert configs.plan_cache_dir() == tables[1] and not tables[1].exists()

@@ -1,20 +1,17 @@
 """Writing a GPU's plan file (its format: kernels/lora/configs.py): tuned plans merged into what the
 file holds, so that a tune interrupted or cut short keeps what it measured and several processes
-tuning into one directory (one worker per GPU of a host) keep each other's plans.
+tuning into one directory (one worker per GPU of a host) keep each other's plans (kernels/plan_files.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import fcntl
 import json
-import os
-import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from kernels.lora.configs import Plan, PlanKey, plan_entry, read_plans, reload_plans
+from kernels.plan_files import locked, read_document, replace_file
 
 
 def update_plan_file(
@@ -30,45 +27,15 @@ def update_plan_file(
     directory, and replaced whole (no reader sees half a file); this process's next lookups read it
     again."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path.parent):
+    with locked(path.parent):
         merged = read_plans(path) | dict(plans)
-        commands = [c for c in _read_document(path).get("commands", []) if c != command] + [command]
+        commands = [c for c in read_document(path).get("commands", []) if c != command] + [command]
         document = {
             "device": device,
             "date": datetime.date.today().isoformat(),
             "commands": commands,
             "plans": [plan_entry(key, max_tokens, merged[key, max_tokens]) for key, max_tokens in sorted(merged)],
         }
-        _replace(path, json.dumps(document, indent=1) + "\n")
+        replace_file(path, json.dumps(document, indent=1) + "\n")
     reload_plans()
     return len(merged)
-
-
-def _read_document(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-
-
-def _replace(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """An exclusive flock on the directory itself: the file it guards is replaced, not rewritten,
-    so a lock on the file would guard a name that moves."""
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(descriptor)

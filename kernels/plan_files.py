@@ -1,0 +1,71 @@
+"""Where tuned plan files are (the packaged kernels/configs/, and the process's plan cache directory,
+searched first), and rewriting one safely: under an exclusive lock on its directory, replaced whole,
+so that no reader sees half a file and several processes tuning into one directory (one worker per
+GPU of a host) keep each other's plans. The formats are their tables' own (kernels/lora/configs.py,
+kernels/quant/w8a16_plans.py; kernels/moe/configs.py reads the packaged directory only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PACKAGED_DIR = Path(__file__).resolve().parent / "configs"
+
+
+@dataclass(slots=True)
+class _Search:
+    cache_dir: Path | None = None  # searched before PACKAGED_DIR
+
+
+_search = _Search()
+
+
+def set_cache_dir(directory: Path | None) -> None:
+    """The directory of plans tuned on this machine (None: the packaged ones only). Callers set it
+    through kernels.lora.configs.set_plan_cache_dir, which also forgets the LoRA lookups made before;
+    the W8A16 lookups are keyed by it."""
+    _search.cache_dir = directory
+
+
+def cache_dir() -> Path | None:
+    return _search.cache_dir
+
+
+def read_document(path: Path) -> dict[str, Any]:
+    """The JSON object a plan file holds; an empty one for a file that does not exist."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path` (atomic)."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """An exclusive flock on the directory itself: the file it guards is replaced, not rewritten,
+    so a lock on the file would guard a name that moves."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
