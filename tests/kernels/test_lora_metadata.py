@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -159,3 +163,21 @@ def test_tile_map_matches_one_spelled_out_by_hand(builder: str, num_tokens: int,
     for height in TILE_HEIGHTS:
         expected = tile_map_by_hand(token_slots.tolist(), slot_ranks.tolist(), height)
         assert batch.token_tiles(height).tolist() == expected, height
+
+
+def test_a_programs_tile_read_and_the_build_compile_for_hopper() -> None:
+    """Without a GPU, for sm_90: a program reads its tile map row with one 16-byte load and no
+    shuffle or barrier (the prefix sum it replaces took four reductions), and the build kernel
+    compiles from one token to its largest batch (tests/kernels/lora_tile_compile.py)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.lora_tile_compile"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "tile-read loads=ld.global.v4.b32 shuffles=0 barriers=0",
+        "build T=1 S=1",
+        "build T=96 S=64",
+        "build T=384 S=256",
+        "build T=4096 S=256",
+    ]
