@@ -23,20 +23,19 @@ import triton
 import triton.language as tl
 
 from kernels.lora.configs import ExpandConfig
-from kernels.lora.metadata import LoRABatch
+from kernels.lora.metadata import LoRABatch, max_token_tiles
 from kernels.lora.tiles import (
     SliceGroup,
     b_tile_offsets,
     check_batch,
-    group_tile,
     load_ranked,
     load_z,
-    max_token_tiles,
     page_ids,
     rank_pad,
     select,
     select_ptr,
     slice_of,
+    token_tile,
 )
 
 
@@ -72,16 +71,16 @@ def expand_chunk(
 @triton.jit(do_not_specialize=["z_stride_split", "z_stride_slice"])
 def _expand_kernel(
     z_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, bias_ptr,
-    sorted_tokens_ptr, group_counts_ptr, slot_ranks_ptr, slot_scales_ptr, slot_pages_ptr,
+    sorted_tokens_ptr, tile_map_ptr, slot_ranks_ptr, slot_scales_ptr, slot_pages_ptr,
     num_slots, max_rank, n0, n1, n2, col0, col1, col2, chunks0, chunks1, n_chunk,
     split_k, y_stride, z_stride_split, z_stride_slice,
-    PR: tl.constexpr, R_PAD: tl.constexpr, GROUPS_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
+    PR: tl.constexpr, R_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     # accumulate: only the S slot groups; otherwise also the no-LoRA group S, whose rows get the bias
     num_groups = num_slots if ACCUMULATE else num_slots + 1
-    group, row0, count, start = group_tile(tl.program_id(1), group_counts_ptr, num_groups, GROUPS_PAD, BLOCK_M)
+    group, row0, count, start = token_tile(tile_map_ptr, tl.program_id(1))
     if group >= num_groups:
         return
     slice_id, chunk = slice_of(tl.program_id(0), chunks0, chunks1)
@@ -159,11 +158,11 @@ def lora_expand(
     grid = (sum(chunks), max_token_tiles(num_tokens, num_groups, config.block_m))
     _expand_kernel[grid](
         z, *group.lora_b, y, y if bias is None else bias,
-        batch.sorted_tokens, batch.group_counts, batch.slot_ranks, batch.slot_scales, batch.slot_pages,
+        batch.sorted_tokens, batch.token_tiles(config.block_m), batch.slot_ranks, batch.slot_scales, batch.slot_pages,
         num_slots, max_rank, *group.widths, *group.columns, chunks[0], chunks[1], config.n_chunk,
         split_k, y.stride(0), z.stride(0), z.stride(1),
         PR=group.page_rank, R_PAD=r_pad,
-        GROUPS_PAD=triton.next_power_of_2(num_slots + 1), SPLIT_PAD=triton.next_power_of_2(split_k),
+        SPLIT_PAD=triton.next_power_of_2(split_k),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,

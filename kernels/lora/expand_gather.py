@@ -11,10 +11,10 @@ Grid: (output tiles of all slices, blocks of BLOCK_T positions of the slot-sorte
 No program is empty (accumulating, the blocks past the adapter tokens return after one load), and
 a program waits on two memory round trips (the token, rank, scale and page table row at its
 positions, the last from LoRABatch.sorted_pages; then y, z and the B rows they address) rather
-than expand.py's chain through the per-slot tile map. The product is a broadcast multiply-add on
-the CUDA cores ([BLOCK_T, BLOCK_N, R_CHUNK] per step): cheap while T is small, which is where this
-kernel is used. Sorted positions put the tokens of one
-adapter in the same program, so repeated B rows come from L1 rather than L2.
+than expand.py's three (its row of the tile map, its token ids, then z and B). The product is a
+broadcast multiply-add on the CUDA cores ([BLOCK_T, BLOCK_N, R_CHUNK] per step): cheap while T is
+small, which is where this kernel is used. Sorted positions put the tokens of one adapter in the
+same program, so repeated B rows come from L1 rather than L2.
 """
 
 from __future__ import annotations

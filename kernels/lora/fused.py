@@ -23,34 +23,33 @@ import triton.language as tl
 
 from kernels.lora.configs import FusedConfig
 from kernels.lora.expand import expand_chunk
-from kernels.lora.metadata import LoRABatch
+from kernels.lora.metadata import LoRABatch, max_token_tiles
 from kernels.lora.tiles import (
     SliceGroup,
     a_tile_offsets,
     b_tile_offsets,
     check_batch,
-    group_tile,
-    max_token_tiles,
     page_ids,
     rank_pad,
     select,
     select_ptr,
     slice_of,
+    token_tile,
 )
 
 
 @triton.jit
 def _fused_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, bias_ptr,
-    sorted_tokens_ptr, group_counts_ptr, slot_ranks_ptr, slot_scales_ptr, slot_pages_ptr,
+    sorted_tokens_ptr, tile_map_ptr, slot_ranks_ptr, slot_scales_ptr, slot_pages_ptr,
     num_slots, max_rank, k_size, n0, n1, n2, col0, col1, col2, chunks0, chunks1, n_chunk,
     x_stride, y_stride,
-    PR: tl.constexpr, R_PAD: tl.constexpr, GROUPS_PAD: tl.constexpr,
+    PR: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     num_groups = num_slots if ACCUMULATE else num_slots + 1
-    group, row0, count, start = group_tile(tl.program_id(1), group_counts_ptr, num_groups, GROUPS_PAD, BLOCK_M)
+    group, row0, count, start = token_tile(tile_map_ptr, tl.program_id(1))
     if group >= num_groups:
         return
     slice_id, chunk = slice_of(tl.program_id(0), chunks0, chunks1)
@@ -123,10 +122,10 @@ def lora_fused(
     grid = (sum(chunks), max_token_tiles(num_tokens, num_groups, config.block_m))
     _fused_kernel[grid](
         x, *group.lora_a, *group.lora_b, y, y if bias is None else bias,
-        batch.sorted_tokens, batch.group_counts, batch.slot_ranks, batch.slot_scales, batch.slot_pages,
+        batch.sorted_tokens, batch.token_tiles(config.block_m), batch.slot_ranks, batch.slot_scales, batch.slot_pages,
         num_slots, max_rank, k_size, *group.widths, *group.columns, chunks[0], chunks[1], config.n_chunk,
         x.stride(0), y.stride(0),
-        PR=group.page_rank, R_PAD=rank_pad(max_rank), GROUPS_PAD=triton.next_power_of_2(num_slots + 1),
+        PR=group.page_rank, R_PAD=rank_pad(max_rank),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k_size % config.block_k == 0, ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,

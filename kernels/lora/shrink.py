@@ -22,20 +22,20 @@ import triton
 import triton.language as tl
 
 from kernels.lora.configs import ShrinkConfig
-from kernels.lora.metadata import LoRABatch
-from kernels.lora.tiles import SliceGroup, a_tile_offsets, check_batch, group_tile, max_token_tiles, page_ids, rank_pad
+from kernels.lora.metadata import LoRABatch, max_token_tiles
+from kernels.lora.tiles import SliceGroup, a_tile_offsets, check_batch, page_ids, rank_pad, token_tile
 
 
 @triton.jit(do_not_specialize=["z_stride_split", "z_stride_slice"])
 def _shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, z_ptr,
-    sorted_tokens_ptr, group_counts_ptr, slot_ranks_ptr, slot_pages_ptr,
+    sorted_tokens_ptr, tile_map_ptr, slot_ranks_ptr, slot_pages_ptr,
     num_slots, max_rank, k_size, split_k,
     x_stride, z_stride_split, z_stride_slice,
-    NUM_SLICES: tl.constexpr, PR: tl.constexpr, R_PAD: tl.constexpr, SLOTS_PAD: tl.constexpr,
+    NUM_SLICES: tl.constexpr, PR: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    slot, row0, count, start = group_tile(tl.program_id(1), group_counts_ptr, num_slots, SLOTS_PAD, BLOCK_M)
+    slot, row0, count, start = token_tile(tile_map_ptr, tl.program_id(1))
     if slot >= num_slots:
         return
     pid_k = tl.program_id(0)
@@ -90,10 +90,10 @@ def lora_shrink(x: torch.Tensor, group: SliceGroup, batch: LoRABatch, config: Sh
     grid = (config.split_k, max_token_tiles(num_tokens, num_slots, config.block_m))
     _shrink_kernel[grid](
         x, *group.lora_a, z,
-        batch.sorted_tokens, batch.group_counts, batch.slot_ranks, batch.slot_pages,
+        batch.sorted_tokens, batch.token_tiles(config.block_m), batch.slot_ranks, batch.slot_pages,
         num_slots, max_rank, k_size, config.split_k,
         x.stride(0), z.stride(0), z.stride(1),
-        NUM_SLICES=group.num_slices, PR=group.page_rank, R_PAD=r_pad, SLOTS_PAD=triton.next_power_of_2(num_slots),
+        NUM_SLICES=group.num_slices, PR=group.page_rank, R_PAD=r_pad,
         BLOCK_M=config.block_m, BLOCK_K=config.block_k,
         EVEN_K=k_size % (config.block_k * config.split_k) == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,

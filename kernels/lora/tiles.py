@@ -1,11 +1,13 @@
 """Pieces shared by the LoRA kernels: the token-tile map, the page table and the stacked-slice bookkeeping.
 
-Token tiles: a launch covers `max_token_tiles(T, G, BLOCK_M)` programs along its token axis; program
-p finds the group g (metadata.py) and the tile of that group's tokens it owns from the per-group
-token counts alone (a prefix sum over at most S + 1 entries), so no per-step host work or per-block
-size map is needed, and programs past the last tile exit at once. The token axis is the grid's
-slow axis (y): the GPU dispatches blocks x-fastest, so the programs that have work run first and
-the empty ones (the bound is loose) trail behind.
+Token tiles: a launch over G groups (metadata.py; G = S for the shrink and the accumulating expands,
+S + 1 with the no-LoRA group) covers `max_token_tiles(T, G, BLOCK_M)` programs along its token axis.
+Groups are cut into tiles of BLOCK_M rows, in group order, and program p reads its tile from row p
+of LoRABatch.token_tiles(BLOCK_M) (`token_tile`): one 16-byte load addressed by the program index
+alone, built once per step, so a program starts loading its token ids one memory round trip after it
+starts. A program whose group is G or more (the no-LoRA group's tiles, or the empty rows past the
+last tile: the bound is loose) exits at once. The token axis is the grid's slow axis (y): the GPU
+dispatches blocks x-fastest, so the programs that have work run first and the empty ones trail behind.
 
 Slices: one launch serves up to MAX_SLICES stacked outputs (q|k|v, gate|up), each with its own A
 and B tensor and width; programs along the output axis are laid out slice after slice.
@@ -42,25 +44,17 @@ from kernels.lora.metadata import LoRABatch
 MAX_SLICES = 3
 
 
-def max_token_tiles(num_tokens: int, num_groups: int, block_m: int) -> int:
-    """Upper bound of sum over groups of cdiv(count_g, BLOCK_M), knowing only T and the group count."""
-    return triton.cdiv(num_tokens, block_m) + min(num_groups, num_tokens)
-
-
 @triton.jit
-def group_tile(pid_m, group_counts_ptr, NUM_GROUPS, GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(group, first row of this program's tile in the group, the group's token count, its first
-    index into sorted_tokens); group >= NUM_GROUPS: no tile. One load: the rest is a prefix sum."""
-    g = tl.arange(0, GROUPS_PAD)
-    counts = tl.load(group_counts_ptr + g, mask=g < NUM_GROUPS, other=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_ends = tl.cumsum(tiles, 0)
-    group = tl.sum((tile_ends <= pid_m).to(tl.int32), 0)
-    mine = g == group
-    first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), 0)
-    count = tl.sum(tl.where(mine, counts, 0), 0)
-    start = tl.sum(tl.where(mine, tl.cumsum(counts, 0) - counts, 0), 0)
-    return group, (pid_m - first_tile) * BLOCK_M, count, start
+def token_tile(tile_map_ptr, pid_m):
+    """(group, first row of the tile in the group, the group's token count, its first index into
+    sorted_tokens) of program pid_m, from its row of a tile map (LoRABatch.token_tiles, 16-byte
+    aligned rows): one 16-byte vector load, split in registers (no shuffles or shared memory)."""
+    offs = tl.max_contiguous(tl.multiple_of(pid_m * 4 + tl.arange(0, 4), 4), 4)
+    row = tl.reshape(tl.load(tile_map_ptr + offs), (2, 2))
+    even, odd = tl.split(row)  # split takes the last axis: fields 0 and 2, fields 1 and 3
+    group, count = tl.split(even)
+    row0, start = tl.split(odd)
+    return group, row0, count, start
 
 
 @triton.jit

@@ -11,6 +11,7 @@ from kernels.lora.configs import ExpandConfig, FusedConfig, GatherConfig, Plan, 
 from kernels.lora.expand import lora_expand
 from kernels.lora.expand_gather import lora_expand_gather
 from kernels.lora.fused import lora_fused
+from kernels.lora.metadata import TILE_HEIGHTS
 from kernels.lora.shrink import lora_shrink
 from kernels.lora.tiles import slice_groups
 from tests.kernels.lora_cases import make_case, rel_err
@@ -95,6 +96,27 @@ def test_one_adapter_over_several_token_tiles() -> None:
     y = torch.zeros(50, 48, device=DEVICE).half()
     lora_expand(y, lora_shrink(case.x, group, case.batch, SHRINK), group, case.batch, EXPAND)
     assert rel_err(y, case.delta(torch.zeros(50, 48))) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("block_m", TILE_HEIGHTS)
+@pytest.mark.parametrize("kernel", ["fused", "grouped"])
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_grouped_kernels_at_every_tile_height(block_m: int, kernel: str, accumulate: bool) -> None:
+    """Groups of one to several tiles at each height, a rank-0 slot and base tokens: accumulating
+    launches cover the slot groups (a prefix of the tile map), writing ones the no-LoRA group too."""
+    case = make_case(num_tokens=150, k=40, widths=[24, 8], ranks=[16, 0, 8], device=DEVICE, seed=12)
+    group = slice_groups(case.lora_a, case.lora_b)[0]
+    y = torch.randn(150, case.width, device=DEVICE).half() if accumulate else poisoned(150, case.width, torch.float16)
+    expected = case.delta(y if accumulate else case.bias.expand(150, -1))
+    bias = None if accumulate else case.bias
+    if kernel == "fused":
+        config = FusedConfig(block_m=block_m, block_n=16, block_k=32, n_chunk=32)
+        lora_fused(y, case.x, group, case.batch, config, bias=bias, accumulate=accumulate)
+    else:
+        z = lora_shrink(case.x, group, case.batch, ShrinkConfig(block_m=block_m, block_k=32, split_k=2))
+        expand = ExpandConfig(block_m=block_m, block_n=16)
+        lora_expand(y, z, group, case.batch, expand, bias=bias, accumulate=accumulate)
+    assert rel_err(y, expected) < TOL[torch.float16]
 
 
 def test_many_adapters_with_mixed_ranks_and_a_single_token() -> None:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from kernels.lora import LoRABatch
+from kernels.lora.metadata import TILE_HEIGHTS
 from tests.kernels.lora_cases import identity_pages
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,7 +87,7 @@ def test_a_page_table_must_be_one_row_of_pages_per_slot(pages: torch.Tensor) -> 
 
 
 FIELDS = ("sorted_tokens", "group_counts", "active_slots", "num_active", "sorted_slots", "sorted_ranks",
-          "sorted_scales", "sorted_pages")  # fmt: skip
+          "sorted_scales", "sorted_pages", "tile_map")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -104,3 +109,75 @@ def test_the_one_program_build_matches_the_torch_ops(num_tokens: int, num_slots:
     built._build_on_device()
     for name in FIELDS:
         assert torch.equal(getattr(built, name).cpu(), getattr(reference, name)), name
+
+
+def tile_map_by_hand(token_slots: list[int], ranks: list[int], height: int) -> list[list[int]]:
+    """The tile map spelled out: every group's tiles of `height` rows in group order, the no-LoRA
+    group (base tokens and rank-0 slots) last, then empty rows up to max_token_tiles(T, S + 1, 16)."""
+    num_slots = len(ranks)
+    groups = [slot if slot >= 0 and ranks[slot] > 0 else num_slots for slot in token_slots]
+    rows, start = [], 0
+    for group in range(num_slots + 1):
+        count = groups.count(group)
+        rows += [[group, row0, count, start] for row0 in range(0, count, height)]
+        start += count
+    num_rows = -(-len(token_slots) // 16) + min(num_slots + 1, len(token_slots))
+    return rows + [[num_slots + 1, 0, 0, 0]] * (num_rows - len(rows))
+
+
+def test_tile_map_lists_each_groups_tiles_then_the_no_lora_groups_then_empty_rows() -> None:
+    batch = build([1] * 40 + [-1, 0, 1], ranks=[8, 8, 8])
+    assert batch.token_tiles(16).tolist() == [
+        [0, 0, 1, 0],
+        [1, 0, 41, 1],
+        [1, 16, 41, 1],
+        [1, 32, 41, 1],
+        [3, 0, 1, 42],
+        [4, 0, 0, 0],
+        [4, 0, 0, 0],
+    ]
+    assert batch.token_tiles(32).tolist()[:4] == [[0, 0, 1, 0], [1, 0, 41, 1], [1, 32, 41, 1], [3, 0, 1, 42]]
+    assert batch.token_tiles(128).tolist()[3:] == [[4, 0, 0, 0]] * 4
+
+
+def test_a_tile_height_without_a_map_is_refused() -> None:
+    with pytest.raises(ValueError, match="block_m 48 has no tile map"):
+        build([0, 1], ranks=[8, 8]).token_tiles(48)
+
+
+@pytest.mark.parametrize("builder", ["torch", "kernel"])
+@pytest.mark.parametrize(
+    ("num_tokens", "num_slots", "seed"),
+    [(0, 3, 0), (1, 1, 1), (1, 4, 2), (9, 5, 3), (96, 40, 4), (300, 3, 5), (384, 64, 6), (700, 2, 7)],
+)
+def test_tile_map_matches_one_spelled_out_by_hand(builder: str, num_tokens: int, num_slots: int, seed: int) -> None:
+    """Random batches with base tokens, rank-0 and empty slots; few slots give groups of many tiles."""
+    gen = torch.Generator().manual_seed(seed)
+    token_slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen, dtype=torch.int32)
+    slot_ranks = torch.randint(0, 3, (num_slots,), generator=gen, dtype=torch.int32) * 8  # a third rank 0
+    args = (token_slots, slot_ranks, torch.ones(num_slots), identity_pages(num_slots))
+    batch = LoRABatch.build(*(t.to(DEVICE) for t in args) if builder == "kernel" else args)
+    if builder == "kernel":  # the Triton build, on the GPU or through the interpreter, over poison
+        batch.tile_map = torch.full_like(batch.tile_map, -7)
+        batch._build_on_device()
+    for height in TILE_HEIGHTS:
+        expected = tile_map_by_hand(token_slots.tolist(), slot_ranks.tolist(), height)
+        assert batch.token_tiles(height).tolist() == expected, height
+
+
+def test_a_programs_tile_read_and_the_build_compile_for_hopper() -> None:
+    """Without a GPU, for sm_90: a program reads its tile map row with one 16-byte load and no
+    shuffle or barrier (the prefix sum it replaces took four reductions), and the build kernel
+    compiles from one token to its largest batch (tests/kernels/lora_tile_compile.py)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.lora_tile_compile"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "tile-read loads=ld.global.v4.b32 shuffles=0 barriers=0",
+        "build T=1 S=1",
+        "build T=96 S=64",
+        "build T=384 S=256",
+        "build T=4096 S=256",
+    ]
