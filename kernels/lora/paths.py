@@ -33,7 +33,7 @@ from kernels.quant import Int4Weight, base_linear, fp8_linear, int4_linear
 from kernels.streams import beside, join
 
 
-def _expand(
+def expand_with_plan(
     plan: Plan,
     y: torch.Tensor,
     z: torch.Tensor,
@@ -42,6 +42,8 @@ def _expand(
     bias: torch.Tensor | None = None,
     accumulate: bool = True,
 ) -> None:
+    """The plan's expand of z (lora_shrink's partials) into y: the gathering kernel where the plan names
+    one, else the grouped one (expand.py)."""
     if plan.gather is not None:
         lora_expand_gather(y, z, group, batch, plan.gather, bias=bias, accumulate=accumulate)
     else:
@@ -65,7 +67,7 @@ def add_lora_cuda(
         if plan.path == "fused":
             lora_fused(y, x, group, batch, plan.fused)
         else:
-            _expand(plan, y, lora_shrink(x, group, batch, plan.shrink), group, batch)
+            expand_with_plan(plan, y, lora_shrink(x, group, batch, plan.shrink), group, batch)
 
 
 def linear_with_plan(
@@ -99,7 +101,7 @@ def linear_with_plan(
             lora_fused(y, x, group, batch, plan.fused, bias=bias, accumulate=False)
         else:
             z = lora_shrink(x, group, batch, plan.shrink)
-            _expand(plan, y, z, group, batch, bias=bias, accumulate=False)
+            expand_with_plan(plan, y, z, group, batch, bias=bias, accumulate=False)
     if isinstance(weight, Int4Weight):
         return y.add_(int4_linear(x, weight))  # the W4A16 GEMM takes no addend either
     if weight_scale is None:
@@ -157,7 +159,8 @@ def _beside(
     delta = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device) if target is None else target
     with beside(x.device):  # after x, the target and the batch metadata
         for group in groups:
-            _expand(plan, delta, lora_shrink(x, group, batch, plan.shrink), group, batch, accumulate=target is not None)
+            z = lora_shrink(x, group, batch, plan.shrink)
+            expand_with_plan(plan, delta, z, group, batch, accumulate=target is not None)
     y = base_linear(x, weight, bias, weight_scale)
     join(x.device)
     return y, delta
@@ -177,5 +180,5 @@ def _overlap(
     y = base_linear(x, weight, bias, weight_scale)
     join(x.device, *zs)
     for group, z in zip(groups, zs, strict=True):
-        _expand(plan, y, z, group, batch)
+        expand_with_plan(plan, y, z, group, batch)
     return y
