@@ -34,7 +34,7 @@ up: $(VENV)/.installed-run
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q --durations=15 $(PYTEST_ARGS)
 
 deploy-test: $(VENV)/.installed-deploy
 	VENV=$(VENV) TORCH="$(TORCH)" deploy/ci/stack-test.sh
