@@ -8,14 +8,18 @@ kernels/quant/w8a16_plans.py; kernels/moe/configs.py reads the packaged director
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+Key = TypeVar("Key")  # a table's plan key: sortable, and what its reader maps plans by
+Value = TypeVar("Value")
 
 PACKAGED_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -69,3 +73,29 @@ def locked(directory: Path) -> Iterator[None]:
         yield
     finally:
         os.close(descriptor)
+
+
+def merge_plans(
+    path: Path,
+    device: str,
+    command: str,
+    plans: Mapping[Key, Value],
+    read: Callable[[Path], Mapping[Key, Value]],
+    entry: Callable[[Key, Value], dict[str, Any]],
+) -> int:
+    """Merge `plans` into the plan file at `path` (its table's reader `read`, each plan written by
+    `entry`), for GPU `device`, and list `command` among the commands that made it; returns how many
+    plans the file holds. A key tuned again replaces its plan; the file's others stay (a tune cut short
+    completes a table rather than cutting it down). Under the directory's lock, replaced whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with locked(path.parent):
+        merged = dict(read(path)) | dict(plans)
+        commands = [c for c in read_document(path).get("commands", []) if c != command] + [command]
+        document = {
+            "device": device,
+            "date": datetime.date.today().isoformat(),
+            "commands": commands,
+            "plans": [entry(key, merged[key]) for key in sorted(merged)],
+        }
+        replace_file(path, json.dumps(document, indent=1) + "\n")
+    return len(merged)

@@ -21,8 +21,6 @@ that a budget cut short drops the largest buckets (bench/tune_w8a16.py does).
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +32,7 @@ import triton
 
 from kernels.lora.tuning import Echo, TuneDeadline, silent
 from kernels.lora.tuning.timing import Flushed
-from kernels.plan_files import locked, read_document, replace_file
+from kernels.plan_files import merge_plans
 from kernels.quant.reference import quantize_weight, weight_only_linear_reference
 from kernels.quant.w8a16 import w8a16_linear
 from kernels.quant.w8a16_plans import PlanKey, W8A16Plan, default_plan, plan_entry, read_plans, reload_plans
@@ -199,22 +197,11 @@ class W8A16Tuner:
 
 def update_plan_file(path: Path, device: str, command: str, plans: Mapping[PlanKey, W8A16Plan]) -> int:
     """Merge `plans` ((N, K, max_tokens) → plan) into the W8A16 plan file at `path`, for GPU `device`,
-    and list `command` among the commands that made it; returns how many plans the file holds. A cell
-    tuned again replaces its plan; the file's others stay. Rewritten whole under a directory lock
-    (kernels/plan_files.py); this process's next lookups read it again."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with locked(path.parent):
-        merged = read_plans(path) | dict(plans)
-        commands = [c for c in read_document(path).get("commands", []) if c != command] + [command]
-        document = {
-            "device": device,
-            "date": datetime.date.today().isoformat(),
-            "commands": commands,
-            "plans": [plan_entry(key, merged[key]) for key in sorted(merged)],
-        }
-        replace_file(path, json.dumps(document, indent=1) + "\n")
+    and list `command` among the commands that made it; returns how many plans the file holds
+    (kernels/plan_files.merge_plans); this process's next lookups read it again."""
+    count = merge_plans(path, device, command, plans, read_plans, plan_entry)
     reload_plans()
-    return len(merged)
+    return count
 
 
 @dataclass(frozen=True)
