@@ -51,6 +51,22 @@ def read_document(path: Path) -> dict[str, Any]:
         return {}
 
 
+def read_entries(path: Path, table: str) -> list[dict[str, Any]]:
+    """The plan entries a plan file lists, for its table's reader to parse; none for a file that does
+    not exist. A file that cannot be read, or holds no list of plans, raises ValueError naming it and
+    its `table` ("LoRA", "W8A16")."""
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the {table} plan file {path}: {exc}") from exc
+    entries = document.get("plans") if isinstance(document, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path} is not a {table} plan file: it holds no list of plans")
+    return entries
+
+
 def replace_file(path: Path, text: str) -> None:
     """Write `text` to a temporary file beside `path`, then rename it over `path` (atomic)."""
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kernels.plan_files import PACKAGED_DIR, cache_dir, set_cache_dir
+from kernels.plan_files import PACKAGED_DIR, cache_dir, read_entries, set_cache_dir
 
 PathName = Literal["fused", "split", "overlap"]
 PATHS: tuple[PathName, ...] = ("fused", "split", "overlap")
@@ -146,16 +145,11 @@ def plan_entry(key: PlanKey, max_tokens: int, plan: Plan) -> dict[str, Any]:
 def read_plans(path: Path) -> dict[tuple[PlanKey, int], Plan]:
     """A plan file's plans by (shape, max_tokens); none for a file that does not exist. A file that
     is not a plan file raises ValueError naming it."""
-    try:
-        document = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read the LoRA plan file {path}: {exc}") from exc
+    entries = read_entries(path, "LoRA")
     try:
         return {
             ((entry["k"], tuple(entry["widths"]), entry["rank_pad"]), entry["max_tokens"]): Plan.from_json(entry)
-            for entry in document["plans"]
+            for entry in entries
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path} is not a LoRA plan file: {type(exc).__name__}: {exc}") from exc

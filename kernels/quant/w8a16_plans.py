@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import triton
 
-from kernels.plan_files import PACKAGED_DIR, cache_dir
+from kernels.plan_files import PACKAGED_DIR, cache_dir, read_entries
 from kernels.quant.reference import W8A16_MAX_TOKENS
 
 
@@ -100,15 +99,10 @@ def plan_entry(key: PlanKey, plan: W8A16Plan) -> dict[str, Any]:
 def read_plans(path: Path) -> dict[PlanKey, W8A16Plan]:
     """A W8A16 plan file's plans by (N, K, max_tokens); none for a file that does not exist. A file
     that is not one raises ValueError naming it (and, for a bad plan, the field)."""
-    try:
-        document = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read the W8A16 plan file {path}: {exc}") from exc
+    entries = read_entries(path, "W8A16")
     try:
         plans = {}
-        for entry in document["plans"]:
+        for entry in entries:
             fields = {name: entry[name] for name in entry if name not in ("n", "k", "max_tokens")}
             plans[entry["n"], entry["k"], entry["max_tokens"]] = W8A16Plan(**fields)
         return plans
