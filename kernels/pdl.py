@@ -45,6 +45,9 @@ def enabled(device: torch.device, rows: int) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+NO_PDL = {"PDL": False, "launch_pdl": False}  # launch_options of a launch that never uses PDL
+
+
 def launch_options(device: torch.device, rows: int) -> dict[str, bool]:
     """A launch's PDL keyword arguments: the kernel's `PDL` constexpr and Triton's `launch_pdl`, always
     equal, since a kernel launched with PDL must wait first (wait_for_previous) and only then."""
@@ -53,9 +56,12 @@ def launch_options(device: torch.device, rows: int) -> dict[str, bool]:
 
 
 @triton.jit
-def wait_for_previous(PDL: tl.constexpr):
+def wait_for_previous(PDL: tl.constexpr, SCHEDULE_NEXT: tl.constexpr = True):
     """The first statement of a kernel that may be launched with PDL (PDL: whether it was): wait for
-    the previous kernel on the stream, then let the next one be scheduled."""
+    the previous kernel on the stream, then (SCHEDULE_NEXT) let the next one be scheduled. Without
+    SCHEDULE_NEXT the next kernel is scheduled when this one ends, as without PDL (what measured faster
+    after the W8A16 GEMM, whose programs stream weights on every SM: docs/benchmarks.md)."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if SCHEDULE_NEXT:
+            gdc_launch_dependents()

@@ -19,6 +19,12 @@ the tiles are too few to keep every SM reading weights, the K reduction is split
 to an fp32 workspace and a second kernel sums them in a fixed order (deterministic, no atomics, no
 zero fill). The launch (tiles, split, order, warps, stages) is a W8A16Plan: tuned per GPU model and
 weight shape where a table has one, else a default (w8a16_plans.py).
+
+Plans of 16-row tiles (up to 16 tokens: the kernel only streams weights) launch with PDL (kernels/pdl.py):
+the GEMM's programs are scheduled while the kernel ahead of them (the norm, attention or activation
+that writes x) finishes, and the split sum's while the GEMM finishes. The GEMM itself lets its
+successor be scheduled only when it ends; that, and no PDL for the wider plans, is what measured
+fastest on an H100 (docs/benchmarks.md, "Quantized bases").
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.quant.reference import FP8_DTYPE
 from kernels.quant.w8a16_plans import W8A16Plan, default_plan, plan_for
 
@@ -68,7 +75,9 @@ def _w8a16_kernel(
     PARTIAL: tl.constexpr,  # the K reduction is split: write fp32 partials, no scale sum or bias yet
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,  # float32 activations (the demo model's GPU dtype): no TF32 rounding of x
+    PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous(PDL, SCHEDULE_NEXT=False)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,7 +124,9 @@ def _sum_splits_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous(PDL)
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offsets < size
     total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -153,17 +164,18 @@ def w8a16_linear(
     split_k = triton.cdiv(k_size, k_per_split)  # rounding K ranges up to BLOCK_K may need fewer
     out = y if split_k == 1 else torch.empty((split_k, num_tokens, n_size), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n_size, plan.block_n), triton.cdiv(num_tokens, plan.block_m), split_k)
+    launch_pdl = pdl.launch_options(x.device, num_tokens) if plan.block_m == 16 else pdl.NO_PDL
     _w8a16_kernel[grid](
         out, x, weight, weight_scale, x if bias is None else bias,
         num_tokens, n_size, k_size, k_per_split, x.stride(0),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         SWAP=plan.swap, PARTIAL=split_k > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_pdl,
     )  # fmt: skip
     if split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](
             y, out, y if bias is None else bias, y.numel(), n_size,
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **launch_pdl,
         )  # fmt: skip
     return y
