@@ -13,6 +13,11 @@ import torch
 # interpreter, which has to be chosen before any kernel module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The processes tests start (workers, gateways, `lorafleet up`, the benches' fleets) run one intra-op thread
+# each, as bench/fleet.py runs its CPU workers: several processes on the suite's 2 shared cores, each with
+# torch's default of a thread per core, spin against each other (docs/benchmarks.md), and a fleet test's
+# jobs took over twice as long. This process keeps the count torch read when it was imported above.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import redis
