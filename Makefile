@@ -34,7 +34,8 @@ up: $(VENV)/.installed-run
 
 # two pytest-xdist workers, each given half the suite (worksteal): tests/conftest.py puts the tests that start
 # processes first and lets one module of them run at a time, so one worker runs those while the other runs
-# the in-process tests on the core they leave idle. PYTEST_ARGS="-n 0" runs it in one process.
+# the in-process tests on the core they leave idle. PYTEST_ARGS="-n 0" runs it in one process (on a GPU host,
+# so that no two GPU tests share the GPU's memory).
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q -n 2 --dist worksteal --durations=15 $(PYTEST_ARGS)
