@@ -32,9 +32,13 @@ $(VENV)/.installed-deploy: $(VENV)/.installed-test
 up: $(VENV)/.installed-run
 	$(VENV)/bin/lorafleet up $(ARGS)
 
+# two pytest-xdist workers, each given half the suite (worksteal): tests/conftest.py puts the tests that start
+# processes first and lets one module of them run at a time, so one worker runs those while the other runs
+# the in-process tests on the core they leave idle. PYTEST_ARGS="-n 0" runs it in one process (on a GPU host,
+# so that no two GPU tests share the GPU's memory).
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q --durations=15 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n 2 --dist worksteal --durations=15 $(PYTEST_ARGS)
 
 deploy-test: $(VENV)/.installed-deploy
 	VENV=$(VENV) TORCH="$(TORCH)" deploy/ci/stack-test.sh

@@ -24,7 +24,7 @@ from shared.model_info import ModelInfo
 from shared.redis_client import plain_redis, sync_redis
 from shared.schema import PRIORITIES, JobRecord, JobStatus
 from shared.tenants import create_tenant
-from tests.e2e.processes import lorafleet_process, wait_until
+from tests.e2e.processes import start_lorafleet, stop_processes, wait_until
 
 MODEL = "demo"
 TENANT = DEMO_ADAPTERS[0].tenant
@@ -81,7 +81,8 @@ def provision(redis_url: str, model_dir: Path, adapter_root: Path) -> dict[str, 
 
 @dataclass
 class Fleet:
-    """Processes started inside `stack` are stopped (SIGTERM, then SIGKILL) when it closes."""
+    """Processes it starts are stopped together (SIGTERM, then SIGKILL) when `stack` closes, after whatever
+    was entered into `stack` after the Fleet was made."""
 
     redis_url: str
     model_dir: Path
@@ -91,6 +92,10 @@ class Fleet:
     api_keys: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     logs: list[Path] = field(default_factory=list)
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stack.callback(stop_processes, self.processes)
 
     @property
     def url(self) -> str:
@@ -102,7 +107,7 @@ class Fleet:
     def start_gateway(self, *flags: str) -> subprocess.Popen:
         log = self._log("gateway")
         args = ["gateway", "--redis-url", self.redis_url, "--port", str(self.port), *GATEWAY_FLAGS, *flags]
-        process = self.stack.enter_context(lorafleet_process(args, log))
+        process = self._start(args, log)
 
         def ready() -> bool:
             try:
@@ -119,7 +124,7 @@ class Fleet:
         args = ["worker", "--redis-url", self.redis_url, "--model", f"{MODEL}={self.model_dir}"]
         args += ["--adapter-root", str(self.adapter_root), "--worker-id", name, *WORKER_FLAGS, *flags]
         log = self._log(name)
-        process = self.stack.enter_context(lorafleet_process(args, log))
+        process = self._start(args, log)
         with self.redis() as client:
 
             def ready() -> bool:
@@ -145,6 +150,10 @@ class Fleet:
                 if event["event"] == "job_started" and event["arrival"] == "reclaimed" and event["attempt"] > 1:
                     starts[event["job"]] += 1
         return starts
+
+    def _start(self, args: list[str], log: Path) -> subprocess.Popen:
+        self.processes.append(start_lorafleet(args, log))
+        return self.processes[-1]
 
     def _log(self, name: str) -> Path:
         self.logs.append(self.log_of(name))

@@ -14,25 +14,37 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@contextmanager
-def lorafleet_process(args: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
-    """Run `lorafleet ARGS` as a child; on exit send SIGTERM (then SIGKILL) and, if the test failed,
-    leave its log at `log_path` (printed by `dump_log`)."""
+def start_lorafleet(args: list[str], log_path: Path) -> subprocess.Popen:
+    """`lorafleet ARGS` as a child writing to `log_path` (printed by `wait_until` when a wait fails)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
+    with log_path.open("wb") as log:  # the child writes through its own copy of the descriptor
+        return subprocess.Popen(
             [sys.executable, "-m", "cli", *args], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
+
+
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM every one still running, all at once, then wait for each (SIGKILL past 30 s): their stops
+    (a worker's takes up to its one-second read block) overlap instead of adding up."""
+    running = [process for process in processes if process.poll() is None]
+    for process in running:
+        process.send_signal(signal.SIGTERM)
+    for process in running:
         try:
-            yield process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def lorafleet_process(args: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
+    """Run `lorafleet ARGS` as a child; on exit send SIGTERM (then SIGKILL)."""
+    process = start_lorafleet(args, log_path)
+    try:
+        yield process
+    finally:
+        stop_processes([process])
 
 
 def wait_until(condition: Callable[[], bool], *, timeout_s: float, what: str, logs: list[Path] = ()) -> None:

@@ -69,7 +69,7 @@ def test_a_sigtermed_worker_drains_within_its_grace_period_and_loses_no_job(flee
     fleet.start_gateway()
     draining = holding_the_adapter(fleet, "draining", "--drain-grace", str(DRAIN_GRACE_S))
     fleet.start_worker("steady")
-    jobs = jobs_for(40, max_tokens=192)
+    jobs = jobs_for(40, max_tokens=96)
     job_ids = fleet.submit(jobs)
     adapter_ids = [job_id for job, job_id in zip(jobs, job_ids, strict=True) if "adapter" in job]
     wait_until(lambda: fleet.running_on("draining", adapter_ids) >= 2, timeout_s=30, what="the worker to run jobs")
