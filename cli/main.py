@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import redis
 
 from cli.errors import CommandError
+from cli.own_packages import shadowed_packages
 from cli.parsers import admin, clients, servers, tune, worker
 from cli.redis_server import RedisServerError
 from shared.errors import LorafleetError
@@ -42,6 +43,12 @@ def _fail(message: str, exit_code: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if shadowed := shadowed_packages():
+        return _fail(
+            "another installed package shadows lorafleet's own (uninstall it, e.g. `pip uninstall kernels` "
+            "for Hugging Face's, or run from a separate environment): " + "; ".join(shadowed),
+            1,
+        )
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
