@@ -17,11 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]  # the directory that holds them all
 
 
 def shadowed_packages() -> list[str]:
-    """One line per package of ours that the import path resolves somewhere else: its name and where."""
+    """One line per package of ours that the import path resolves to another package's code: its name
+    and where. A package not installed here (the gateway image ships no worker or kernels) is not
+    shadowed: the command that needs it says so itself."""
     lines = []
     for name in PACKAGES:
         spec = importlib.util.find_spec(name)
-        found = Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
+        if spec is None or spec.origin is None:  # absent, or a bare directory (a namespace package)
+            continue
+        found = Path(spec.origin).resolve().parent
         if found != ROOT / name:
-            lines.append(f"`import {name}` finds {found or 'a namespace package'}, not {ROOT / name}")
+            lines.append(f"`import {name}` finds {found}, not {ROOT / name}")
     return lines
