@@ -127,14 +127,16 @@ def test_a_leaving_workers_adapters_move_to_their_homes_among_the_others_and_no_
             # placed on its stream while its heartbeat lives; the others adopt them once it has expired
             in_flight += submit_each(fleet, on_leaver, max_tokens=2, wait=False)
             wait_until(lambda: not client.exists(keys.worker("w3")), timeout_s=10, what="w3's heartbeat to expire")
-    time.sleep(FLEET_VIEW_S)
-
-    after = run_each(fleet, list(adapters))
 
     in_flight_ids = [r.job_id for r in in_flight]
     records = fleet.wait_finished(in_flight_ids, timeout_s=90)
     fleet.assert_nothing_lost(in_flight_ids, records)  # each succeeded, with exactly one stored result
     assert not any(r.worker == "w3" for r in records if r.attempts > 1)
+    # placement is checked on an idle fleet: a home still running the leaver's adopted jobs past its
+    # slack spills to the other worker by design (rule 4), which on 2 loaded cores it did
+    time.sleep(FLEET_VIEW_S)
+
+    after = run_each(fleet, list(adapters))
     # the leaver's share goes to each adapter's home among the others; the others' adapters stay
     assert after == homes(adapters, ["w1", "w2"])
     assert all(after[name] == before[name] for name in adapters if name not in leaving)
