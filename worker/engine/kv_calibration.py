@@ -70,23 +70,11 @@ def calibrate_kv_scales(model: CausalLM, *, block_size: int, max_tokens: int) ->
     device = model.slot_ranks.device
     count = min(CALIBRATION_TOKENS, model.info.max_context)
     tokens = calibration_tokens(model.info.vocab_size, count, model.info.bos_token_id)
-    num_blocks = -(-count // block_size)
     layout = KVLayout(info.num_layers, block_size, info.num_kv_heads, info.head_dim, model.dtype)
-    cache = KVCache.allocate(layout, num_blocks, device)
-    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :]
+    cache = KVCache.allocate(layout, -(-count // block_size), device)
     for start in range(0, count, max_tokens):
-        end = min(count, start + max_tokens)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(tokens[start:end], dtype=torch.int64, device=device),
-            positions=torch.arange(start, end, dtype=torch.int64, device=device),
-            slot_mapping=torch.arange(start, end, dtype=torch.int64, device=device),  # blocks in order
-            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
-            context_lens=torch.tensor([end], dtype=torch.int32, device=device),
-            block_tables=block_table,
-            logits_indices=torch.tensor([end - start - 1], dtype=torch.int64, device=device),
-            max_query_len=end - start,
-            max_context_len=end,
-        )
+        chunk = tokens[start : start + max_tokens]
+        batch = ForwardBatch.scratch_prefill(chunk, start=start, block_size=block_size, device=device)
         model.forward(batch, cache)
     # slots past `count` stay zero (the cache is allocated zeroed): they never raise an amax
     for layer, key, value in zip(model.model.layers, cache.key, cache.value, strict=True):

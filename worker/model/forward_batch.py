@@ -10,6 +10,7 @@ each new token's K/V is written and `block_tables` where each sequence's history
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,3 +38,23 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
+
+    @classmethod
+    def scratch_prefill(
+        cls, token_ids: Sequence[int], *, start: int, block_size: int, device: torch.device
+    ) -> ForwardBatch:
+        """Tokens [start, start + len(token_ids)) of one sequence, its earlier tokens cached, in a
+        scratch cache whose blocks 0, 1, 2, ... it holds in order (token p's K/V in slot p); the
+        logits of its last token. What calibration forwards run, outside any engine."""
+        end = start + len(token_ids)
+        return cls(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+            positions=torch.arange(start, end, dtype=torch.int64, device=device),
+            slot_mapping=torch.arange(start, end, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
+            context_lens=torch.tensor([end], dtype=torch.int32, device=device),
+            block_tables=torch.arange(-(-end // block_size), dtype=torch.int32, device=device)[None, :],
+            logits_indices=torch.tensor([end - start - 1], dtype=torch.int64, device=device),
+            max_query_len=end - start,
+            max_context_len=end,
+        )
