@@ -4,14 +4,16 @@ demo adapter by default). Runs on CPU (the references, which emulate fp8 in floa
 
     python -m bench.quality [--device cpu|cuda] [--dtype float32|bfloat16|float16]
                             [--quantization none fp8 ...] [--kv-cache-dtype auto fp8]
-                            [--model-dir DIR] [--adapter DIR] [--text FILE] [--tokens 2048] [--window 512]
+                            [--model-dir DIR] [--checkpoints DIR ...] [--adapter DIR] [--text FILE]
+                            [--tokens 2048] [--window 512]
                             [--new-tokens 32] [--out FILE]
 
 Every (--quantization, --kv-cache-dtype) pair is loaded as a worker loads it (worker/switching/loader:
 the served model info, quantization at load, an fp8 cache's scales calibrated as the model runner
 calibrates them, the adapter through the pool's reader and slot writer);
 the first pair is the baseline the others are compared with. --quantization takes any weight format
-the worker serves (shared/quantization.WEIGHT_FORMATS).
+the worker serves (shared/quantization.WEIGHT_FORMATS); --checkpoints takes the same model quantized
+ahead of time (a GPTQ checkpoint `lorafleet quantize` wrote, or a published one), served as it loads.
 
 Perplexity: the first --tokens tokens of --text (default: this repository's README.md, written after
 the model was trained: held out by construction) in windows of --window tokens, each from an empty
@@ -45,6 +47,7 @@ from shared.adapter_digest import file_digest
 from shared.adapter_format import WEIGHTS_FILE
 from shared.chat_template import read_chat_template
 from shared.config import EngineConfig, ModelSpec
+from shared.model_info import ModelInfo
 from shared.quantization import KV_CACHE_DTYPES, WEIGHT_FORMATS
 from shared.schema import AdapterRef
 from worker.adapter_pool.host_adapter import fresh_buffers, read_host_adapter
@@ -199,13 +202,17 @@ def measure(args: argparse.Namespace, model_dir: Path, adapter: Path) -> list[Ro
         raise SystemExit(f"--text has {len(ids)} tokens, fewer than one --window of {args.window}")
     template = read_chat_template(model_dir)
     prompts = [tokenizer.encode(render_chat(template, ({"role": "user", "content": p},))).ids for p in PROMPTS]
+    # (weights as the table names them, the checkpoint, --quantization): the checkpoints given are
+    # served as they load, after the --quantization rows of the model
+    served = [(weights, model_dir, None if weights == "none" else weights) for weights in args.quantization]
+    served += [(f"{ModelInfo.from_pretrained('quality', path).checkpoint_quantization} ({path.name})", path, None)
+               for path in args.checkpoints]  # fmt: skip
     rows = []
-    for weights in args.quantization:
+    for weights, checkpoint, quantization in served:
         for kv in args.kv_cache_dtype:
-            quantization = None if weights == "none" else weights  # "none": the checkpoint's own dtype
             config = EngineConfig(device=args.device, dtype=args.dtype, quantization=quantization,
                                   kv_cache_dtype=kv, max_loras=1, max_lora_rank=16)  # fmt: skip
-            model = load(model_dir, adapter, config)
+            model = load(checkpoint, adapter, config)
             blocks = max(-(-args.window // BLOCK_SIZE), len(prompts) * blocks_per_prompt(prompts, args.new_tokens))
             layout = KVLayout.of(model.info, BLOCK_SIZE, model.dtype)
             kv_cache = KVCache.allocate(layout, blocks, torch.device(args.device))
@@ -247,6 +254,9 @@ def main() -> None:
     parser.add_argument("--quantization", nargs="+", choices=WEIGHT_FORMATS, default=["none", "fp8"])
     parser.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto", "fp8"])
     parser.add_argument("--model-dir", type=Path, help="an HF checkpoint (default: the demo model)")
+    parser.add_argument("--checkpoints", type=Path, nargs="*", default=[],
+                        help="the same model quantized ahead (e.g. by `lorafleet quantize`), each served as it "
+                             "loads, in rows after the --quantization ones")  # fmt: skip
     parser.add_argument("--adapter", type=Path, default=DEMO_ASSETS / "globex-pirate", help="a PEFT adapter dir")
     parser.add_argument("--text", default=str(ROOT / "README.md"), help="the held-out text")
     parser.add_argument("--tokens", type=int, default=2048)

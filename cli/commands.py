@@ -45,6 +45,12 @@ def tune(args: argparse.Namespace) -> int:
     return run_tune(cfa.tune_config(args))
 
 
+def quantize(args: argparse.Namespace) -> int:
+    from cli.quantize import run_quantize
+
+    return run_quantize(cfa.quantize_config(args))
+
+
 def tenant_create(args: argparse.Namespace) -> int:
     from cli import admin
 

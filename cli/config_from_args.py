@@ -353,6 +353,33 @@ def tune_config(args: argparse.Namespace) -> TuneConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class QuantizeConfig:
+    """What `lorafleet quantize` quantizes, on what text, and where it writes the checkpoint."""
+
+    model: ModelSpec
+    out: Path
+    calibration: Path  # a UTF-8 text file
+    tokens: int  # calibration tokens at most
+    window: int  # tokens per calibration sequence
+    group_size: int | None  # None: the group --quantization int4 would take
+    device: str | None  # None: cuda when torch sees a GPU, else cpu
+
+
+def quantize_config(args: argparse.Namespace) -> QuantizeConfig:
+    if not args.calibration.is_file():
+        raise ConfigError("--calibration", f"{args.calibration} is not a file")
+    return QuantizeConfig(
+        model=args.model,
+        out=args.out,
+        calibration=args.calibration,
+        tokens=args.tokens,
+        window=args.window,
+        group_size=args.group_size,
+        device=None if args.device == "auto" else args.device,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class SubmitTarget:
     gateway_url: str
     api_key: str

@@ -15,7 +15,7 @@ import redis
 
 from cli.errors import CommandError
 from cli.own_packages import shadowed_packages
-from cli.parsers import admin, clients, servers, tune, worker
+from cli.parsers import admin, clients, quantize, servers, tune, worker
 from cli.redis_server import RedisServerError
 from shared.errors import LorafleetError
 
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         clients.add_submit,
         clients.add_batch,
         tune.add_tune,
+        quantize.add_quantize,
     ):
         add(commands)
     return parser

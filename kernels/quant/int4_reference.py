@@ -35,6 +35,9 @@ MAX_LEVEL = 15  # the largest 4-bit value
 MIN_SCALE = 2.0**-14
 # AWQ's GEMM packing along N: nibble i of an int32 holds column AWQ_ORDER[i] of its eight
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# GPTQ checkpoints ("checkpoint_format" gptq) store each zero point minus this in a nibble, and their
+# readers add it back: a zero point of 0 cannot be written (it would read back as 16)
+GPTQ_ZERO_OFFSET = 1
 # the fixed codebooks (codebook.py) the GPU kernel holds in registers (codebook_lookup.py)
 CODEBOOK_NAMES = ("nf4", "fp4")
 
@@ -131,18 +134,41 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     if k % group_size:
         raise ValueError(f"K={k} must be a multiple of the group size {group_size}")
     groups = weight.float().reshape(n, k // group_size, group_size)
-    low = groups.amin(dim=-1, keepdim=True).clamp(max=0.0)  # 0 in range: zero weights stay exact
+    scales, zeros = affine_grid(groups)
+    q = round_to_grid(groups, scales, zeros).reshape(n, k)
+    return q.T.contiguous(), affine_int4(q, scales.reshape(n, -1), zeros.reshape(n, -1))
+
+
+def affine_int4(levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int4Weight:
+    """The packed Int4Weight of 4-bit `levels` [N, K] on the grids `scales` and `zeros` [N, K / G]."""
+    return Int4Weight(
+        qweight=pack_along_k(levels.T),
+        scales=scales.T.half().contiguous(),
+        zeros=zeros.T.half().contiguous(),
+        arrivals=arrival_counters(levels.device),
+    )
+
+
+def affine_grid(groups: torch.Tensor, *, min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, zero points), float32 [..., 1] each, of the 4-bit grids for `groups` [..., G]: the 16
+    levels (q - zero) * scale span [min, max] of each group, 0 included (zero weights stay exact);
+    the scale is rounded to float16 first, so values are rounded against the scale that is stored.
+    `min_zero`: the smallest zero point the grid may have; a group with less than half a step below
+    zero then takes levels from -min_zero * scale up to its max (GPTQ's checkpoints need 1)."""
+    low = groups.amin(dim=-1, keepdim=True).clamp(max=0.0)
     high = groups.amax(dim=-1, keepdim=True).clamp(min=0.0)
     scales = ((high - low) / MAX_LEVEL).clamp(min=MIN_SCALE).half().float()
     zeros = torch.round(-low / scales).clamp(0, MAX_LEVEL)
-    q = (torch.round(groups / scales) + zeros).clamp(0, MAX_LEVEL).to(torch.int32).reshape(n, k)
-    layout = Int4Weight(
-        qweight=pack_along_k(q.T),
-        scales=scales.reshape(n, -1).T.half().contiguous(),
-        zeros=zeros.reshape(n, -1).T.half().contiguous(),
-        arrivals=arrival_counters(weight.device),
-    )
-    return q.T.contiguous(), layout
+    if min_zero:
+        short = zeros < min_zero
+        above = (high / (MAX_LEVEL - min_zero)).clamp(min=MIN_SCALE).half().float()
+        scales, zeros = torch.where(short, above, scales), zeros.clamp(min=min_zero)
+    return scales, zeros
+
+
+def round_to_grid(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """int32 4-bit levels of `values` on the grids (scales, zeros) broadcast over them: round to nearest."""
+    return (torch.round(values / scales) + zeros).clamp(0, MAX_LEVEL).to(torch.int32)
 
 
 def dequantize_int4(weight: Int4Weight) -> torch.Tensor:

@@ -19,13 +19,20 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.quant.int4_reference import AWQ_ORDER, PACK, pack_along_k, quantize_int4, unpack_along_n
+from kernels.quant.int4_reference import (
+    AWQ_ORDER,
+    GPTQ_ZERO_OFFSET,
+    PACK,
+    Int4Weight,
+    pack_along_k,
+    pack_along_n,
+    quantize_int4,
+    unpack_along_n,
+)
 from worker.model.weights import copy_weight
 
 # GPTQ's zero points in order along N (AWQ interleaves its)
 _IN_ORDER = tuple(range(PACK))
-# GPTQ ("checkpoint_format" gptq) saves each zero point minus one, and its readers add the one back
-_GPTQ_ZERO_OFFSET = 1
 
 
 def quantize_into(
@@ -69,7 +76,26 @@ def copy_awq_zeros(zeros: torch.Tensor, tensor: torch.Tensor, *, name: str) -> N
 
 def copy_gptq_zeros(zeros: torch.Tensor, tensor: torch.Tensor, *, name: str) -> None:
     """GPTQ `qzeros` int32 [K / G, N_i / 8] (each zero point minus one) into the slice's `zeros`."""
-    _copy_zeros(zeros, tensor, _IN_ORDER, _GPTQ_ZERO_OFFSET, name=name)
+    _copy_zeros(zeros, tensor, _IN_ORDER, GPTQ_ZERO_OFFSET, name=name)
+
+
+def gptq_tensors(weight: Int4Weight) -> dict[str, torch.Tensor]:
+    """What a GPTQ checkpoint (checkpoint_format gptq, desc_act false) holds for the affine 4-bit
+    `weight` [N, K], by tensor suffix: `qweight` int32 [K / 8, N], `qzeros` int32 [K / G, N / 8] (each
+    zero point minus GPTQ_ZERO_OFFSET), `scales` float16 [K / G, N], `g_idx` int32 [K] (k // G); the
+    inverse of the GPTQ loaders above, for `lorafleet quantize`."""
+    if weight.zeros is None:
+        raise ValueError("a GPTQ checkpoint holds affine 4-bit weights, not codebook ones")
+    zeros = weight.zeros.to(torch.int32)
+    if not torch.equal(zeros.to(weight.zeros.dtype), weight.zeros) or int(zeros.min()) < GPTQ_ZERO_OFFSET:
+        raise ValueError(f"a GPTQ checkpoint holds integer zero points of {GPTQ_ZERO_OFFSET} or more")
+    k = weight.shape[1]
+    return {
+        "qweight": weight.qweight.contiguous(),
+        "qzeros": pack_along_n(zeros - GPTQ_ZERO_OFFSET, _IN_ORDER),
+        "scales": weight.scales.half().contiguous(),
+        "g_idx": torch.arange(k, dtype=torch.int32, device=weight.qweight.device) // weight.group_size,
+    }
 
 
 def copy_scales(scales: torch.Tensor, tensor: torch.Tensor, *, name: str) -> None:

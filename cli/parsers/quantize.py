@@ -1,0 +1,46 @@
+"""The parser of `quantize`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from cli import commands, flag_types
+from shared.int4_quantization import GROUP_SIZES
+
+
+def add_quantize(subparsers: argparse._SubParsersAction) -> None:
+    quantize = subparsers.add_parser(
+        "quantize",
+        help="quantize a checkpoint to 4 bits with GPTQ, for workers to serve as published",
+        description="Quantize a plain (bf16/fp16/fp32) checkpoint to 4-bit weights with GPTQ, calibrated on a "
+        "text of yours, and write a GPTQ checkpoint (quant_method gptq, desc_act false) that a worker serves "
+        "as it is. Better than --quantization int4's round to nearest at load for the same bytes, for a few "
+        "minutes once (cli/quantize.py).",
+    )
+    quantize.add_argument(
+        "--model", type=flag_types.model_spec, required=True, metavar="NAME=PATH", help="HF model dir (unquantized)"
+    )
+    quantize.add_argument("--out", type=Path, required=True, help="the new checkpoint's directory (must not exist)")
+    quantize.add_argument(
+        "--calibration",
+        type=Path,
+        required=True,
+        help="a UTF-8 text like what the model will serve (its tokens are what GPTQ fits the layers' outputs to)",
+    )
+    quantize.add_argument(
+        "--tokens", type=flag_types.positive_int, default=16384, help="calibration tokens (default: %(default)s)"
+    )
+    quantize.add_argument(
+        "--window", type=flag_types.positive_int, default=512, help="tokens a sequence (default: %(default)s)"
+    )
+    quantize.add_argument(
+        "--group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        help="inputs per scale (default: the largest that divides every projection's input width)",
+    )
+    quantize.add_argument(
+        "--device", type=flag_types.device_name, default="auto", help="auto (cuda if there is one), cpu, cuda or cuda:N"
+    )
+    quantize.set_defaults(run=commands.quantize)
