@@ -38,6 +38,10 @@ def run_quantize(config: QuantizeConfig) -> int:
     group_size = _group_size(info, config.group_size, source)  # before torch: the cheap checks first
     if config.out.exists():
         raise CommandError(f"--out {config.out} exists: give a new directory", exit_code=2)
+    if config.window > info.max_context:
+        raise CommandError(f"--window {config.window} is past {info.name}'s context of {info.max_context}", exit_code=2)
+    if not (source / "tokenizer.json").is_file():
+        raise CommandError(f"{source} has no tokenizer.json to read the calibration text with", exit_code=2)
     import torch
     from tokenizers import Tokenizer
 

@@ -148,6 +148,12 @@ def test_bad_requests_exit_2_naming_the_problem(
         ((wide_llama.model_dir, tmp_path / "short", short), "3 tokens, fewer than one --window of 64"),
         ((wide_llama.model_dir, tmp_path / "none", tmp_path / "missing.txt"), "missing.txt is not a file"),
     ]
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for path in wide_llama.model_dir.iterdir():
+        if path.name != "tokenizer.json":
+            (no_tokenizer / path.name).write_bytes(path.read_bytes())
+    cases.append(((no_tokenizer, tmp_path / "none", calibration), "has no tokenizer.json"))
     for args, problem in cases:
         assert quantize(*args) == 2
         assert problem in capsys.readouterr().err
