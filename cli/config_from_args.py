@@ -357,6 +357,7 @@ class QuantizeConfig:
     """What `lorafleet quantize` quantizes, on what text, and where it writes the checkpoint."""
 
     model: ModelSpec
+    format: str  # "int4" (a GPTQ checkpoint) or "fp8" (compressed-tensors)
     out: Path
     calibration: Path  # a UTF-8 text file
     tokens: int  # calibration tokens at most
@@ -368,8 +369,11 @@ class QuantizeConfig:
 def quantize_config(args: argparse.Namespace) -> QuantizeConfig:
     if not args.calibration.is_file():
         raise ConfigError("--calibration", f"{args.calibration} is not a file")
+    if args.format == "fp8" and args.group_size is not None:
+        raise ConfigError("--group-size", "--group-size is for --format int4: fp8 has a scale per output channel")
     return QuantizeConfig(
         model=args.model,
+        format=args.format,
         out=args.out,
         calibration=args.calibration,
         tokens=args.tokens,

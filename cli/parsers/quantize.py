@@ -12,14 +12,20 @@ from shared.int4_quantization import GROUP_SIZES
 def add_quantize(subparsers: argparse._SubParsersAction) -> None:
     quantize = subparsers.add_parser(
         "quantize",
-        help="quantize a checkpoint to 4 bits with GPTQ, for workers to serve as published",
-        description="Quantize a plain (bf16/fp16/fp32) checkpoint to 4-bit weights with GPTQ, calibrated on a "
-        "text of yours, and write a GPTQ checkpoint (quant_method gptq, desc_act false) that a worker serves "
-        "as it is. Better than --quantization int4's round to nearest at load for the same bytes, for a few "
-        "minutes once (cli/quantize.py).",
+        help="quantize a checkpoint to 4 bits or FP8 with GPTQ, for workers to serve as published",
+        description="Quantize a plain (bf16/fp16/fp32) checkpoint with GPTQ, calibrated on a text of yours, to "
+        "4-bit weights (a GPTQ checkpoint: quant_method gptq, desc_act false) or FP8 ones (compressed-tensors, "
+        "a scale per output channel), which a worker serves as they are. Closer to the model than "
+        "--quantization int4 or fp8's round to nearest at load, for the same bytes (cli/quantize.py).",
     )
     quantize.add_argument(
         "--model", type=flag_types.model_spec, required=True, metavar="NAME=PATH", help="HF model dir (unquantized)"
+    )
+    quantize.add_argument(
+        "--format",
+        choices=("int4", "fp8"),
+        default="int4",
+        help="int4: a 4-bit GPTQ checkpoint; fp8: an FP8 compressed-tensors one (default: %(default)s)",
     )
     quantize.add_argument("--out", type=Path, required=True, help="the new checkpoint's directory (must not exist)")
     quantize.add_argument(
@@ -38,7 +44,7 @@ def add_quantize(subparsers: argparse._SubParsersAction) -> None:
         "--group-size",
         type=int,
         choices=GROUP_SIZES,
-        help="inputs per scale (default: the largest that divides every projection's input width)",
+        help="int4: inputs per scale (default: the largest that divides every projection's input width)",
     )
     quantize.add_argument(
         "--device", type=flag_types.device_name, default="auto", help="auto (cuda if there is one), cpu, cuda or cuda:N"

@@ -1,14 +1,15 @@
-"""GPTQ (kernels/quant/gptq.py) against round to nearest on the same grid: equal where the inputs are
-uncorrelated (no error to move), clearly better on the layer's output where they are correlated, and
-always a valid GPTQ checkpoint's grid (zero points 1..15)."""
+"""GPTQ (kernels/quant/gptq.py) against round to nearest on the same grid, 4-bit and FP8: equal where the
+inputs are uncorrelated (no error to move), clearly better on the layer's output where they are
+correlated, and a 4-bit grid always a valid GPTQ checkpoint's (zero points 1..15)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.quant.gptq import gptq_int4
+from kernels.quant.gptq import gptq_fp8, gptq_int4
 from kernels.quant.int4_reference import GPTQ_ZERO_OFFSET, MAX_LEVEL, affine_grid, dequantize_int4, round_to_grid
+from kernels.quant.reference import FP8_DTYPE, dequantize, quantize_weight
 
 
 def correlated_inputs(tokens: int, k: int, seed: int, draw: int = 0) -> torch.Tensor:
@@ -77,3 +78,17 @@ def test_the_grids_minimum_zero_point_keeps_a_positive_groups_maximum_exact():
     top = (round_to_grid(groups, scales, zeros) - zeros) * scales
     assert float(top.max()) == pytest.approx(1.5, rel=1e-3)  # 14 steps of the float16 scale
     assert affine_grid(groups)[1].item() == 0.0  # without the minimum: the plain grid's zero point of 0
+
+
+def test_fp8_rounds_to_nearest_on_uncorrelated_inputs_and_cuts_the_error_of_correlated_ones():
+    weight = torch.randn(48, 256, generator=torch.Generator().manual_seed(5)) * 0.02
+    codes, scales = gptq_fp8(weight, torch.eye(256))
+    nearest_codes, nearest_scales = quantize_weight(weight)
+    assert torch.equal(codes.float(), nearest_codes.float()) and torch.equal(scales, nearest_scales)
+
+    x = correlated_inputs(1024, 256, seed=6)
+    codes, scales = gptq_fp8(weight, x.T @ x)
+    assert codes.dtype == FP8_DTYPE and torch.equal(scales, nearest_scales)  # the grid is round to nearest's
+    gptq = output_error(x, weight, dequantize(codes, scales))
+    nearest = output_error(x, weight, dequantize(nearest_codes, nearest_scales))
+    assert gptq < 0.6 * nearest, (gptq, nearest)  # measured: 0.011 against 0.026
