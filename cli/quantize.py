@@ -51,7 +51,11 @@ def run_quantize(config: QuantizeConfig) -> int:
 
     target = Fp8Target() if config.format == "fp8" else Int4Target(group_size)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ids = Tokenizer.from_file(str(source / "tokenizer.json")).encode(config.calibration.read_text()).ids
+    try:
+        text = config.calibration.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CommandError(f"--calibration {config.calibration} is not UTF-8 text: {exc.reason}", exit_code=2) from exc
+    ids = Tokenizer.from_file(str(source / "tokenizer.json")).encode(text).ids
     ids = ids[: config.tokens]
     if len(ids) < config.window:
         raise CommandError(

@@ -187,11 +187,14 @@ def test_bad_requests_exit_2_naming_the_problem(
 ):
     short = tmp_path / "short.txt"
     short.write_text("w1 w2 w3")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"w1 \xff\xfe w2")
     cases = [
         ((wide_llama.model_dir, quantized, calibration), (), "exists"),
         ((quantized, tmp_path / "again", calibration), (), "already quantized (gptq)"),
         ((wide_llama.model_dir, tmp_path / "short", short), (), "3 tokens, fewer than one --window of 64"),
         ((wide_llama.model_dir, tmp_path / "none", tmp_path / "missing.txt"), (), "missing.txt is not a file"),
+        ((wide_llama.model_dir, tmp_path / "none", binary), (), "binary.txt is not UTF-8 text"),
         ((wide_llama.model_dir, tmp_path / "none", calibration), ("--group-size", "96"), "invalid choice: 96"),
         ((wide_llama.model_dir, tmp_path / "none", calibration), ("--format", "fp8", "--group-size", "64"),
          "--group-size is for --format int4"),
