@@ -31,7 +31,7 @@ def int4_projection_bytes(info: ModelInfo) -> int:
 
 def quantize_random(module: LoRALinear, group_size: int) -> None:
     """Fill a 4-bit layer with N(0, 0.02) weights quantized as --quantization int4 or nf4 (the layer's
-    format) quantizes them at load."""
+    format) quantizes them at load, its tensor-core copy (if it keeps one) filled as a loaded layer's is."""
     n, k = module.qweight.shape[1], module.in_features
     weight = torch.empty(n, k, dtype=torch.bfloat16, device=module.qweight.device).normal_(0.0, 0.02)
     if module.codebook is not None:
@@ -41,6 +41,7 @@ def quantize_random(module: LoRALinear, group_size: int) -> None:
         module.zeros.copy_(packed.zeros)
     module.qweight.copy_(packed.qweight)
     module.scales.copy_(packed.scales)
+    module.fill_decode_copy()
 
 
 def print_int4_targets(rows: list[Row], bf16_system: str) -> None:

@@ -1,10 +1,14 @@
-"""The W4A16 GEMM (kernels/quant/int4_gemm.py) on a CUDA GPU at Llama-3-8B's projection shapes, beside
+"""The W4A16 GEMMs (kernels/quant/int4.py) on a CUDA GPU at Llama-3-8B's projection shapes, beside
 bf16 cuBLAS on the same shapes and the memory roofline of its own bytes.
 
-    python -m bench.int4_gemm [--tokens 1 4 8 16 32 64 256 1024] [--formats int4 nf4 nf4-gather] [--sweep]
+    python -m bench.int4_gemm [--tokens 1 2 4 8 16 32 64 256 1024] [--formats int4 int4-kmajor nf4 nf4-gather]
+                              [--sweep]
 
-Formats: int4 (affine, float16 scale and zero point per group of 128, as --quantization int4) and
-nf4 (bitsandbytes' NF4 codebook, float32 absmax per block of 64, as --quantization nf4: the levels
+Formats: int4 (affine, float16 scale and zero point per group of 128, as a bf16 model on CUDA serves
+--quantization int4: with its tensor-core copy, kernels/quant/int4_mma.py, so tinygemm takes up to
+TINYGEMM_MAX_TOKENS rows and the Triton kernels the rest), int4-kmajor (not by default: the same
+weight without the copy, the Triton kernels at every size, as --no-int4-decode-copy or an fp16
+model serves it), and nf4 (bitsandbytes' NF4 codebook, float32 absmax per block of 64, as --quantization nf4: the levels
 looked up in registers, kernels/quant/codebook_lookup.py); nf4-gather (not by default) the same
 weight with its codebook unnamed, so the kernel gathers each level from the table in memory, the
 path a codebook of other levels takes. Each row: microseconds per call (median
@@ -26,13 +30,15 @@ import torch.nn.functional as F
 
 from bench.lora_kernels import copy_bandwidth
 from kernels.lora.tuning.timing import Flushed
+from kernels.quant import int4_linear
 from kernels.quant.codebook import quantize_codebook
 from kernels.quant.int4_gemm import Int4Config, int4_config, int4_gemm
+from kernels.quant.int4_mma import to_mma_layout
 from kernels.quant.int4_reference import Int4Weight, quantize_int4
 
 # the group (block) of inputs sharing a scale, and the bytes of its scale and zero point, per format
-GROUPS = {"int4": 128, "nf4": 64, "nf4-gather": 64}
-GROUP_BYTES = {"int4": 2 + 2, "nf4": 4, "nf4-gather": 4}
+GROUPS = {"int4": 128, "int4-kmajor": 128, "nf4": 64, "nf4-gather": 64}
+GROUP_BYTES = {"int4": 2 + 2, "int4-kmajor": 2 + 2, "nf4": 4, "nf4-gather": 4}
 # (name, N, K): qkv, o, gate_up, down of Llama-3-8B
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 
@@ -43,8 +49,9 @@ def kernel_bytes(weight_format: str, m: int, n: int, k: int) -> int:
 
 def quantized(weight_format: str, weight: torch.Tensor) -> Int4Weight:
     """weight [N, K] in `weight_format`, quantized as a worker quantizes it at load (nf4-gather: as nf4)."""
-    if weight_format == "int4":
-        return quantize_int4(weight, GROUPS["int4"])[1]
+    if weight_format.startswith("int4"):
+        packed = quantize_int4(weight, GROUPS["int4"])[1]
+        return dataclasses.replace(packed, tensor_cores=to_mma_layout(packed)) if weight_format == "int4" else packed
     packed = quantize_codebook(weight, GROUPS["nf4"], "nf4")[1]
     return packed if weight_format == "nf4" else dataclasses.replace(packed, codebook_name=None)
 
@@ -77,7 +84,7 @@ def sweep(m: int, n: int, k: int, flushed: Flushed, x: torch.Tensor, packed: Int
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.int4_gemm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256, 1024])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 1024])
     parser.add_argument("--formats", nargs="+", choices=tuple(GROUPS), default=["int4", "nf4"])
     parser.add_argument("--sweep", action="store_true", help="also try a grid of decode launches")
     args = parser.parse_args(argv)
@@ -98,7 +105,7 @@ def shape_row(name: str, weight_format: str, m: int, n: int, k: int, flushed: Fl
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     packed = quantized(weight_format, weight)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    int4_us = flushed(lambda: int4_gemm(x, packed))
+    int4_us = flushed(lambda: int4_linear(x, packed))
     bf16_us = flushed(lambda: F.linear(x, weight))
     share = kernel_bytes(weight_format, m, n, k) / (int4_us * 1e-6) / bandwidth
     line = f"{name:<8}{weight_format:>11}{m:>6}{int4_us:>9.1f}{bf16_us:>9.1f}{bf16_us / int4_us:>9.2f}{share:>11.2f}"

@@ -50,9 +50,12 @@ PREFILL_TOKENS_PER_STEP = 16384  # longer prefills are chunked (the engine's max
 
 
 def served(info: ModelInfo, weights: str, kv_cache: str) -> ModelInfo:
-    """`info` served with weights `weights` ("none": bf16, or "fp8") and a `kv_cache` ("auto" or "fp8") cache."""
+    """`info` served with weights `weights` ("none": bf16, "fp8", "int4" or "nf4") and a `kv_cache` ("auto" or
+    "fp8") cache, as a CUDA worker serves it by default (int4's tensor-core copy held)."""
     quantization = None if weights == "none" else weights
-    return info.served(quantization=quantization, kv_cache_dtype=kv_cache, source=Path(info.name))
+    return info.served(
+        quantization=quantization, kv_cache_dtype=kv_cache, source=Path(info.name), int4_decode_copy=True
+    )
 
 
 def random_model(info: ModelInfo, config: EngineConfig, tp: TensorParallel | None = None) -> CausalLM:

@@ -213,6 +213,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        int4_decode_copy=args.int4_decode_copy,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_grouping_overtakes=args.max_grouping_overtakes,

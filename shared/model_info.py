@@ -16,6 +16,7 @@ from shared.errors import ErrorCode, LorafleetError
 from shared.int4_quantization import (
     CODEBOOK_FORMATS,
     INT4_FORMATS,
+    INT4_METHODS,
     check_int4_widths,
     checkpoint_group_size,
     load_group_size,
@@ -80,6 +81,9 @@ class ModelInfo:
     weight_group_size: int = 0
     # a bitsandbytes checkpoint's double quantization: each block's absmax stored in 8 bits
     weight_double_quant: bool = False
+    # affine 4-bit weights (int4, AWQ, GPTQ) also held in the tensor cores' layout for decode steps of
+    # few sequences, where a bf16 model's widths allow (kernels/quant/int4_mma.py; EngineConfig.int4_decode_copy)
+    int4_decode_copy: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -107,9 +111,12 @@ class ModelInfo:
             "down_proj": (self.intermediate_size, self.hidden_size),
         }[projection]
 
-    def served(self, *, quantization: str | None, kv_cache_dtype: str, source: Path) -> ModelInfo:
+    def served(
+        self, *, quantization: str | None, kv_cache_dtype: str, source: Path, int4_decode_copy: bool = False
+    ) -> ModelInfo:
         """This model as a worker serves it with --quantization `quantization` (None: as the checkpoint
-        is) and --kv-cache-dtype `kv_cache_dtype`; errors name `source`, the checkpoint."""
+        is), --kv-cache-dtype `kv_cache_dtype` and, for affine 4-bit weights, `int4_decode_copy` (a
+        CUDA worker's --int4-decode-copy); errors name `source`, the checkpoint."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
         weights = served_quantization(self.checkpoint_quantization, quantization, source)
@@ -125,7 +132,14 @@ class ModelInfo:
             group_size = LOAD_BLOCK_SIZE
         if weights in INT4_FORMATS:
             check_int4_widths(widths, group_size, source)
-        return replace(self, quantization=weights, kv_cache_dtype=kv_cache_dtype, weight_group_size=group_size)
+        decode_copy = int4_decode_copy and weights in ("int4", *INT4_METHODS)
+        return replace(
+            self,
+            quantization=weights,
+            kv_cache_dtype=kv_cache_dtype,
+            weight_group_size=group_size,
+            int4_decode_copy=decode_copy,
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

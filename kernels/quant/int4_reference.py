@@ -25,8 +25,12 @@ int4_linear:  y = x @ W.T (+ bias), W dequantized in float32 then rounded to x's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.quant.int4_mma import MmaInt4Weight
 
 PACK = 8  # 4-bit values per int32
 MAX_LEVEL = 15  # the largest 4-bit value
@@ -63,6 +67,8 @@ class Int4Weight:
     # which of CODEBOOK_NAMES `codebook` holds (the GPU kernel then looks levels up in registers), or
     # None: any other 16 levels, read from `codebook`
     codebook_name: str | None = None
+    # the same affine weight in the tensor cores' layout, for steps of few rows (int4_mma.py), or None
+    tensor_cores: MmaInt4Weight | None = None
 
     def __post_init__(self) -> None:
         if (self.zeros is None) == (self.codebook is None):
@@ -185,7 +191,13 @@ def dequantize_int4(weight: Int4Weight) -> torch.Tensor:
 def int4_linear_reference(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] → [T, N] in x's dtype: x @ W.T (+ bias [N]), W dequantized then rounded to x's dtype
     (the dtype the kernel feeds the tensor cores), accumulated in float32."""
-    w = dequantize_int4(weight).to(x.dtype)
+    return linear_on_dequantized(x, dequantize_int4(weight), bias)
+
+
+def linear_on_dequantized(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] → [T, N] in x's dtype: x @ weight.T (+ bias [N]) for a dequantized float32 weight
+    [N, K], rounded to x's dtype first (the dtype the kernels feed the tensor cores), accumulated in float32."""
+    w = weight.to(x.dtype)
     y = x.float() @ w.float().T
     if bias is not None:
         y += bias.float()

@@ -12,7 +12,8 @@ from bench.int4 import print_int4_targets, quantize_random
 from bench.int4_gemm import kernel_bytes, quantized
 from bench.random_engine import LLAMA3_8B, served
 from bench.roofline import weight_bytes
-from kernels.quant.int4_reference import dequantize_int4
+from kernels.quant.int4_mma import MmaInt4Weight, unpack_mma
+from kernels.quant.int4_reference import dequantize_int4, unpack_along_k
 from worker.model.lora_linear import LoRALinear, LoRAPages
 
 INT4 = "lorafleet int4/auto"
@@ -58,15 +59,24 @@ def test_random_4bit_weights_are_quantized_normal_weights(quantization: str, gro
 
 
 @pytest.mark.parametrize(
-    ("weight_format", "group", "codebook_name"), [("int4", 128, None), ("nf4", 64, "nf4"), ("nf4-gather", 64, None)]
+    ("weight_format", "group", "codebook_name"),
+    [("int4-kmajor", 128, None), ("nf4", 64, "nf4"), ("nf4-gather", 64, None)],
 )
 def test_the_gemm_bench_quantizes_as_a_worker_does(weight_format: str, group: int, codebook_name: str | None):
     packed = quantized(weight_format, torch.randn(96, 256) * 0.02)
     assert packed.shape == (96, 256) and packed.group_size == group and packed.codebook_name == codebook_name
-    assert (packed.codebook is None) == (weight_format == "int4")
+    assert (packed.codebook is None) == (weight_format == "int4-kmajor")
     # float16 scale and zero point per 128 weights (int4), a float32 absmax per 64 (nf4): 1/32 or 1/16 byte a weight
-    scale_bytes = 96 * 256 // (32 if weight_format == "int4" else 16)
+    scale_bytes = 96 * 256 // (32 if weight_format == "int4-kmajor" else 16)
     assert kernel_bytes(weight_format, 1, 96, 256) == 96 * 256 // 2 + scale_bytes + 2 * 256 + 2 * 96
+
+
+def test_the_gemm_bench_serves_int4_with_its_tensor_core_copy_as_a_bf16_worker_does():
+    weight = torch.randn(96, 256) * 0.02
+    packed, kmajor = quantized("int4", weight), quantized("int4-kmajor", weight)
+    assert kmajor.tensor_cores is None and isinstance(packed.tensor_cores, MmaInt4Weight)
+    assert torch.equal(unpack_mma(packed.tensor_cores.qweight).T, unpack_along_k(kmajor.qweight))
+    assert kernel_bytes("int4", 1, 96, 256) == kernel_bytes("int4-kmajor", 1, 96, 256)  # a step reads one layout
 
 
 def test_the_4bit_targets_print_beside_their_rows(capsys: pytest.CaptureFixture[str]):

@@ -71,7 +71,7 @@ def test_worker_config_carries_every_flag(demo_files: DemoFiles, cpu_only: None)
         *("--max-num-seqs", "3", "--max-num-batched-tokens", "99", "--max-loras", "2", "--max-lora-rank", "16"),
         *("--num-kv-blocks", "40", "--gpu-memory-utilization", "0.5", "--worker-id", "w1"),
         *("--adapter-host-cache-gb", "1.5", "--adapter-eviction", "lfu", "--preload-adapters", "a,b.v2,a"),
-        *("--max-grouping-overtakes", "0"),
+        *("--max-grouping-overtakes", "0", "--no-int4-decode-copy"),
     )
     config = cfa.worker_config(args)
     assert (config.redis_url, config.worker_id, config.adapter_root) == (REDIS, "w1", demo_files.adapter_root)
@@ -104,6 +104,7 @@ def test_worker_model_switching_and_gpu_share_flags(demo_files: DemoFiles, cpu_o
     assert cfa.worker_config(parse(*base, "--gpu-memory-fraction", "0.4")).engine.gpu_memory_fraction == 0.4
     defaults = cfa.worker_config(parse(*base))
     assert (defaults.max_resident_models, defaults.cpu_model_cache_bytes, defaults.preload_adapters) == (None, 0, ())
+    assert defaults.engine.int4_decode_copy  # affine 4-bit weights keep their tensor-core copy unless told
 
 
 def test_adapter_grouping_overtakes_a_quarter_of_the_batch_unless_told(demo_files: DemoFiles, cpu_only: None) -> None:

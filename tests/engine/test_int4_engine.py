@@ -5,17 +5,21 @@ The tiny llama's widths (64, 96) quantize at load in groups of 32."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from kernels.quant.int4_mma import TINYGEMM_MAX_TOKENS
 from shared.schema import JobStatus
-from tests.engine.int4_oracle import int4_oracle
+from tests.engine.int4_oracle import INT4_SHAPE, int4_oracle
 from tests.engine.test_engine_generation import NEW_TOKENS, PROMPTS, greedy_request, make_engine, run_to_completion
-from tests.engine.tiny_hf import TinyCheckpoint, oracle_greedy
+from tests.engine.tiny_hf import TinyCheckpoint, build_checkpoint, oracle_greedy, oracle_logits
 from tests.kernels.lora_cases import rel_err
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import ScheduledSequence
 from worker.engine.sequence import Sequence
+from worker.model.lora_linear import LoRALinear
 
 GROUP = 32  # the largest of 128, 64, 32 that divides 64 and 96
 
@@ -48,15 +52,37 @@ def test_the_bf16_int4_engine_on_the_gpu_matches_the_int4_engine_on_cpu(llama: T
     """The same 4-bit weights, in bf16 on the GPU against float32 on CPU: within the bf16 engine's
     tolerance of its fp32 run (2e-2; tests/engine/test_engine_gpu.py): the dequantized weights are
     rounded to bf16 on the GPU, as any bf16 weight is."""
+    on_gpu = prefill_logits(llama, PROMPTS, "cuda", "bfloat16")
+    assert rel_err(on_gpu, prefill_logits(llama, PROMPTS, "cpu", "float32")) < 2e-2
 
-    def prefill_logits(device: str, dtype: str) -> torch.Tensor:
-        runner = make_engine(llama, device=device, dtype=dtype, quantization="int4").runner
-        blocks = BlockManager(runner.num_blocks, runner.config.block_size)
-        scheduled = []
-        for name, prompt in PROMPTS.items():
-            seq = Sequence(seq_id=str(name), prompt_token_ids=prompt, sampling=None, seed=0)
-            blocks.allocate(seq, len(prompt))
-            scheduled.append(ScheduledSequence(seq, len(prompt)))
-        return runner.execute(scheduled, lambda uid: None, runner.config.block_size).cpu()
 
-    assert rel_err(prefill_logits("cuda", "bfloat16"), prefill_logits("cpu", "float32")) < 2e-2
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_on_the_gpu_serves_few_rows_from_the_tensor_core_copy_within_bf16_of_the_oracle(tmp_path: Path):
+    """A bf16 engine on CUDA keeps a tensor-core copy of the affine 4-bit weights of a model whose
+    widths fit it (whole 128-input word groups; kernels/quant/int4_mma.py), filled once loaded. A batch
+    of prompts (the Triton kernels on the k-major weights) and one prompt of TINYGEMM_MAX_TOKENS
+    tokens (tinygemm on the copy) match the dequantized float32 oracle within the bf16 tolerance
+    above: scale and offset rounded to bf16 move a weight by no more than rounding the weight itself
+    does. The engine's decode steps replay tinygemm from CUDA graphs as they start."""
+    wide = build_checkpoint("llama", tmp_path, **INT4_SHAPE)
+    runner = make_engine(wide, device="cuda", dtype="bfloat16", quantization="int4").runner
+    layers = [module for module in runner.model.modules() if isinstance(module, LoRALinear)]
+    assert layers and all(layer.decode_qweight is not None for layer in layers)
+    oracle = int4_oracle(wide.oracle, 128)
+    short = {None: PROMPTS[None][:TINYGEMM_MAX_TOKENS]}
+    for prompts in (PROMPTS, short):
+        expected = torch.stack([oracle_logits(oracle, prompt, None)[-1] for prompt in prompts.values()])
+        assert rel_err(prefill_logits(wide, prompts, "cuda", "bfloat16"), expected) < 2e-2
+
+
+def prefill_logits(checkpoint: TinyCheckpoint, prompts: dict, device: str, dtype: str) -> torch.Tensor:
+    """float32 [len(prompts), vocab]: the logits after each prompt, prefilled in one step without adapters."""
+    runner = make_engine(checkpoint, device=device, dtype=dtype, quantization="int4").runner
+    blocks = BlockManager(runner.num_blocks, runner.config.block_size)
+    scheduled = []
+    for name, prompt in prompts.items():
+        seq = Sequence(seq_id=str(name), prompt_token_ids=prompt, sampling=None, seed=0)
+        blocks.allocate(seq, len(prompt))
+        scheduled.append(ScheduledSequence(seq, len(prompt)))
+    return runner.execute(scheduled, lambda uid: None, runner.config.block_size).float().cpu()

@@ -89,6 +89,7 @@ class SelfAttention(nn.Module):
             device=device,
             quantization=info.quantization,
             group_size=info.weight_group_size,
+            decode_copy=info.int4_decode_copy,
             shard=shard.linear("q_proj", "k_proj", "v_proj") if shard else None,
         )
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v
@@ -102,6 +103,7 @@ class SelfAttention(nn.Module):
             device=device,
             quantization=info.quantization,
             group_size=info.weight_group_size,
+            decode_copy=info.int4_decode_copy,
             shard=shard.linear("o_proj") if shard else None,
         )
         # float32 [2, num_kv_heads]: what an fp8 cache divides this layer's K (row 0) and V (row 1) by,
@@ -174,6 +176,7 @@ class GatedMLP(nn.Module):
             device=device,
             quantization=info.quantization,
             group_size=info.weight_group_size,
+            decode_copy=info.int4_decode_copy,
             shard=shard.linear("gate_proj", "up_proj") if shard else None,
         )
         self.down_proj = LoRALinear(
@@ -185,6 +188,7 @@ class GatedMLP(nn.Module):
             device=device,
             quantization=info.quantization,
             group_size=info.weight_group_size,
+            decode_copy=info.int4_decode_copy,
             shard=shard.linear("down_proj") if shard else None,
         )
 

@@ -18,6 +18,7 @@ from torch import nn
 from kernels.lora import LoRABatch, lora_linear, lora_linear_deferred
 from kernels.quant import FP8_DTYPE, Int4Weight
 from kernels.quant.codebook import codebook
+from kernels.quant.int4_mma import K_ALIGN, MmaInt4Weight, mma_layout_fits, to_mma_layout
 from kernels.quant.int4_reference import PACK, arrival_counters
 from shared.int4_quantization import CODEBOOK_FORMATS, INT4_FORMATS
 from shared.model_info import ModelInfo
@@ -63,7 +64,10 @@ class LoRALinear(nn.Module):
     "int4", "awq" or "gptq") None, the 4-bit weight held in qweight int32 [K / 8, sum N_i] with
     float16 scales and zeros [K / G, sum N_i] (kernels/quant/int4_reference.py), or (quantization
     "nf4" or "fp4") None, the 4-bit codes in qweight with float32 scales [K / B, sum N_i] and the
-    codebook float32 [16]; bias [sum N_i] or None;
+    codebook float32 [16]; with `decode_copy`, an affine 4-bit weight whose widths fit, in bf16 on a
+    device other than the CPU, is also held in the tensor cores' layout (kernels/quant/int4_mma.py):
+    decode_qweight int32 [sum N_i / 8, K / 128, 32, 4] and decode_scale_offsets bfloat16
+    [K / G, sum N_i, 2], filled from the loaded weight (fill_decode_copy); bias [sum N_i] or None;
     lora_a[i] [num_pages, page_rank, K]; lora_b[i] [num_pages, N_i, page_rank]. Rank row r of an
     adapter lives in its page r // page_rank, at row (of A) / column (of B) r % page_rank; the rows
     past its rank in its last page stay zero, so padding adds nothing.
@@ -84,13 +88,15 @@ class LoRALinear(nn.Module):
         device: torch.device | str,
         quantization: str = "none",
         group_size: int = 0,
+        decode_copy: bool = False,
         shard: LinearShard | None = None,
     ) -> None:
         """`projections`: name → output width of each packed slice, in output order; `dtype`: the
         activations' (and adapters'); `quantization` "fp8": the weight is held in fp8; "int4", "awq"
         or "gptq": in 4 bits, in groups of `group_size` inputs (the name says where it came from:
         quantized at load, or which checkpoint format the loaders read); "nf4" or "fp4": in 4 bits on
-        bitsandbytes' codebook, in blocks of `group_size` inputs; `shard`: this
+        bitsandbytes' codebook, in blocks of `group_size` inputs; `decode_copy`: an affine 4-bit
+        weight keeps the tensor-core copy above where it can (the meta device counts it); `shard`: this
         tensor-parallel rank's part (widths already the rank's), None without tensor parallelism
         (4-bit weights are never sharded: shared/config.py refuses the pair)."""
         super().__init__()
@@ -117,6 +123,13 @@ class LoRALinear(nn.Module):
                 self.codebook = None
             # the split-K GEMM's counters: part of the weight's storage (4 KiB), not a LoRA buffer
             self.arrivals = _frozen(arrival_counters(device))
+            self.register_parameter("decode_qweight", None)
+            self.register_parameter("decode_scale_offsets", None)
+            copy = decode_copy and self.codebook is None and torch.device(device).type != "cpu"
+            if copy and mma_layout_fits(total, in_features, group_size, dtype):
+                words = (total // 8, in_features // K_ALIGN, 32, 4)
+                self.decode_qweight = _frozen(torch.empty(words, dtype=torch.int32, device=device))
+                self.decode_scale_offsets = _frozen(torch.empty(groups, total, 2, dtype=torch.bfloat16, device=device))
         else:
             weight_dtype = FP8_DTYPE if quantization == "fp8" else dtype
             self.weight = _frozen(torch.empty(total, in_features, dtype=weight_dtype, device=device))
@@ -177,7 +190,11 @@ class LoRALinear(nn.Module):
         """What the base GEMM reads: the weight [sum N_i, K], or the 4-bit weight standing for it."""
         if self.weight is None:
             codebook_name = None if self.codebook is None else self.quantization
-            return Int4Weight(self.qweight, self.scales, self.zeros, self.arrivals, self.codebook, codebook_name)
+            copy = self.decode_qweight is not None
+            tensor_cores = MmaInt4Weight(self.decode_qweight, self.decode_scale_offsets) if copy else None
+            return Int4Weight(
+                self.qweight, self.scales, self.zeros, self.arrivals, self.codebook, codebook_name, tensor_cores
+            )
         return self.weight
 
     def checkpoint_loaders(
@@ -220,6 +237,15 @@ class LoRALinear(nn.Module):
                     loaders[tensor_name] = _rank_part(loaders[tensor_name], split, kind, first_rank=first_rank)
             offset += width
         return loaders
+
+    def fill_decode_copy(self) -> None:
+        """Once the checkpoint is loaded: fill the tensor-core copy of a 4-bit weight that keeps one
+        from the loaded weight. Queued on the current stream, as the loads are."""
+        if self.weight is not None or self.decode_qweight is None:
+            return
+        copy = to_mma_layout(Int4Weight(self.qweight, self.scales, self.zeros, self.arrivals))
+        self.decode_qweight.copy_(copy.qweight)
+        self.decode_scale_offsets.copy_(copy.scale_offsets)
 
     def _int4_loaders(
         self, key: str, columns: slice, *, prequantized: bool, double_quant: bool

@@ -188,7 +188,7 @@ class CausalLM(nn.Module):
         """Fill every parameter from (checkpoint name, tensor) pairs already in host memory (a
         checkpoint read by worker/switching/loader.py). Copies are queued on the current CUDA stream
         without a host wait: the caller synchronises that stream before use and keeps `tensors`
-        alive until then."""
+        alive until then. The 4-bit weights' tensor-core copies are filled from the loaded weights after."""
         if self.info.checkpoint_quantization != "none":
             # transformers' fp8 format calls the per-channel scale weight_scale_inv (it multiplies all the same)
             tensors = (
@@ -201,6 +201,9 @@ class CausalLM(nn.Module):
         )
         with torch.no_grad():
             load_tensors(kv_scales.divert(tensors), self._checkpoint_loaders(), ignore=self._derived, source=source)
+            for module in self.modules():
+                if isinstance(module, LoRALinear):
+                    module.fill_decode_copy()
         kv_scales.check(source)
         self.kv_scales_published = kv_scales.published
 

@@ -56,7 +56,10 @@ def served_info(spec: ModelSpec, config: EngineConfig) -> ModelInfo:
     at start, naming the checkpoint, when the device cannot (fp8 needs FP8 tensor cores) or a 4-bit
     checkpoint's tensors are not what its format says."""
     info = ModelInfo.from_pretrained(spec.name, spec.path).served(
-        quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype, source=spec.path
+        quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
+        source=spec.path,
+        int4_decode_copy=config.int4_decode_copy and torch.device(config.device).type == "cuda",
     )
     if info.checkpoint_quantization in INT4_METHODS:
         check_int4_tensors(spec.path, info)  # before any weight is read
