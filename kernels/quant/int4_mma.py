@@ -12,7 +12,7 @@ tensor-core tile's inputs in a way a Triton tile cannot load whole. So the k-maj
 every step of more rows (and every prefill), and this copy costs half a byte a weight more
 (EngineConfig.int4_decode_copy turns it off when memory is worth more than decode of few sequences).
 
-Layout (`MmaInt4Weight`), for W [N, K] in groups of G inputs, INNER_K_TILES = 8:
+Layout (`MmaInt4Weight`, plain data in int4_reference.py), for W [N, K] in groups of G inputs:
     qweight        int32 [N / 8, K / 128, 32, 4]  word [nt, ko, t, j] holds the eight values of output
                    n = 8 * nt + t // 4 at inputs k(p, i) below, nibble i at bits 4 * i, where
                    p = 16 * ko + 4 * j + t % 4 numbers the words of a column along K (K / 8 of them):
@@ -27,14 +27,11 @@ the size of the rounding of the dequantized weight to bf16 that the k-major kern
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kernels.quant.int4_reference import MAX_LEVEL, PACK, Int4Weight, unpack_along_k
+from kernels.quant.int4_reference import MAX_LEVEL, MMA_K_ALIGN, PACK, Int4Weight, MmaInt4Weight, unpack_along_k
 
-INNER_K_TILES = 8  # k-tiles of 16 inputs per word group: four int32 per lane, one 16-byte load
-K_ALIGN = INNER_K_TILES * 16  # K is a multiple of this
+INNER_K_TILES = MMA_K_ALIGN // 16  # k-tiles of 16 inputs per word group: four int32 per lane, one 16-byte load
 N_ALIGN = 8  # N is a multiple of this (the MMA's n-tile)
 GROUP_SIZES = (32, 64, 128, 256)  # the groups tinygemm takes
 MID_LEVEL = 8  # tinygemm's implicit zero point
@@ -42,26 +39,9 @@ MID_LEVEL = 8  # tinygemm's implicit zero point
 TINYGEMM_MAX_TOKENS = 6
 
 
-@dataclass(frozen=True, slots=True)
-class MmaInt4Weight:
-    """A projection's affine 4-bit weight in the layout above."""
-
-    qweight: torch.Tensor  # int32 [N / 8, K / 128, 32, 4]
-    scale_offsets: torch.Tensor  # bfloat16 [K / G, N, 2]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(N, K): the shape of the weight it stands for."""
-        return self.scale_offsets.shape[1], self.qweight.shape[1] * K_ALIGN
-
-    @property
-    def group_size(self) -> int:
-        return self.shape[1] // self.scale_offsets.shape[0]
-
-
 def mma_layout_fits(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
     """Whether a weight [n, k] in groups of `group_size`, multiplied in `dtype`, can take this layout."""
-    return dtype == torch.bfloat16 and n % N_ALIGN == 0 and k % K_ALIGN == 0 and group_size in GROUP_SIZES
+    return dtype == torch.bfloat16 and n % N_ALIGN == 0 and k % MMA_K_ALIGN == 0 and group_size in GROUP_SIZES
 
 
 # how the 4-bit values [N, K] fold into the words: n = (nt, nn), k = (ko, j, a, r, b) with
@@ -75,10 +55,12 @@ _TO_VALUES = tuple(_WORDS.index(axis) for axis in _VALUES)
 def pack_mma(q: torch.Tensor) -> torch.Tensor:
     """int32 [N / 8, K / 128, 32, 4] words of the 4-bit values q [N, K] (any integer dtype, 0..15)."""
     n, k = q.shape
-    if n % N_ALIGN or k % K_ALIGN:
-        raise ValueError(f"a weight [{n}, {k}] takes the MMA layout only with N % {N_ALIGN} == 0, K % {K_ALIGN} == 0")
-    values = q.to(torch.int32).reshape(n // 8, 8, k // K_ALIGN, 4, 4, 4, 2).permute(_TO_WORDS)
-    nibbles = values.reshape(n // 8, k // K_ALIGN, 32, 4, PACK)
+    if n % N_ALIGN or k % MMA_K_ALIGN:
+        raise ValueError(
+            f"a weight [{n}, {k}] takes the MMA layout only with N % {N_ALIGN} == 0, K % {MMA_K_ALIGN} == 0"
+        )
+    values = q.to(torch.int32).reshape(n // 8, 8, k // MMA_K_ALIGN, 4, 4, 4, 2).permute(_TO_WORDS)
+    nibbles = values.reshape(n // 8, k // MMA_K_ALIGN, 32, 4, PACK)
     words = torch.zeros(nibbles.shape[:-1], dtype=torch.int32, device=q.device)
     for i in range(PACK):
         words |= nibbles[..., i] << (4 * i)  # nibble 7's shift wraps into the sign bit, as int32 does
@@ -91,7 +73,7 @@ def unpack_mma(qweight: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=qweight.device)
     nibbles = (qweight.unsqueeze(-1) >> shifts) & MAX_LEVEL  # [N / 8, K / 128, 32, 4, 8]
     values = nibbles.reshape(tiles, k_tiles, 8, 4, 4, 2, 4).permute(_TO_VALUES)
-    return values.reshape(tiles * 8, k_tiles * K_ALIGN)
+    return values.reshape(tiles * 8, k_tiles * MMA_K_ALIGN)
 
 
 def to_mma_layout(weight: Int4Weight, *, columns: int = 4096) -> MmaInt4Weight:
@@ -100,7 +82,7 @@ def to_mma_layout(weight: Int4Weight, *, columns: int = 4096) -> MmaInt4Weight:
     if weight.zeros is None:
         raise ValueError("only an affine 4-bit weight (zero points, no codebook) takes the MMA layout")
     n, k = weight.shape
-    qweight = torch.empty(n // 8, k // K_ALIGN, 32, 4, dtype=torch.int32, device=weight.qweight.device)
+    qweight = torch.empty(n // 8, k // MMA_K_ALIGN, 32, 4, dtype=torch.int32, device=weight.qweight.device)
     for start in range(0, n, columns):
         stop = min(start + columns, n)
         qweight[start // 8 : stop // 8] = pack_mma(unpack_along_k(weight.qweight[:, start:stop]).T)

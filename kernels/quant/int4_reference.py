@@ -25,12 +25,8 @@ int4_linear:  y = x @ W.T (+ bias), W dequantized in float32 then rounded to x's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from kernels.quant.int4_mma import MmaInt4Weight
 
 PACK = 8  # 4-bit values per int32
 MAX_LEVEL = 15  # the largest 4-bit value
@@ -46,9 +42,29 @@ GPTQ_ZERO_OFFSET = 1
 CODEBOOK_NAMES = ("nf4", "fp4")
 
 
+# inputs per word group of the tensor cores' layout (int4_mma.py): K is a multiple of this there
+MMA_K_ALIGN = 128
 # split-K arrival counters a weight keeps for its GEMM (int4_gemm.py): more than the tiles of any
 # split launch (int4_config splits only launches of fewer tiles than two per SM)
 ARRIVAL_COUNTERS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class MmaInt4Weight:
+    """A projection's affine 4-bit weight in the tensor cores' layout (int4_mma.py says how it is
+    packed and why a weight keeps one beside its k-major form)."""
+
+    qweight: torch.Tensor  # int32 [N / 8, K / 128, 32, 4]
+    scale_offsets: torch.Tensor  # bfloat16 [K / G, N, 2]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K): the shape of the weight it stands for."""
+        return self.scale_offsets.shape[1], self.qweight.shape[1] * MMA_K_ALIGN
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[1] // self.scale_offsets.shape[0]
 
 
 @dataclass(frozen=True, slots=True)

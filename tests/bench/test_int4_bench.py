@@ -12,8 +12,8 @@ from bench.int4 import print_int4_targets, quantize_random
 from bench.int4_gemm import kernel_bytes, quantized
 from bench.random_engine import LLAMA3_8B, served
 from bench.roofline import weight_bytes
-from kernels.quant.int4_mma import MmaInt4Weight, unpack_mma
-from kernels.quant.int4_reference import dequantize_int4, unpack_along_k
+from kernels.quant.int4_mma import unpack_mma
+from kernels.quant.int4_reference import MmaInt4Weight, dequantize_int4, unpack_along_k
 from worker.model.lora_linear import LoRALinear, LoRAPages
 
 INT4 = "lorafleet int4/auto"

@@ -18,8 +18,8 @@ from torch import nn
 from kernels.lora import LoRABatch, lora_linear, lora_linear_deferred
 from kernels.quant import FP8_DTYPE, Int4Weight
 from kernels.quant.codebook import codebook
-from kernels.quant.int4_mma import K_ALIGN, MmaInt4Weight, mma_layout_fits, to_mma_layout
-from kernels.quant.int4_reference import PACK, arrival_counters
+from kernels.quant.int4_mma import mma_layout_fits, to_mma_layout
+from kernels.quant.int4_reference import MMA_K_ALIGN, PACK, MmaInt4Weight, arrival_counters
 from shared.int4_quantization import CODEBOOK_FORMATS, INT4_FORMATS
 from shared.model_info import ModelInfo
 from worker.model import bnb_weights, int4_weights
@@ -127,7 +127,7 @@ class LoRALinear(nn.Module):
             self.register_parameter("decode_scale_offsets", None)
             copy = decode_copy and self.codebook is None and torch.device(device).type != "cpu"
             if copy and mma_layout_fits(total, in_features, group_size, dtype):
-                words = (total // 8, in_features // K_ALIGN, 32, 4)
+                words = (total // 8, in_features // MMA_K_ALIGN, 32, 4)
                 self.decode_qweight = _frozen(torch.empty(words, dtype=torch.int32, device=device))
                 self.decode_scale_offsets = _frozen(torch.empty(groups, total, 2, dtype=torch.bfloat16, device=device))
         else:
