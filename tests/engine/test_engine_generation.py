@@ -14,8 +14,11 @@ from shared.errors import ErrorCode
 from shared.schema import AdapterRef, FinishReason, JobStatus, SamplingParams
 from tests.engine.engines import load_engine
 from tests.engine.tiny_hf import VOCAB_SIZE, TinyCheckpoint, oracle_greedy, saved_adapter_ref
+from worker.engine.block_manager import BlockManager
 from worker.engine.engine import LLMEngine
 from worker.engine.engine_request import EngineRequest, EngineResult
+from worker.engine.scheduler import ScheduledSequence
+from worker.engine.sequence import Sequence
 from worker.metrics import WorkerMetrics
 
 PROMPTS = {
@@ -58,6 +61,19 @@ def greedy_request(checkpoint: TinyCheckpoint, job_id: str, adapter: str | None,
         sampling=params,
         adapter=None if adapter is None else adapter_ref(checkpoint, adapter),
     )
+
+
+def prefill_logits(checkpoint: TinyCheckpoint, prompts: dict[str | None, list[int]], **engine: object) -> torch.Tensor:
+    """float32 [len(prompts), vocab] on the CPU: the logits after each prompt, all prefilled in one step
+    without adapters by a runner built as make_engine builds it with `engine`'s settings."""
+    runner = make_engine(checkpoint, **engine).runner
+    blocks = BlockManager(runner.num_blocks, runner.config.block_size)
+    scheduled = []
+    for name, prompt in prompts.items():
+        seq = Sequence(seq_id=str(name), prompt_token_ids=prompt, sampling=None, seed=0)
+        blocks.allocate(seq, len(prompt))
+        scheduled.append(ScheduledSequence(seq, len(prompt)))
+    return runner.execute(scheduled, lambda uid: None, runner.config.block_size).float().cpu()
 
 
 def run_to_completion(

@@ -13,6 +13,7 @@ from tests.engine.test_engine_generation import (
     assert_matches_oracle,
     greedy_request,
     make_engine,
+    prefill_logits,
     run_to_completion,
 )
 from tests.engine.tiny_hf import TinyCheckpoint
@@ -34,17 +35,8 @@ def test_fp32_greedy_tokens_equal_the_oracle(llama: TinyCheckpoint, budget: int)
 
 
 def test_bf16_prefill_logits_are_within_bf16_tolerance_of_fp32_cpu(llama: TinyCheckpoint):
-    def prefill_logits(device: str, dtype: str) -> torch.Tensor:
-        runner = make_engine(llama, device=device, dtype=dtype).runner
-        blocks = BlockManager(runner.num_blocks, runner.config.block_size)
-        scheduled = []
-        for name, prompt in PROMPTS.items():
-            seq = Sequence(seq_id=str(name), prompt_token_ids=prompt, sampling=None, seed=0)
-            blocks.allocate(seq, len(prompt))
-            scheduled.append(ScheduledSequence(seq, len(prompt)))
-        return runner.execute(scheduled, lambda uid: None, runner.config.block_size).cpu()
-
-    assert rel_err(prefill_logits("cuda", "bfloat16"), prefill_logits("cpu", "float32")) < 2e-2
+    on_gpu = prefill_logits(llama, PROMPTS, device="cuda", dtype="bfloat16")
+    assert rel_err(on_gpu, prefill_logits(llama, PROMPTS, device="cpu", dtype="float32")) < 2e-2
 
 
 BLOCK_SIZE = 4

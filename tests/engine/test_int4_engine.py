@@ -13,12 +13,16 @@ import torch
 from kernels.quant.int4_mma import TINYGEMM_MAX_TOKENS
 from shared.schema import JobStatus
 from tests.engine.int4_oracle import INT4_SHAPE, int4_oracle
-from tests.engine.test_engine_generation import NEW_TOKENS, PROMPTS, greedy_request, make_engine, run_to_completion
+from tests.engine.test_engine_generation import (
+    NEW_TOKENS,
+    PROMPTS,
+    greedy_request,
+    make_engine,
+    prefill_logits,
+    run_to_completion,
+)
 from tests.engine.tiny_hf import TinyCheckpoint, build_checkpoint, oracle_greedy, oracle_logits
 from tests.kernels.lora_cases import rel_err
-from worker.engine.block_manager import BlockManager
-from worker.engine.scheduler import ScheduledSequence
-from worker.engine.sequence import Sequence
 from worker.model.lora_linear import LoRALinear
 
 GROUP = 32  # the largest of 128, 64, 32 that divides 64 and 96
@@ -52,8 +56,9 @@ def test_the_bf16_int4_engine_on_the_gpu_matches_the_int4_engine_on_cpu(llama: T
     """The same 4-bit weights, in bf16 on the GPU against float32 on CPU: within the bf16 engine's
     tolerance of its fp32 run (2e-2; tests/engine/test_engine_gpu.py): the dequantized weights are
     rounded to bf16 on the GPU, as any bf16 weight is."""
-    on_gpu = prefill_logits(llama, PROMPTS, "cuda", "bfloat16")
-    assert rel_err(on_gpu, prefill_logits(llama, PROMPTS, "cpu", "float32")) < 2e-2
+    on_gpu = prefill_logits(llama, PROMPTS, device="cuda", dtype="bfloat16", quantization="int4")
+    on_cpu = prefill_logits(llama, PROMPTS, device="cpu", dtype="float32", quantization="int4")
+    assert rel_err(on_gpu, on_cpu) < 2e-2
 
 
 @pytest.mark.gpu
@@ -73,16 +78,5 @@ def test_bf16_on_the_gpu_serves_few_rows_from_the_tensor_core_copy_within_bf16_o
     short = {None: PROMPTS[None][:TINYGEMM_MAX_TOKENS]}
     for prompts in (PROMPTS, short):
         expected = torch.stack([oracle_logits(oracle, prompt, None)[-1] for prompt in prompts.values()])
-        assert rel_err(prefill_logits(wide, prompts, "cuda", "bfloat16"), expected) < 2e-2
-
-
-def prefill_logits(checkpoint: TinyCheckpoint, prompts: dict, device: str, dtype: str) -> torch.Tensor:
-    """float32 [len(prompts), vocab]: the logits after each prompt, prefilled in one step without adapters."""
-    runner = make_engine(checkpoint, device=device, dtype=dtype, quantization="int4").runner
-    blocks = BlockManager(runner.num_blocks, runner.config.block_size)
-    scheduled = []
-    for name, prompt in prompts.items():
-        seq = Sequence(seq_id=str(name), prompt_token_ids=prompt, sampling=None, seed=0)
-        blocks.allocate(seq, len(prompt))
-        scheduled.append(ScheduledSequence(seq, len(prompt)))
-    return runner.execute(scheduled, lambda uid: None, runner.config.block_size).float().cpu()
+        on_gpu = prefill_logits(wide, prompts, device="cuda", dtype="bfloat16", quantization="int4")
+        assert rel_err(on_gpu, expected) < 2e-2
