@@ -77,19 +77,30 @@ def unpack_mma(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def to_mma_layout(weight: Int4Weight, *, columns: int = 4096) -> MmaInt4Weight:
-    """The affine `weight` in this layout, on its device, converted `columns` outputs at a time so
-    that the unpacked values (4 bytes each) stay a few tens of MiB beside a model's weights."""
+    """The affine `weight` in this layout, in new tensors on its device (fill_mma_layout's)."""
+    n, k = weight.shape
+    device = weight.qweight.device
+    out = MmaInt4Weight(
+        torch.empty(n // 8, k // MMA_K_ALIGN, 32, 4, dtype=torch.int32, device=device),
+        torch.empty(k // weight.group_size, n, 2, dtype=torch.bfloat16, device=device),
+    )
+    fill_mma_layout(weight, out, columns=columns)
+    return out
+
+
+def fill_mma_layout(weight: Int4Weight, out: MmaInt4Weight, *, columns: int = 4096) -> None:
+    """Write the affine `weight` in this layout into `out` (same device, this layout's shapes),
+    `columns` outputs at a time so that the unpacked values (4 bytes each) stay a few tens of MiB
+    beside a model's weights and no second copy of the whole layer is held at load."""
     if weight.zeros is None:
         raise ValueError("only an affine 4-bit weight (zero points, no codebook) takes the MMA layout")
-    n, k = weight.shape
-    qweight = torch.empty(n // 8, k // MMA_K_ALIGN, 32, 4, dtype=torch.int32, device=weight.qweight.device)
+    n = weight.shape[0]
     for start in range(0, n, columns):
         stop = min(start + columns, n)
-        qweight[start // 8 : stop // 8] = pack_mma(unpack_along_k(weight.qweight[:, start:stop]).T)
-    scales = weight.scales.float()
-    offsets = (MID_LEVEL - weight.zeros.float()) * scales
-    scale_offsets = torch.stack([scales, offsets], dim=2).to(torch.bfloat16)
-    return MmaInt4Weight(qweight, scale_offsets)
+        out.qweight[start // 8 : stop // 8] = pack_mma(unpack_along_k(weight.qweight[:, start:stop]).T)
+        scales = weight.scales[:, start:stop].float()
+        out.scale_offsets[:, start:stop, 0] = scales
+        out.scale_offsets[:, start:stop, 1] = (MID_LEVEL - weight.zeros[:, start:stop].float()) * scales
 
 
 def dequantize_mma(weight: MmaInt4Weight) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 from kernels.lora import LoRABatch, lora_linear, lora_linear_deferred
 from kernels.quant import FP8_DTYPE, Int4Weight
 from kernels.quant.codebook import codebook
-from kernels.quant.int4_mma import mma_layout_fits, to_mma_layout
+from kernels.quant.int4_mma import fill_mma_layout, mma_layout_fits
 from kernels.quant.int4_reference import MMA_K_ALIGN, PACK, MmaInt4Weight, arrival_counters
 from shared.int4_quantization import CODEBOOK_FORMATS, INT4_FORMATS
 from shared.model_info import ModelInfo
@@ -243,9 +243,10 @@ class LoRALinear(nn.Module):
         from the loaded weight. Queued on the current stream, as the loads are."""
         if self.weight is not None or self.decode_qweight is None:
             return
-        copy = to_mma_layout(Int4Weight(self.qweight, self.scales, self.zeros, self.arrivals))
-        self.decode_qweight.copy_(copy.qweight)
-        self.decode_scale_offsets.copy_(copy.scale_offsets)
+        fill_mma_layout(
+            Int4Weight(self.qweight, self.scales, self.zeros, self.arrivals),
+            MmaInt4Weight(self.decode_qweight, self.decode_scale_offsets),
+        )
 
     def _int4_loaders(
         self, key: str, columns: slice, *, prequantized: bool, double_quant: bool
