@@ -19,7 +19,9 @@ configurations are constexprs, T is a runtime argument, so no token count recomp
 Paths (see paths.py): "fused" (fused.py, then the base GEMM accumulates into its output),
 "split" (shrink.py + expand, likewise), "overlap" (shrink.py on a second stream beside the base
 GEMM, then expand adds into its output). "split" and "overlap" expand through expand_gather.py when
-the plan has a `gather` configuration, else expand.py.
+the plan has a `gather` configuration, else expand.py; where the caller takes the delta (the
+decoder) and the batch is decode-sized, "overlap" runs shrink and expand as one launch instead
+(single_launch.py, its `single` configuration).
 """
 
 from __future__ import annotations
@@ -82,16 +84,27 @@ class FusedConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SingleLaunchConfig:
+    block_k: int = 64  # inputs per shrink chunk
+    block_n: int = 64  # outputs per expand tile
+    max_programs: int = 64  # the grid, at most the SM count (its programs meet at a barrier)
+    num_warps: int = 4
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     path: PathName
     fused: FusedConfig = FusedConfig()
     shrink: ShrinkConfig = ShrinkConfig()
     expand: ExpandConfig = ExpandConfig()
     gather: GatherConfig | None = None  # expand through expand_gather.py instead of expand.py
+    # the overlap path's side work for a caller that takes the delta, at decode sizes (paths.py);
+    # None in plans tuned before the single launch existed: its default configuration
+    single: SingleLaunchConfig | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Every path's configurations, so that a tuned file also serves forced paths (bench, tests)."""
-        names = ("fused", "shrink", "expand", "gather")
+        names = ("fused", "shrink", "expand", "gather", "single")
         configs = {name: dataclasses.asdict(getattr(self, name)) for name in names if getattr(self, name)}
         return {"path": self.path} | configs
 
@@ -104,6 +117,7 @@ class Plan:
             "shrink": ShrinkConfig,
             "expand": ExpandConfig,
             "gather": GatherConfig,
+            "single": SingleLaunchConfig,
         }
         return cls(path=entry["path"], **{k: kind(**entry[k]) for k, kind in kinds.items() if k in entry})
 

@@ -14,6 +14,7 @@ the batch's page table, see tiles.py):
 A caller that adds the delta itself (`linear_deferred_with_plan`, or `residual=` for a sum the
 caller takes next) moves the overlap path's expand onto the second stream too: the whole LoRA
 update then runs beside the base GEMM, and no LoRA kernel is left on the critical path at decode.
+For batches of at most single_launch.MAX_TOKENS tokens that update is one launch (single_launch.py).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.lora.configs import Plan
+from kernels.lora.configs import Plan, SingleLaunchConfig
 from kernels.lora.expand import lora_expand
 from kernels.lora.expand_gather import lora_expand_gather
 from kernels.lora.fused import lora_fused
 from kernels.lora.metadata import LoRABatch
 from kernels.lora.shrink import lora_shrink
+from kernels.lora.single_launch import MAX_TOKENS as SINGLE_LAUNCH_MAX_TOKENS
+from kernels.lora.single_launch import lora_single_launch
 from kernels.lora.tiles import SliceGroup, check_slices, slice_groups
 from kernels.quant import Int4Weight, base_linear, fp8_linear, int4_linear
 from kernels.streams import beside, join
@@ -157,10 +160,15 @@ def _beside(
     or, when it is None, writes a new delta tensor. Returns (y, the tensor holding the delta)."""
     # allocated on the current stream, where its consumer runs and frees it after the join
     delta = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device) if target is None else target
+    accumulate = target is not None
+    single = plan.single or SingleLaunchConfig()
     with beside(x.device):  # after x, the target and the batch metadata
         for group in groups:
-            z = lora_shrink(x, group, batch, plan.shrink)
-            expand_with_plan(plan, delta, z, group, batch, accumulate=target is not None)
+            if x.shape[0] <= SINGLE_LAUNCH_MAX_TOKENS:
+                lora_single_launch(delta, x, group, batch, single, accumulate=accumulate)
+            else:
+                z = lora_shrink(x, group, batch, plan.shrink)
+                expand_with_plan(plan, delta, z, group, batch, accumulate=accumulate)
     y = base_linear(x, weight, bias, weight_scale)
     join(x.device)
     return y, delta

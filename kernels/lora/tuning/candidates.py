@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels.lora.configs import PATHS, ExpandConfig, FusedConfig, GatherConfig, Plan, ShrinkConfig
+from kernels.lora.configs import PATHS, ExpandConfig, FusedConfig, GatherConfig, Plan, ShrinkConfig, SingleLaunchConfig
 
 FUSED_MAX_TOKENS = 256  # above, the fused kernel's re-reads of A make it pointless to time
 GATHER_MAX_TOKENS = 256  # above, the gathering expand's CUDA-core products make it pointless to time
@@ -24,6 +24,16 @@ def gather_candidates(num_tokens: int, r_pad: int) -> list[GatherConfig]:
     block_ts = (16,) if num_tokens <= 16 else (16, 32)
     return [
         GatherConfig(block_t=bt, block_n=bn, num_warps=4 if bt * bn <= 512 else 8) for bt in block_ts for bn in (32, 64)
+    ]
+
+
+def single_candidates(num_tokens: int, r_pad: int) -> list[SingleLaunchConfig]:
+    # a grid of up to 64 programs or the whole GPU: beside a GEMM the wider one contends for its SMs
+    return [
+        SingleLaunchConfig(block_k=bk, block_n=bn, max_programs=programs)
+        for bk in (64, 128)
+        for bn in (32, 64)
+        for programs in (64, 1024)
     ]
 
 

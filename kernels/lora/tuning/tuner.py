@@ -6,10 +6,10 @@ Per bucket, with served_adapters(T) adapters (or a fixed count, capped at T) lai
 layer.py (in scattered pages of as many rank rows as the engine pages that model's adapters in;
 plans are keyed by the padded max rank, so they serve any page size):
   1. per projection shape of the layer, time each kernel's candidate configurations alone (fused;
-     shrink; the grouped and the gathering expand on the best shrink's z) and keep the fastest of
-     each, and the faster of the two expands. These timings are medians of CUDA-graph replays with
-     L2 flushed before each call (timing.Flushed), since in a model the previous layer's weights
-     have evicted them;
+     shrink; the grouped and the gathering expand on the best shrink's z; at decode sizes the single
+     launch, single_launch.py) and keep the fastest of each, and the faster of the two expands.
+     These timings are medians of CUDA-graph replays with L2 flushed before each call
+     (timing.Flushed), since in a model the previous layer's weights have evicted them;
   2. time the whole layer (its projections, base GEMMs included) as the decoder calls it
      (timing.served_us: on the overlap path all LoRA work runs beside the base GEMMs, o and down add
      their deltas into the residual stream, and the kernels after qkv and gate_up read theirs,
@@ -37,6 +37,8 @@ from kernels.lora.expand import lora_expand
 from kernels.lora.expand_gather import lora_expand_gather
 from kernels.lora.fused import lora_fused
 from kernels.lora.shrink import lora_shrink
+from kernels.lora.single_launch import MAX_TOKENS as SINGLE_LAUNCH_MAX_TOKENS
+from kernels.lora.single_launch import lora_single_launch
 from kernels.lora.tiles import rank_pad, slice_groups
 from kernels.lora.tuning.candidates import (
     FUSED_MAX_TOKENS,
@@ -46,6 +48,7 @@ from kernels.lora.tuning.candidates import (
     gather_candidates,
     layer_candidates,
     shrink_candidates,
+    single_candidates,
 )
 from kernels.lora.tuning.layer import LayerShapes, Projection, make_batch, make_layer
 from kernels.lora.tuning.timing import Flushed, delta_read_us, median_us, served_us
@@ -189,6 +192,13 @@ class LayerTuner:
             grouped_us = flushed_us(lambda: lora_expand(y, z, group, batch, expand))
             if grouped_us < flushed_us(lambda: lora_expand_gather(y, z, group, batch, gather)):
                 gather = None
+        if num_tokens <= SINGLE_LAUNCH_MAX_TOKENS:
+            single = self._best(
+                "single",
+                single_candidates(num_tokens, r_pad),
+                lambda c: flushed_us(lambda: lora_single_launch(y, x, group, batch, c, accumulate=False)),
+            )
+            plan = dataclasses.replace(plan, single=single)
         return dataclasses.replace(plan, shrink=shrink, expand=expand, gather=gather)
 
     def _layer_times(
