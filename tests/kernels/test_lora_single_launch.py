@@ -4,6 +4,10 @@ repeated launches, which check that each leaves its workspace zero for the next.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -66,6 +70,26 @@ def test_more_tokens_than_a_launch_holds_are_refused() -> None:
     y = torch.zeros(MAX_TOKENS + 1, 16, device=DEVICE).half()
     with pytest.raises(ValueError, match="at most"):
         lora_single_launch(y, case.x, slice_groups(case.lora_a, case.lora_b)[0], case.batch, SMALL)
+
+
+def test_the_kernel_compiles_for_hopper_with_the_orderings_its_wait_relies_on() -> None:
+    """Without a GPU, for sm_90 (tests/kernels/single_launch_compile.py), every slice count and mode:
+    the ticket and the sums relaxed, a shrink program's count released, the expand programs' wait an
+    acquire (an add of 0 compiles to an acquiring load), the last one out's count acq_rel, and z
+    read from L2 (.cg)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "tests.kernels.single_launch_compile"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 6
+    for line in lines:
+        assert "atom.global.gpu.relaxed.add.u32" in line  # the ticket
+        assert "red.global.gpu.relaxed.add.f32" in line  # the sums
+        assert "red.global.gpu.release.add.u32" in line  # a shrink program done
+        assert "ld.global.gpu.acquire.b32" in line  # the wait
+        assert "atom.global.gpu.acq_rel.add.u32" in line  # an expand program done
+        assert "ld.global.cg" in line  # z
 
 
 @pytest.mark.gpu
