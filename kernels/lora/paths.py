@@ -14,7 +14,10 @@ the batch's page table, see tiles.py):
 A caller that adds the delta itself (`linear_deferred_with_plan`, or `residual=` for a sum the
 caller takes next) moves the overlap path's expand onto the second stream too: the whole LoRA
 update then runs beside the base GEMM, and no LoRA kernel is left on the critical path at decode.
-For batches of at most single_launch.MAX_TOKENS tokens that update is one launch (single_launch.py).
+Beside a 4-bit GEMM of a few microseconds (tinygemm, kernels/quant/int4_mma.py) that update is one
+launch (single_launch.py): two dependent launches outlast the GEMM there, while beside the longer
+GEMMs of other bases and larger steps they are hidden, and one launch's waiting programs measured
+slower beside a GEMM that fills the GPU.
 """
 
 from __future__ import annotations
@@ -29,10 +32,9 @@ from kernels.lora.expand_gather import lora_expand_gather
 from kernels.lora.fused import lora_fused
 from kernels.lora.metadata import LoRABatch
 from kernels.lora.shrink import lora_shrink
-from kernels.lora.single_launch import MAX_TOKENS as SINGLE_LAUNCH_MAX_TOKENS
 from kernels.lora.single_launch import lora_single_launch
 from kernels.lora.tiles import SliceGroup, check_slices, slice_groups
-from kernels.quant import Int4Weight, base_linear, fp8_linear, int4_linear
+from kernels.quant import Int4Weight, base_linear, fp8_linear, int4_linear, takes_tinygemm
 from kernels.streams import beside, join
 
 
@@ -164,7 +166,7 @@ def _beside(
     single = plan.single or SingleLaunchConfig()
     with beside(x.device):  # after x, the target and the batch metadata
         for group in groups:
-            if x.shape[0] <= SINGLE_LAUNCH_MAX_TOKENS:
+            if isinstance(weight, Int4Weight) and takes_tinygemm(weight, x.shape[0]):
                 lora_single_launch(delta, x, group, batch, single, accumulate=accumulate)
             else:
                 z = lora_shrink(x, group, batch, plan.shrink)

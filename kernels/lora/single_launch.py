@@ -56,9 +56,9 @@ from kernels.lora.tiles import (
     slice_of,
 )
 
-# the most tokens a launch takes; the side work of larger batches is two launches, which measured
-# faster beside a GEMM that fills the GPU (docs/benchmarks.md, "single launch")
-MAX_TOKENS = 6
+# the most tokens a launch takes: every program holds all their rows at once ([T, R_PAD, BLOCK_K]),
+# which is right for the few tokens of steps beside tinygemm (paths.py says when it is used)
+MAX_TOKENS = 8
 # the workspace's counters: tickets taken, shrink programs done, expand programs done
 TICKETS: tl.constexpr = tl.constexpr(0)
 SHRUNK: tl.constexpr = tl.constexpr(1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.quant.int4 import int4_linear
+from kernels.quant.int4 import int4_linear, takes_tinygemm
 from kernels.quant.int4_reference import Int4Weight
 from kernels.quant.per_token import quantize_per_token_triton
 from kernels.quant.reference import (
@@ -44,6 +44,7 @@ __all__ = [
     "int4_linear",
     "quantize_per_token",
     "quantize_weight",
+    "takes_tinygemm",
     "w8a8_linear",
     "w8a16_linear",
 ]

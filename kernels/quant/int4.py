@@ -13,12 +13,14 @@ from kernels.quant.int4_mma import TINYGEMM_MAX_TOKENS, tinygemm_linear
 from kernels.quant.int4_reference import Int4Weight, int4_linear_reference
 
 
+def takes_tinygemm(weight: Int4Weight, num_tokens: int) -> bool:
+    """Whether a CUDA step of num_tokens rows multiplies this weight through tinygemm."""
+    return weight.tensor_cores is not None and num_tokens <= TINYGEMM_MAX_TOKENS
+
+
 def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] → [T, N] in x's dtype: x @ W.T (+ bias [N]) for the 4-bit weight W [N, K]."""
     if not x.is_cuda:
         return int4_linear_reference(x, weight, bias)
-    if weight.tensor_cores is not None and x.shape[0] <= TINYGEMM_MAX_TOKENS:
-        y = tinygemm_linear(x, weight.tensor_cores)
-    else:
-        y = int4_gemm(x, weight)
+    y = tinygemm_linear(x, weight.tensor_cores) if takes_tinygemm(weight, x.shape[0]) else int4_gemm(x, weight)
     return y if bias is None else y.add_(bias)

@@ -4,6 +4,7 @@ repeated launches, which check that each leaves its workspace zero for the next.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,9 +12,13 @@ import sys
 import pytest
 import torch
 
-from kernels.lora.configs import SingleLaunchConfig
+import kernels.lora.paths
+from kernels.lora.configs import Plan, SingleLaunchConfig
+from kernels.lora.paths import linear_deferred_with_plan
 from kernels.lora.single_launch import MAX_TOKENS, lora_single_launch
 from kernels.lora.tiles import slice_groups
+from kernels.quant.int4_mma import TINYGEMM_MAX_TOKENS, to_mma_layout
+from kernels.quant.int4_reference import quantize_int4
 from tests.kernels.lora_cases import make_case, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,6 +95,29 @@ def test_the_kernel_compiles_for_hopper_with_the_orderings_its_wait_relies_on() 
         assert "ld.global.gpu.acquire.b32" in line  # the wait
         assert "atom.global.gpu.acq_rel.add.u32" in line  # an expand program done
         assert "ld.global.cg" in line  # z
+
+
+@pytest.mark.parametrize("num_tokens", [1, TINYGEMM_MAX_TOKENS, TINYGEMM_MAX_TOKENS + 1])
+@pytest.mark.parametrize("copy", [True, False])
+def test_the_decoder_takes_the_single_launch_beside_tinygemm_only(
+    monkeypatch: pytest.MonkeyPatch, num_tokens: int, copy: bool
+) -> None:
+    """The overlap path's deferred delta (what qkv and gate_up hand the next kernel): one launch where
+    the 4-bit base multiplies through its tensor-core copy, shrink then expand elsewhere; the same
+    delta either way."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # tinygemm's dtype; the interpreter's dots
+    case = make_case(num_tokens, 128, [64, 32], [16, 8], dtype=dtype, device=DEVICE, base_fraction=0.0)
+    weight = quantize_int4(case.weight.float(), 64)[1]
+    if copy:
+        weight = dataclasses.replace(weight, tensor_cores=to_mma_layout(weight))
+    launches = []
+    monkeypatch.setattr(
+        kernels.lora.paths, "lora_single_launch", lambda *a, **k: launches.append(lora_single_launch(*a, **k))
+    )
+    plan = Plan(path="overlap")
+    _, delta = linear_deferred_with_plan(plan, case.x, weight, None, case.lora_a, case.lora_b, case.batch)
+    assert len(launches) == (1 if copy and num_tokens <= TINYGEMM_MAX_TOKENS else 0)
+    assert rel_err(delta, case.delta(torch.zeros(num_tokens, case.width))) < TOL[dtype]
 
 
 @pytest.mark.gpu
