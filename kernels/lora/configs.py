@@ -87,7 +87,7 @@ class FusedConfig:
 class SingleLaunchConfig:
     block_k: int = 64  # inputs per shrink chunk
     block_n: int = 64  # outputs per expand tile
-    max_programs: int = 64  # the grid, at most the SM count (its programs meet at a barrier)
+    max_programs: int = 64  # shrink programs at most, and as many expand programs at most
     num_warps: int = 4
 
 

@@ -163,10 +163,10 @@ def _beside(
     # allocated on the current stream, where its consumer runs and frees it after the join
     delta = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device) if target is None else target
     accumulate = target is not None
-    single = plan.single or SingleLaunchConfig()
     with beside(x.device):  # after x, the target and the batch metadata
         for group in groups:
             if isinstance(weight, Int4Weight) and takes_tinygemm(weight, x.shape[0]):
+                single = plan.single or SingleLaunchConfig()
                 lora_single_launch(delta, x, group, batch, single, accumulate=accumulate)
             else:
                 z = lora_shrink(x, group, batch, plan.shrink)

@@ -28,7 +28,7 @@ def gather_candidates(num_tokens: int, r_pad: int) -> list[GatherConfig]:
 
 
 def single_candidates(num_tokens: int, r_pad: int) -> list[SingleLaunchConfig]:
-    # a grid of up to 64 programs or the whole GPU: beside a GEMM the wider one contends for its SMs
+    # 64 programs a role, or one per K chunk and output tile: beside a GEMM the wider grid contends for its SMs
     return [
         SingleLaunchConfig(block_k=bk, block_n=bn, max_programs=programs)
         for bk in (64, 128)
