@@ -21,7 +21,12 @@ from shared.int4_quantization import (
     checkpoint_group_size,
     load_group_size,
 )
-from shared.quantization import KV_CACHE_DTYPES, checkpoint_quantization, served_quantization
+from shared.quantization import (
+    KV_CACHE_DTYPES,
+    checkpoint_quantization,
+    checkpoint_scale_block,
+    served_quantization,
+)
 
 # Decoder-only families that share the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
 # Qwen2 differs only by a bias on q/k/v; Mistral's sliding window is honoured as a context cap.
@@ -81,6 +86,9 @@ class ModelInfo:
     weight_group_size: int = 0
     # a bitsandbytes checkpoint's double quantization: each block's absmax stored in 8 bits
     weight_double_quant: bool = False
+    # (outputs, inputs) of the weight blocks sharing one scale in a block-wise FP8 checkpoint, which
+    # the loader turns into per-output-channel scales (shared/quantization.py); None otherwise
+    weight_scale_block: tuple[int, int] | None = None
     # affine 4-bit weights (int4, AWQ, GPTQ) also held in the tensor cores' layout for decode steps of
     # few sequences, where a bf16 model's widths allow (kernels/quant/int4_mma.py; EngineConfig.int4_decode_copy)
     int4_decode_copy: bool = False
@@ -149,6 +157,8 @@ class ModelInfo:
         data = json.loads(text)
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
+        if data.get("weight_scale_block") is not None:
+            data["weight_scale_block"] = tuple(data["weight_scale_block"])
         return cls(**data)
 
     @classmethod
@@ -213,6 +223,7 @@ class ModelInfo:
             quantization=weights,
             weight_group_size=group_size,
             weight_double_quant=double_quant,
+            weight_scale_block=checkpoint_scale_block(config, path),
             **moe,
         )
 

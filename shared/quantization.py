@@ -5,8 +5,13 @@ A checkpoint either holds plain bf16/fp16/fp32 weights ("none": quantized at loa
 asked for fp8) or FP8 weights with their scales, as published in two formats:
     quant_method "fp8"                 (AutoFP8 / transformers): `weight_scale` or `weight_scale_inv`
     quant_method "compressed-tensors"  (llm-compressor, format float-quantized): `weight_scale`
-each per tensor (one value) or per output channel ([N] or [N, 1]). Either loads as it is, never
-re-quantized. Their static `input_scale`s are not used: activations get a dynamic scale per token,
+each per tensor (one value) or per output channel ([N] or [N, 1]), which load as they are, never
+re-quantized; or per block of weights (`weight_block_size` [bn, bk], as DeepSeek and Qwen publish
+FP8 checkpoints; compressed-tensors' strategy "block" with its `block_structure`), one scale per
+bn outputs × bk inputs ([ceil(N / bn), ceil(K / bk)]). The kernels take one scale per output channel,
+so a block-wise weight is dequantized at load and quantized again per channel
+(worker/model/fp8_weights.py): one more rounding onto e4m3, and no kernel of its own to keep.
+Their static `input_scale`s are not used: activations get a dynamic scale per token,
 never coarser than one fixed scale per tensor. 4-bit checkpoints (quant_method "awq" or "gptq")
 are checked by shared/int4_quantization.py, bitsandbytes' ("bitsandbytes", 4-bit NF4 or FP4) by
 shared/bnb_quantization.py. Anything else is refused at start, naming the file.
@@ -25,8 +30,8 @@ from shared.int4_quantization import INT4_METHODS, check_int4_checkpoint
 WEIGHT_FORMATS = ("none", "fp8", "int4", "nf4")
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the weights' activation dtype
 SUPPORTED_METHODS = ("fp8", "compressed-tensors", *INT4_METHODS, BNB_METHOD)
-# compressed-tensors' per-tensor and per-output-channel weight strategies (block / group are refused)
-_CT_STRATEGIES = ("tensor", "channel")
+# compressed-tensors' per-tensor, per-output-channel and block-wise weight strategies (group is refused)
+_CT_STRATEGIES = ("tensor", "channel", "block")
 
 
 def checkpoint_quantization(config: dict[str, Any], path: Path) -> str:
@@ -38,15 +43,14 @@ def checkpoint_quantization(config: dict[str, Any], path: Path) -> str:
         return "none"
     method = quant.get("quant_method")
     if method == "fp8":
-        if quant.get("weight_block_size"):
-            _refuse(path, f"block-wise FP8 (weight_block_size {quant['weight_block_size']}) is not supported; "
-                          "use a checkpoint with per-channel or per-tensor scales")  # fmt: skip
+        checkpoint_scale_block(config, path)  # checked here, read by ModelInfo
         return "fp8"
     if method == "compressed-tensors":
         for name, group in (quant.get("config_groups") or {}).items():
             _check_ct_group(name, group, path)
         if not quant.get("config_groups"):
             _refuse(path, "compressed-tensors quantization_config has no config_groups")
+        checkpoint_scale_block(config, path)
         return "fp8"
     if method in INT4_METHODS:
         return check_int4_checkpoint(quant, path)
@@ -65,6 +69,34 @@ def _check_ct_group(name: str, group: dict[str, Any], path: Path) -> None:
                       f"supported: {', '.join(_CT_STRATEGIES)}")  # fmt: skip
     if not weights.get("symmetric", True):
         _refuse(path, f"compressed-tensors group {name!r} has asymmetric FP8 weights (zero points): not supported")
+
+
+def checkpoint_scale_block(config: dict[str, Any], path: Path) -> tuple[int, int] | None:
+    """(outputs, inputs) of the weight blocks sharing one scale in a block-wise FP8 checkpoint whose
+    config.json (at `path`) is `config`; None for any other checkpoint. Raises LorafleetError for a
+    block that is not two positive integers, or for groups of a compressed-tensors checkpoint that
+    disagree on it (one block size serves every projection)."""
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") == "fp8":
+        blocks = [quant["weight_block_size"]] if quant.get("weight_block_size") else []
+    elif quant.get("quant_method") == "compressed-tensors":
+        groups = (quant.get("config_groups") or {}).values()
+        weights = [group.get("weights") or {} for group in groups]
+        blocks = [spec.get("block_structure") for spec in weights if spec.get("strategy") == "block"]
+        if blocks and len(blocks) != len(weights):
+            _refuse(path, "compressed-tensors groups mix block-wise and other FP8 weight scales")
+    else:
+        return None
+    for block in blocks:
+        if not (isinstance(block, list | tuple) and len(block) == 2 and all(_positive_int(side) for side in block)):
+            _refuse(path, f"FP8 weight block {block!r} is not two positive integers [outputs, inputs]")
+    if len({tuple(block) for block in blocks}) > 1:
+        _refuse(path, f"compressed-tensors groups disagree on the FP8 weight block: {blocks}")
+    return (int(blocks[0][0]), int(blocks[0][1])) if blocks else None
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def served_quantization(checkpoint: str, requested: str | None, path: Path) -> str:

@@ -12,7 +12,10 @@ MoE experts (W8A16, fp8_moe_oracle): each expert's gate, up and down weights rep
 dequantized fp8 weights, their inputs left unquantized, as the engine's grouped GEMM reads them.
 
 Pre-quantized checkpoints are written here in the two published formats, from a saved tiny model
-(dense or MoE: every expert's projections are quantized too); for the FP8 KV cache, checkpoints with
+(dense or MoE: every expert's projections are quantized too), with per-tensor, per-channel or
+block-wise weight scales (blocks of BLOCK, which divide none of the tiny models' widths, so edge
+blocks are partial; the oracle's weights are then what the loader serves: dequantized by block and
+quantized again per row); for the FP8 KV cache, checkpoints with
 published KV cache scales, and a reparametrisation of a model whose K/V are small.
 """
 
@@ -28,8 +31,17 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
 from kernels.quant import dequantize, quantize_weight
-from kernels.quant.reference import FP8_DTYPE, FP8_MAX, W8A16_MAX_TOKENS, quantize_per_token_reference
+from kernels.quant.reference import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALE,
+    W8A16_MAX_TOKENS,
+    dequantize_blocks,
+    quantize_per_token_reference,
+)
 from shared.model_info import PROJECTIONS
+
+BLOCK = (24, 40)  # (outputs, inputs) per scale of the block-wise checkpoints written here
 
 
 def _is_base_projection(name: str) -> bool:
@@ -77,17 +89,35 @@ def fp8_moe_oracle(oracle: PeftModel, width: int, scales: str = "channel") -> Pe
 
 
 def quantize(weight: torch.Tensor, scales: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 [N, K], float32 scales [N]) of weight [N, K], one scale per row or one for the tensor."""
+    """(fp8 [N, K], float32 scales [N]) of weight [N, K] as served: one scale per row, one for the
+    tensor, or ("block") the block-wise checkpoint's weight dequantized and quantized per row."""
     if scales == "channel":
         return quantize_weight(weight)
+    if scales == "block":
+        return quantize_weight(dequantize_blocks(*quantize_blocks(weight), BLOCK))
     scale = (weight.abs().max().float() / FP8_MAX).reshape(1)
     return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.expand(weight.shape[0])
 
 
+def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [N, K], float32 scales [ceil(N / BLOCK[0]), ceil(K / BLOCK[1])]) of weight [N, K], one
+    scale per block: each block's absolute maximum over FP8_MAX, as block-wise checkpoints hold them."""
+    rows, columns = BLOCK
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // rows) * rows, -(-k // columns) * columns)
+    padded[:n, :k] = weight.float()
+    peak = padded.abs().reshape(padded.shape[0] // rows, rows, padded.shape[1] // columns, columns).amax(dim=(1, 3))
+    block_scales = (peak / FP8_MAX).clamp(min=MIN_SCALE)
+    per_weight = block_scales.repeat_interleave(rows, dim=0)[:n].repeat_interleave(columns, dim=1)[:, :k]
+    return (weight.float() / per_weight).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), block_scales
+
+
 def save_fp8_checkpoint(model_dir: Path, directory: Path, *, method: str, scales: str) -> Path:
     """The plain checkpoint in `model_dir` written to `directory` pre-quantized, as `method` ("fp8":
-    transformers / AutoFP8, or "compressed-tensors") publishes it, with per-"channel" or per-"tensor"
-    weight scales (and the static input scales both formats carry, which the engine does not use)."""
+    transformers / AutoFP8, or "compressed-tensors") publishes it, with per-"channel", per-"tensor"
+    or per-"block" weight scales (and the static input scales both formats carry, which the engine
+    does not use). The "fp8" format names block scales `weight_scale_inv`, as DeepSeek's and Qwen's
+    checkpoints do."""
     directory.mkdir(parents=True)
     tensors = load_file(model_dir / "model.safetensors")
     out: dict[str, torch.Tensor] = {}
@@ -97,10 +127,13 @@ def save_fp8_checkpoint(model_dir: Path, directory: Path, *, method: str, scales
         if parts[-1] != "weight" or not (parts[-2] in PROJECTIONS or expert):
             out[name] = tensor
             continue
-        q, row_scales = quantize(tensor, scales)
         prefix = name.removesuffix(".weight")
-        out[name] = q
-        out[f"{prefix}.weight_scale"] = row_scales[:1].reshape(()) if scales == "tensor" else row_scales.view(-1, 1)
+        if scales == "block":
+            out[name], block_scales = quantize_blocks(tensor)
+            out[f"{prefix}.weight_scale_inv" if method == "fp8" else f"{prefix}.weight_scale"] = block_scales
+        else:
+            out[name], row_scales = quantize(tensor, scales)
+            out[f"{prefix}.weight_scale"] = row_scales[:1].reshape(()) if scales == "tensor" else row_scales.view(-1, 1)
         out[f"{prefix}.input_scale"] = torch.tensor(0.05)
     save_file(out, directory / "model.safetensors")
     config = json.loads((model_dir / "config.json").read_text())
@@ -112,14 +145,18 @@ def save_fp8_checkpoint(model_dir: Path, directory: Path, *, method: str, scales
 
 def _quantization_config(method: str, scales: str) -> dict:
     if method == "fp8":
-        return {"quant_method": "fp8", "activation_scheme": "static"}
+        blocks = {"weight_block_size": list(BLOCK)} if scales == "block" else {}
+        return {"quant_method": "fp8", "activation_scheme": "static", **blocks}
+    weights = {"num_bits": 8, "type": "float", "strategy": scales, "symmetric": True, "dynamic": False}
+    if scales == "block":
+        weights["block_structure"] = list(BLOCK)
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "float", "strategy": scales, "symmetric": True, "dynamic": False},
+                "weights": weights,
                 "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
             }
         },

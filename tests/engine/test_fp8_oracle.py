@@ -1,7 +1,7 @@
 """The FP8 engine against transformers + PEFT computing the same quantized arithmetic
 (tests/engine/fp8_oracle.py), with adapters, for every dense family: W8A16 in batches of up to
 W8A16_MAX_TOKENS tokens, W8A8 in a longer prompt; FP8 checkpoints in both published formats load as
-they are.
+they are, and block-wise ones with their weights quantized again per row.
 
 Tolerance: on CPU both sides compute in float32 from the same fp8 values (the engine dequantizes,
 the oracle's weights are dequantized and its activations quantized then dequantized), so they differ
@@ -15,20 +15,23 @@ happened at all: every row is more than ten tolerances from the unquantized orac
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.quant import W8A16_MAX_TOKENS
+from kernels.quant import W8A16_MAX_TOKENS, quantize_weight
+from kernels.quant.reference import dequantize_blocks
 from shared.errors import LorafleetError
 from shared.model_info import ModelInfo
 from tests.engine.engine_driver import BlockPool, PagedSequence, make_kv_cache, prefill
 from tests.engine.engines import load_model
-from tests.engine.fp8_oracle import fp8_oracle, save_fp8_checkpoint
+from tests.engine.fp8_oracle import BLOCK, fp8_oracle, quantize_blocks, save_fp8_checkpoint
 from tests.engine.test_model_oracle import SLOTS, assert_greedy_decode_matches, mixed_sequences, random_prompt
 from tests.engine.tiny_hf import TinyCheckpoint, oracle_logits
+from worker.model.fp8_weights import BlockScaledFP8
 from worker.model.model import CausalLM
 
 TOLERANCE = 1e-4
@@ -81,6 +84,55 @@ def test_fp8_checkpoint_loads_as_it_is(llama: TinyCheckpoint, tmp_path: Path, me
     logits = prefill([seq for _, seq in seqs], model, make_kv_cache(model, num_blocks=32, block_size=4), BlockPool(32))
     for row, (adapter, seq) in enumerate(seqs):
         assert (logits[row] - oracle_logits(oracle, seq.token_ids, adapter)[-1]).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+def test_block_wise_fp8_checkpoint_is_served_with_per_channel_scales(
+    llama: TinyCheckpoint, tmp_path: Path, method: str
+) -> None:
+    """The block-wise weights dequantized by block and quantized again per row, and nothing else:
+    the oracle's weights are those, and the loaded ones are bit for bit."""
+    model_dir = save_fp8_checkpoint(llama.model_dir, tmp_path / "fp8", method=method, scales="block")
+    info = ModelInfo.from_pretrained("llama", model_dir)
+    assert (info.checkpoint_quantization, info.weight_scale_block) == ("fp8", BLOCK)
+    assert ModelInfo.from_json(info.to_json()) == info  # as a tensor-parallel follower receives it
+    model = fp8_model(model_dir, info, llama.adapters)
+    saved = load_file(model_dir / "model.safetensors")
+    block_scales = saved["model.layers.1.mlp.down_proj." + ("weight_scale_inv" if method == "fp8" else "weight_scale")]
+    served = quantize_weight(dequantize_blocks(saved["model.layers.1.mlp.down_proj.weight"], block_scales, BLOCK))
+    down = model.model.layers[1].mlp.down_proj
+    assert torch.equal(down.weight.view(torch.uint8), served[0].view(torch.uint8))
+    assert torch.equal(down.weight_scale, served[1])
+    oracle = fp8_oracle(llama.oracle, "block")
+    seqs = mixed_sequences()[:3]
+    logits = prefill([seq for _, seq in seqs], model, make_kv_cache(model, num_blocks=32, block_size=4), BlockPool(32))
+    for row, (adapter, seq) in enumerate(seqs):
+        assert (logits[row] - oracle_logits(oracle, seq.token_ids, adapter)[-1]).abs().max() <= TOLERANCE
+
+
+def test_a_block_wise_slice_completes_with_whichever_tensor_comes_second() -> None:
+    weight = torch.randn(50, 90, generator=torch.Generator().manual_seed(4))
+    codes, block_scales = quantize_blocks(weight)
+    served = quantize_weight(dequantize_blocks(codes, block_scales, BLOCK))
+    for order in ("weight first", "scales first"):
+        target = torch.empty(50, 90, dtype=codes.dtype), torch.empty(50)
+        blocks = BlockScaledFP8(*target, BLOCK, name="p", split=None)
+        loads = [partial(blocks.load_weight, codes), partial(blocks.load_scales, block_scales)]
+        loads[0 if order == "weight first" else 1]()
+        assert not torch.equal(target[1], served[1])  # one tensor alone writes nothing
+        loads[1 if order == "weight first" else 0]()
+        assert torch.equal(target[0].view(torch.uint8), served[0].view(torch.uint8)), order
+        assert torch.equal(target[1], served[1]), order
+
+
+def test_block_scales_of_the_wrong_shape_name_the_tensor(llama: TinyCheckpoint, tmp_path: Path) -> None:
+    model_dir = save_fp8_checkpoint(llama.model_dir, tmp_path / "fp8", method="compressed-tensors", scales="block")
+    tensors = load_file(model_dir / "model.safetensors")
+    name = "model.layers.0.self_attn.k_proj.weight_scale"
+    tensors[name] = tensors[name][:, :1].contiguous()  # one block column short
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"llama: {name}: block scales \(2, 1\) do not cover a \[32, 64\] weight"):
+        fp8_model(model_dir, ModelInfo.from_pretrained("llama", model_dir))
 
 
 def test_fp8_checkpoint_weights_are_not_requantized(llama: TinyCheckpoint, tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from shared.model_info import EXPERT_PROJECTIONS, MOE_BLOCK, ModelInfo
 from shared.schema import JobStatus, SamplingParams
 from tests.engine.engine_driver import BlockPool, make_kv_cache, prefill
 from tests.engine.engines import load_engine, load_model
-from tests.engine.fp8_oracle import fp8_moe_oracle, fp8_oracle, save_fp8_checkpoint
+from tests.engine.fp8_oracle import BLOCK, fp8_moe_oracle, fp8_oracle, save_fp8_checkpoint
 from tests.engine.test_engine_generation import run_to_completion
 from tests.engine.test_moe_oracle import NEW_TOKENS, SLOTS, moe_sequences
 from tests.engine.tiny_hf import oracle_greedy, oracle_logits, saved_adapter_ref
@@ -140,11 +140,15 @@ def test_the_fp8_moe_engine_serves_every_adapter_on_the_gpu(tiny_moe: TinyMoE) -
         assert len(results[job_id].output.token_ids) == NEW_TOKENS
 
 
-@pytest.mark.parametrize(("method", "scales"), [("fp8", "tensor"), ("compressed-tensors", "channel")])
-def test_fp8_moe_checkpoint_loads_as_it_is(tiny_moe: TinyMoE, tmp_path: Path, method: str, scales: str) -> None:
+@pytest.mark.parametrize(("method", "scales"), [("fp8", "tensor"), ("compressed-tensors", "channel"), ("fp8", "block")])
+def test_fp8_moe_checkpoint_loads_as_the_oracle_computes(
+    tiny_moe: TinyMoE, tmp_path: Path, method: str, scales: str
+) -> None:
+    """Per-tensor and per-channel experts as they are; block-wise ones quantized again per row."""
     model_dir = save_fp8_checkpoint(tiny_moe.model_dir, tmp_path / "fp8", method=method, scales=scales)
     info = ModelInfo.from_pretrained(tiny_moe.family, model_dir)
     assert (info.checkpoint_quantization, info.quantization) == ("fp8", "fp8")
+    assert info.weight_scale_block == (BLOCK if scales == "block" else None)
     model = fp8_moe_model(model_dir, info, tiny_moe)
     oracle = fp8_moe_oracle(tiny_moe.oracle, info.moe_intermediate_size, scales)
     seqs = moe_sequences()[:4]
@@ -185,7 +189,9 @@ def test_a_missing_expert_scale_names_the_checkpoint_and_tensor(tiny_moe: TinyMo
         fp8_moe_model(model_dir, info, tiny_moe)
 
 
-def test_a_block_wise_expert_scale_names_the_checkpoint_and_tensor(tiny_moe: TinyMoE, tmp_path: Path) -> None:
+def test_a_block_wise_expert_scale_under_a_per_channel_config_names_the_checkpoint_and_tensor(
+    tiny_moe: TinyMoE, tmp_path: Path
+) -> None:
     """A [N / 16, K / 16] scale (as block-wise FP8 stores one per 16 x 16 block) under a config
     that does not say so: refused at load, not read as per-channel."""
     model_dir = save_fp8_checkpoint(tiny_moe.model_dir, tmp_path / "fp8", method="compressed-tensors", scales="channel")

@@ -13,6 +13,7 @@ import torch
 
 from shared.schema import SamplingParams
 from tests.engine.engines import host_adapter, load_engine, load_model, tensor_parallel_engine
+from tests.engine.fp8_oracle import save_fp8_checkpoint
 from tests.engine.tiny_hf import ADAPTERS, TinyCheckpoint, save_lora_adapter, save_tiny_model, saved_adapter_ref
 from tests.engine.tiny_moe import MOE_FAMILIES, TinyMoE, build_tiny_moe
 from worker.adapter_pool.host_adapter import fresh_buffers
@@ -179,6 +180,15 @@ def evict_then_mix(engine: LLMEngine, adapters: dict[str, Path], names: list[str
 
 def test_an_adapter_loaded_over_an_evicted_one_lands_in_the_same_pages_on_every_rank(llama: TinyCheckpoint) -> None:
     assert_tensor_parallel_matches(llama.model_dir, llama.adapters, DENSE_ADAPTERS, evict_then_mix, max_loras=2)
+
+
+def test_block_wise_fp8_weights_are_the_one_process_weights_on_every_rank(
+    llama: TinyCheckpoint, tmp_path: Path
+) -> None:
+    """Each rank quantizes the whole dequantized weight per row and keeps its part: the row-parallel
+    o and down projections' scales are their whole rows', as one process computes them."""
+    model_dir = save_fp8_checkpoint(llama.model_dir, tmp_path / "fp8", method="fp8", scales="block")
+    assert_tensor_parallel_matches(model_dir, llama.adapters, DENSE_ADAPTERS)
 
 
 def test_each_rank_calibrates_the_fp8_kv_scales_of_its_own_kv_heads(llama: TinyCheckpoint) -> None:

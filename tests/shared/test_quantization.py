@@ -8,23 +8,39 @@ from pathlib import Path
 import pytest
 
 from shared.errors import LorafleetError
-from shared.quantization import checkpoint_quantization, served_quantization
+from shared.quantization import checkpoint_quantization, checkpoint_scale_block, served_quantization
 
 PATH = Path("/models/m/config.json")
 
 
-def fp8_group(**weights: object) -> dict:
-    spec = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, **weights}
-    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": spec}}}
+def weight_spec(**weights: object) -> dict:
+    return {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, **weights}
+
+
+def fp8_group(*specs: dict, **weights: object) -> dict:
+    """A compressed-tensors quantization_config: one group of `weights` over the defaults, or a group per spec."""
+    groups = {f"group_{i}": {"weights": spec} for i, spec in enumerate(specs or (weight_spec(**weights),))}
+    return {"quant_method": "compressed-tensors", "config_groups": groups}
+
+
+BLOCK_WISE = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
 @pytest.mark.parametrize(
-    "quant",
-    [None, {"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_group(), fp8_group(strategy="tensor")],
+    ("quant", "block"),
+    [
+        (None, None),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, None),
+        (fp8_group(), None),
+        (fp8_group(strategy="tensor"), None),
+        (BLOCK_WISE, (128, 128)),
+        (fp8_group(strategy="block", block_structure=[128, 64]), (128, 64)),
+    ],
 )
-def test_plain_and_fp8_checkpoints_are_accepted(quant: dict | None) -> None:
+def test_plain_and_fp8_checkpoints_are_accepted(quant: dict | None, block: tuple[int, int] | None) -> None:
     config = {} if quant is None else {"quantization_config": quant}
     assert checkpoint_quantization(config, PATH) == ("none" if quant is None else "fp8")
+    assert checkpoint_scale_block(config, PATH) == block
 
 
 @pytest.mark.parametrize(("quant_type", "expected"), [(None, "fp4"), ("nf4", "nf4"), ("fp4", "fp4")])
@@ -40,7 +56,17 @@ def test_bitsandbytes_4bit_checkpoints_are_their_codebook(quant_type: str | None
     [
         ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "8-bit bitsandbytes weights"),
         ({"quant_method": "gguf"}, "quant_method 'gguf' is not supported"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, r"FP8 weight block \[128\] is not two positive integers"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "is not two positive integers"),
+        (fp8_group(strategy="block"), "FP8 weight block None is not two positive integers"),
+        (
+            fp8_group(weight_spec(strategy="block", block_structure=[128, 128]), weight_spec()),
+            "mix block-wise and other FP8 weight scales",
+        ),
+        (
+            fp8_group(*(weight_spec(strategy="block", block_structure=[side, side]) for side in (128, 64))),
+            "groups disagree on the FP8 weight block",
+        ),
         (fp8_group(type="int", num_bits=4), "holds int 4-bit weights"),
         (fp8_group(strategy="group"), "weight strategy 'group'"),
         (fp8_group(symmetric=False), "asymmetric"),

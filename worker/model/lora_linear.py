@@ -23,7 +23,7 @@ from kernels.quant.int4_reference import MMA_K_ALIGN, PACK, MmaInt4Weight, arriv
 from shared.int4_quantization import CODEBOOK_FORMATS, INT4_FORMATS
 from shared.model_info import ModelInfo
 from worker.model import bnb_weights, int4_weights
-from worker.model.fp8_weights import copy_fp8, copy_scale, quantize_into
+from worker.model.fp8_weights import BlockScaledFP8, copy_fp8, copy_scale, quantize_into
 from worker.model.parallel.sharding import LinearShard, Split
 from worker.model.weights import TensorLoader, copy_weight
 
@@ -198,16 +198,23 @@ class LoRALinear(nn.Module):
         return self.weight
 
     def checkpoint_loaders(
-        self, parent: str, *, prequantized: bool = False, double_quant: bool = False
+        self,
+        parent: str,
+        *,
+        prequantized: bool = False,
+        double_quant: bool = False,
+        scale_block: tuple[int, int] | None = None,
     ) -> dict[str, Callable[[torch.Tensor], None]]:
         """Checkpoint tensor name → loader, for each slice's weight (and bias): `q_proj.weight` of a
         packed qkv layer under `parent` lands in rows [0, N_q) of this layer's weight. An fp8 layer
         quantizes a plain checkpoint's weight as it loads, or (`prequantized`) takes the checkpoint's
-        fp8 weight and its `weight_scale` as they are. A 4-bit layer quantizes a plain checkpoint's
-        weight, or (`prequantized`) reads an AWQ or GPTQ checkpoint's `qweight`, `qzeros` and
-        `scales` (worker/model/int4_weights.py), or a bitsandbytes checkpoint's `weight` and quant
-        state, `double_quant` when its absmax is itself quantized (worker/model/bnb_weights.py). A
-        tensor-parallel rank's loaders take its part of each whole checkpoint tensor."""
+        fp8 weight and its `weight_scale` as they are, or with `scale_block` (a block-wise
+        checkpoint's outputs × inputs per scale) quantizes them again per row (BlockScaledFP8). A
+        4-bit layer quantizes a plain checkpoint's weight, or (`prequantized`) reads an AWQ or GPTQ
+        checkpoint's `qweight`, `qzeros` and `scales` (worker/model/int4_weights.py), or a
+        bitsandbytes checkpoint's `weight` and quant state, `double_quant` when its absmax is itself
+        quantized (worker/model/bnb_weights.py). A tensor-parallel rank's loaders take its part of
+        each whole checkpoint tensor."""
         loaders: dict[str, Callable[[torch.Tensor], None]] = {}
         prefix = f"{parent}." if parent else ""
         offset = 0
@@ -215,27 +222,32 @@ class LoRALinear(nn.Module):
         first_rank = self.shard is None or self.shard.tp.rank == 0
         for name, width, split in zip(self.projections, self.out_features, splits, strict=True):
             rows = slice(offset, offset + width)
+            offset += width
             key = f"{prefix}{name}"
+            parts: dict[str, TensorLoader] = {}  # fed a tensor-parallel rank's part of the checkpoint tensor
+            whole: dict[str, TensorLoader] = {}  # fed the whole tensor, on every rank
             if self.weight is None:
-                loaders.update(self._int4_loaders(key, rows, prequantized=prequantized, double_quant=double_quant))
+                parts = self._int4_loaders(key, rows, prequantized=prequantized, double_quant=double_quant)
             elif self.weight_scale is None:
-                loaders[f"{key}.weight"] = partial(copy_weight, self.weight[rows], name=f"{key}.weight")
+                parts[f"{key}.weight"] = partial(copy_weight, self.weight[rows], name=f"{key}.weight")
+            elif prequantized and scale_block:
+                blocks = BlockScaledFP8(self.weight[rows], self.weight_scale[rows], scale_block, name=key, split=split)
+                whole = {f"{key}.weight": blocks.load_weight, f"{key}.weight_scale": blocks.load_scales}
             elif prequantized:
-                loaders[f"{key}.weight"] = partial(copy_fp8, self.weight[rows], name=f"{key}.weight")
-                loaders[f"{key}.weight_scale"] = partial(
-                    copy_scale, self.weight_scale[rows], name=f"{key}.weight_scale"
-                )
+                parts[f"{key}.weight"] = partial(copy_fp8, self.weight[rows], name=f"{key}.weight")
+                parts[f"{key}.weight_scale"] = partial(copy_scale, self.weight_scale[rows], name=f"{key}.weight_scale")
             else:
-                loaders[f"{key}.weight"] = partial(
+                parts[f"{key}.weight"] = partial(
                     quantize_into, self.weight[rows], self.weight_scale[rows], name=f"{key}.weight"
                 )
             if self.bias is not None:
-                loaders[f"{key}.bias"] = partial(copy_weight, self.bias[rows], name=f"{key}.bias")
+                parts[f"{key}.bias"] = partial(copy_weight, self.bias[rows], name=f"{key}.bias")
             if split is not None:
-                for tensor_name in [n for n in loaders if n.startswith(f"{key}.")]:
-                    kind = tensor_name.rpartition(".")[2]
-                    loaders[tensor_name] = _rank_part(loaders[tensor_name], split, kind, first_rank=first_rank)
-            offset += width
+                parts = {
+                    tensor_name: _rank_part(loader, split, tensor_name.rpartition(".")[2], first_rank=first_rank)
+                    for tensor_name, loader in parts.items()
+                }
+            loaders |= parts | whole
         return loaders
 
     def fill_decode_copy(self) -> None:

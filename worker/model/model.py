@@ -223,8 +223,14 @@ class CausalLM(nn.Module):
         for module_name, module in self.named_modules():
             if isinstance(module, LoRALinear):
                 parent = module_name.rpartition(".")[0]
-                double_quant = self.info.weight_double_quant
-                loaders.update(module.checkpoint_loaders(parent, prequantized=prequantized, double_quant=double_quant))
+                loaders.update(
+                    module.checkpoint_loaders(
+                        parent,
+                        prequantized=prequantized,
+                        double_quant=self.info.weight_double_quant,
+                        scale_block=self.info.weight_scale_block,
+                    )
+                )
                 continue
             if isinstance(module, MoEBlock):
                 loaders.update(module.checkpoint_loaders(module_name.rpartition(".")[0], prequantized=prequantized))

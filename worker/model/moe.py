@@ -28,7 +28,7 @@ from kernels.lora import LoRABatch
 from kernels.moe import ExpertLoRA, moe_forward, route
 from kernels.quant import FP8_DTYPE
 from shared.model_info import EXPERT_PROJECTIONS, MOE_BLOCK, ModelInfo
-from worker.model.fp8_weights import copy_fp8, copy_scale, quantize_into
+from worker.model.fp8_weights import BlockScaledFP8, copy_fp8, copy_scale, quantize_into
 from worker.model.lora_linear import LoRAPages
 from worker.model.parallel.sharding import ModelShard, Split
 from worker.model.weights import copy_weight
@@ -94,7 +94,8 @@ class MoEBlock(nn.Module):
         """Checkpoint name → loader for the router and every expert's three projections, named as
         the family's checkpoints name them (`model.layers.3.mlp.experts.7.gate_proj.weight`). fp8
         experts quantize a plain checkpoint's weights as they load, or (`prequantized`) take the
-        checkpoint's fp8 weight and its `weight_scale` (one per tensor or per output channel); a
+        checkpoint's fp8 weight and its `weight_scale` (one per tensor or per output channel), or
+        quantize them again per row from a block-wise checkpoint's (BlockScaledFP8); a
         tensor-parallel rank's loaders take its part of each expert's projection."""
         block = f"{layer_prefix}.{MOE_BLOCK[self.info.architecture]}"
         gate, up, down = EXPERT_PROJECTIONS[self.info.architecture]
@@ -109,9 +110,13 @@ class MoEBlock(nn.Module):
             for projection, (stack, scales, rows) in parts.items():
                 key = f"{block}.experts.{expert}.{projection}"
                 target, scale = stack[expert, rows], None if scales is None else scales[expert, rows]
+                split = self.shard.split(f"experts.{projection}") if self.shard is not None else None
+                if scale is not None and prequantized and self.info.weight_scale_block:
+                    blocks = BlockScaledFP8(target, scale, self.info.weight_scale_block, name=key, split=split)
+                    loaders |= {f"{key}.weight": blocks.load_weight, f"{key}.weight_scale": blocks.load_scales}
+                    continue
                 projection_loaders = _projection_loaders(key, target, scale, prequantized=prequantized)
-                if self.shard is not None:
-                    split = self.shard.split(f"experts.{projection}")
+                if split is not None:
                     projection_loaders = {
                         name: partial(_load_part, loader, split) for name, loader in projection_loaders.items()
                     }
