@@ -91,10 +91,22 @@ def save_expert_adapter(
 
 def save_peft_moe_adapter(base: PreTrainedModel, info: ModelInfo, directory: Path, *, rank: int, alpha: float,
                           seed: int, use_rslora: bool = False) -> None:  # fmt: skip
-    """An adapter on q/v and every expert as PEFT 0.21 saves it for a transformers-5 MoE model: LoRA on
-    the fused expert parameters (target_parameters, gate_up at rank 2r via rank_pattern), random A and B."""
-    targets = ["q_proj", "v_proj", *EXPERT_PROJECTIONS[info.architecture]]
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, lora_dropout=0.0)
+    """An adapter on q/v and every expert as PEFT saves it for a transformers-5 MoE model: LoRA on the
+    fused expert parameters (target_parameters, gate_up at rank 2r and alpha 2·alpha via rank_pattern
+    and alpha_pattern, as PEFT sets them when gate_proj and up_proj are targeted by name), random A and B.
+    The parameters are named, not the projections: PEFT 0.22 also puts LoRA on a dense layer's MLP
+    for those names, and then drops it again when the adapter is loaded as a second adapter."""
+    gate_up = r".*\.gate_up_proj"
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["gate_up_proj", "down_proj"],
+        rank_pattern={gate_up: 2 * rank},
+        alpha_pattern={gate_up: 2 * alpha},
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+    )
     peft_model = get_peft_model(copy.deepcopy(base), config)
     torch.manual_seed(seed)
     with torch.no_grad():

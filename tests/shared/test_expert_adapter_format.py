@@ -87,11 +87,16 @@ def test_peft_fused_expert_parameters_are_accepted_at_their_own_ranks(moe, tmp_p
     _, info, base = moe
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
     get_peft_model(copy.deepcopy(base), config).save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "adapter_config.json").read_text())["target_parameters"]  # what PEFT 0.21 saves
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["target_parameters"]  # the experts' form
+    # PEFT 0.22 also adapts the dense first layer's MLP for those names (0.21 dropped it): listed if saved
+    dense_mlp = ("gate_proj", "up_proj", "down_proj")
+    saved = load_file(tmp_path / WEIGHTS_FILE)
+    dense = tuple(p for p in dense_mlp if f"base_model.model.model.layers.0.mlp.{p}.lora_A.weight" in saved)
 
     manifest = inspect(tmp_path, info, max_rank=8)
 
-    assert manifest.target_modules == ("q_proj", "experts.gate_up_proj", "experts.down_proj")
+    assert dense in ((), dense_mlp)
+    assert manifest.target_modules == ("q_proj", *dense, "experts.gate_up_proj", "experts.down_proj")
     assert manifest.fused_experts is not None
     assert dict(manifest.fused_experts.ranks) == {"gate_up_proj": 8, "down_proj": 4}  # gate and up fused: 2r
     assert manifest.rank == 4 and manifest.serving_rank == 8
