@@ -87,7 +87,9 @@ class FusedConfig:
 class SingleLaunchConfig:
     block_k: int = 64  # inputs per shrink chunk
     block_n: int = 64  # outputs per expand tile
-    max_programs: int = 64  # shrink programs at most, and as many expand programs at most
+    # shrink programs at most, and as many expand programs at most: one of each per H100 SM measured
+    # best at 2-8 tokens (docs/benchmarks.md, "single launch")
+    max_programs: int = 132
     num_warps: int = 4
 
 

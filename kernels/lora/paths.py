@@ -14,10 +14,11 @@ the batch's page table, see tiles.py):
 A caller that adds the delta itself (`linear_deferred_with_plan`, or `residual=` for a sum the
 caller takes next) moves the overlap path's expand onto the second stream too: the whole LoRA
 update then runs beside the base GEMM, and no LoRA kernel is left on the critical path at decode.
-Beside a 4-bit GEMM of a few microseconds (tinygemm, kernels/quant/int4_mma.py) that update is one
-launch (single_launch.py): two dependent launches outlast the GEMM there, while beside the longer
-GEMMs of other bases and larger steps they are hidden, and one launch's waiting programs measured
-slower beside a GEMM that fills the GPU.
+Beside the short GEMMs of a quantized base at decode (a 4-bit weight's tinygemm, kernels/quant/int4_mma.py;
+an fp8 weight's W8A16 at up to single_launch.MAX_TOKENS tokens) that update is one launch
+(single_launch.py): two dependent launches outlast the GEMM there, while beside the longer bf16
+GEMMs they are hidden, and one launch's waiting programs measured slower beside a GEMM that fills
+the GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kernels.lora.expand_gather import lora_expand_gather
 from kernels.lora.fused import lora_fused
 from kernels.lora.metadata import LoRABatch
 from kernels.lora.shrink import lora_shrink
+from kernels.lora.single_launch import MAX_TOKENS as SINGLE_LAUNCH_MAX_TOKENS
 from kernels.lora.single_launch import lora_single_launch
 from kernels.lora.tiles import SliceGroup, check_slices, slice_groups
 from kernels.quant import Int4Weight, base_linear, fp8_linear, int4_linear, takes_tinygemm
@@ -165,7 +167,7 @@ def _beside(
     accumulate = target is not None
     with beside(x.device):  # after x, the target and the batch metadata
         for group in groups:
-            if isinstance(weight, Int4Weight) and takes_tinygemm(weight, x.shape[0]):
+            if _single_launch_beside(weight, weight_scale, x.shape[0]):
                 single = plan.single or SingleLaunchConfig()
                 lora_single_launch(delta, x, group, batch, single, accumulate=accumulate)
             else:
@@ -174,6 +176,19 @@ def _beside(
     y = base_linear(x, weight, bias, weight_scale)
     join(x.device)
     return y, delta
+
+
+def _single_launch_beside(
+    weight: torch.Tensor | Int4Weight, weight_scale: torch.Tensor | None, num_tokens: int
+) -> bool:
+    """Whether the LoRA work beside this base GEMM runs as one launch (single_launch.py): beside the
+    short GEMMs where two dependent launches were measured to outlast the GEMM (docs/benchmarks.md,
+    "single launch"), a 4-bit weight's tinygemm steps and an fp8 weight's W8A16 steps of at most
+    single_launch.MAX_TOKENS tokens. Beside bf16 GEMMs, and at 8 tokens of a 4-bit weight (the k-major
+    kernel on every SM), two launches were faster."""
+    if isinstance(weight, Int4Weight):
+        return takes_tinygemm(weight, num_tokens)
+    return weight_scale is not None and num_tokens <= SINGLE_LAUNCH_MAX_TOKENS
 
 
 def _overlap(

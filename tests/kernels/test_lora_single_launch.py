@@ -17,6 +17,7 @@ from kernels.lora.configs import Plan, SingleLaunchConfig
 from kernels.lora.paths import linear_deferred_with_plan
 from kernels.lora.single_launch import MAX_TOKENS, lora_single_launch
 from kernels.lora.tiles import slice_groups
+from kernels.quant import quantize_weight
 from kernels.quant.int4_mma import TINYGEMM_MAX_TOKENS, to_mma_layout
 from kernels.quant.int4_reference import quantize_int4
 from tests.kernels.lora_cases import make_case, rel_err
@@ -117,6 +118,28 @@ def test_the_decoder_takes_the_single_launch_beside_tinygemm_only(
     plan = Plan(path="overlap")
     _, delta = linear_deferred_with_plan(plan, case.x, weight, None, case.lora_a, case.lora_b, case.batch)
     assert len(launches) == (1 if copy and num_tokens <= TINYGEMM_MAX_TOKENS else 0)
+    assert rel_err(delta, case.delta(torch.zeros(num_tokens, case.width))) < TOL[dtype]
+
+
+@pytest.mark.parametrize("num_tokens", [1, MAX_TOKENS, MAX_TOKENS + 1])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_the_decoder_takes_the_single_launch_beside_fp8_decode_gemms_not_beside_bf16(
+    monkeypatch: pytest.MonkeyPatch, num_tokens: int, fp8: bool
+) -> None:
+    """Beside an fp8 weight's W8A16 GEMM one launch up to the kernel's MAX_TOKENS, shrink then expand
+    past it; beside a bf16 weight always shrink then expand; the same delta either way."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    case = make_case(num_tokens, 128, [64, 32], [16, 8], dtype=dtype, device=DEVICE, base_fraction=0.0)
+    weight, scale = quantize_weight(case.weight) if fp8 else (case.weight, None)
+    launches = []
+    monkeypatch.setattr(
+        kernels.lora.paths, "lora_single_launch", lambda *a, **k: launches.append(lora_single_launch(*a, **k))
+    )
+    plan = Plan(path="overlap")
+    _, delta = linear_deferred_with_plan(
+        plan, case.x, weight, None, case.lora_a, case.lora_b, case.batch, weight_scale=scale
+    )
+    assert len(launches) == (1 if fp8 and num_tokens <= MAX_TOKENS else 0)
     assert rel_err(delta, case.delta(torch.zeros(num_tokens, case.width))) < TOL[dtype]
 
 

@@ -28,12 +28,13 @@ def gather_candidates(num_tokens: int, r_pad: int) -> list[GatherConfig]:
 
 
 def single_candidates(num_tokens: int, r_pad: int) -> list[SingleLaunchConfig]:
-    # 64 programs a role, or one per K chunk and output tile: beside a GEMM the wider grid contends for its SMs
+    # 64 or 132 programs a role, or one per K chunk and output tile: beside a GEMM the wider grid
+    # contends for its SMs
     return [
         SingleLaunchConfig(block_k=bk, block_n=bn, max_programs=programs)
         for bk in (64, 128)
         for bn in (32, 64)
-        for programs in (64, 1024)
+        for programs in (64, 132, 1024)
     ]
 
 
