@@ -64,15 +64,21 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales.reshape(-1, 1)
 
 
+def check_block_scales(weight_shape: tuple[int, ...], scales_shape: tuple[int, ...], block: tuple[int, int]) -> None:
+    """Raises ValueError unless scales of `scales_shape` are one per block of block[0] outputs ×
+    block[1] inputs of a weight [N, K]: [ceil(N / block[0]), ceil(K / block[1])]."""
+    (n, k), (rows, columns) = weight_shape, block
+    if tuple(scales_shape) != (-(-n // rows), -(-k // columns)):
+        raise ValueError(
+            f"block scales {tuple(scales_shape)} do not cover a [{n}, {k}] weight in blocks of {rows}×{columns}"
+        )
+
+
 def dequantize_blocks(q: torch.Tensor, block_scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """float32 [N, K]: a block-wise fp8 weight q [N, K] times the scale of its block of block[0]
     outputs × block[1] inputs, block_scales [ceil(N / block[0]), ceil(K / block[1])]."""
-    rows, columns = block
-    n, k = q.shape
-    if block_scales.shape != (-(-n // rows), -(-k // columns)):
-        raise ValueError(
-            f"block scales {tuple(block_scales.shape)} do not cover a [{n}, {k}] weight in blocks of {rows}×{columns}"
-        )
+    check_block_scales(tuple(q.shape), tuple(block_scales.shape), block)
+    (n, k), (rows, columns) = q.shape, block
     per_weight = block_scales.float().repeat_interleave(rows, dim=0)[:n].repeat_interleave(columns, dim=1)[:, :k]
     return q.float() * per_weight
 

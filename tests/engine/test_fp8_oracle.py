@@ -31,6 +31,7 @@ from tests.engine.engines import load_model
 from tests.engine.fp8_oracle import BLOCK, fp8_oracle, quantize_blocks, save_fp8_checkpoint
 from tests.engine.test_model_oracle import SLOTS, assert_greedy_decode_matches, mixed_sequences, random_prompt
 from tests.engine.tiny_hf import TinyCheckpoint, oracle_logits
+from worker.model import fp8_weights
 from worker.model.fp8_weights import BlockScaledFP8
 from worker.model.model import CausalLM
 
@@ -110,7 +111,11 @@ def test_block_wise_fp8_checkpoint_is_served_with_per_channel_scales(
         assert (logits[row] - oracle_logits(oracle, seq.token_ids, adapter)[-1]).abs().max() <= TOLERANCE
 
 
-def test_a_block_wise_slice_completes_with_whichever_tensor_comes_second() -> None:
+@pytest.mark.parametrize("rows_at_once", [1024, 48])  # one pass; two passes of two block rows, the last short
+def test_a_block_wise_slice_completes_with_whichever_tensor_comes_second(
+    monkeypatch: pytest.MonkeyPatch, rows_at_once: int
+) -> None:
+    monkeypatch.setattr(fp8_weights, "_ROWS_AT_ONCE", rows_at_once)
     weight = torch.randn(50, 90, generator=torch.Generator().manual_seed(4))
     codes, block_scales = quantize_blocks(weight)
     served = quantize_weight(dequantize_blocks(codes, block_scales, BLOCK))

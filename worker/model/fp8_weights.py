@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels.quant import FP8_DTYPE, quantize_weight
-from kernels.quant.reference import dequantize_blocks
+from kernels.quant.reference import check_block_scales, dequantize_blocks
 from worker.model.parallel.sharding import Split
 from worker.model.weights import copy_weight
 
@@ -48,6 +48,10 @@ def copy_scale(scale: torch.Tensor, tensor: torch.Tensor, *, name: str) -> None:
             f"({rows} rows); block-wise scales are read only where the checkpoint's config says so"
         )
     scale.copy_(tensor.reshape(-1).to(torch.float32))  # a single value broadcasts over the rows
+
+
+# rows of a block-wise weight dequantized and quantized again at once (rounded down to whole blocks)
+_ROWS_AT_ONCE = 1024
 
 
 class BlockScaledFP8:
@@ -88,10 +92,18 @@ class BlockScaledFP8:
         if self._codes is None or self._block_scales is None:
             return
         try:
-            dequantized = dequantize_blocks(self._codes, self._block_scales, self.block)
+            check_block_scales(tuple(self._codes.shape), tuple(self._block_scales.shape), self.block)
         except ValueError as exc:
             raise ValueError(f"{self.name}.weight_scale: {exc}") from None
-        codes, scales = quantize_weight(dequantized)
+        codes, scales = torch.empty_like(self._codes), torch.empty(len(self._codes), device=self._codes.device)
+        # a few block rows at a time: rows quantize independently, and float32 copies of the whole
+        # weight would be 4 bytes a weight beside a model being served
+        block_rows = self.block[0]
+        step = block_rows * max(1, _ROWS_AT_ONCE // block_rows)
+        for start in range(0, len(self._codes), step):
+            rows = slice(start, start + step)
+            blocks = self._block_scales[start // block_rows : -(-min(start + step, len(self._codes)) // block_rows)]
+            codes[rows], scales[rows] = quantize_weight(dequantize_blocks(self._codes[rows], blocks, self.block))
         if self.split is not None:
             codes, scales = self.split.take(codes), self.split.take_vector(scales)
         if codes.shape != self.weight.shape:
