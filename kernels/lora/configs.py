@@ -20,8 +20,8 @@ Paths (see paths.py): "fused" (fused.py, then the base GEMM accumulates into its
 "split" (shrink.py + expand, likewise), "overlap" (shrink.py on a second stream beside the base
 GEMM, then expand adds into its output). "split" and "overlap" expand through expand_gather.py when
 the plan has a `gather` configuration, else expand.py; where the caller takes the delta (the
-decoder) beside a 4-bit base's tinygemm GEMM, "overlap" runs shrink and expand as one launch instead
-(single_launch.py, its `single` configuration).
+decoder) beside a quantized base's short decode GEMM (paths._single_launch_beside), "overlap" runs
+shrink and expand as one launch instead (single_launch.py, its `single` configuration).
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ class Plan:
     shrink: ShrinkConfig = ShrinkConfig()
     expand: ExpandConfig = ExpandConfig()
     gather: GatherConfig | None = None  # expand through expand_gather.py instead of expand.py
-    # the overlap path's side work for a caller that takes the delta, beside tinygemm (paths.py);
+    # the overlap path's side work for a caller that takes the delta, beside a quantized base's short
+    # decode GEMM (paths.py);
     # None in plans tuned before the single launch existed: its default configuration
     single: SingleLaunchConfig | None = None
 

@@ -5,9 +5,10 @@ Semantics (reference.py; A_i[s], B_i[s] read through the page table, see tiles.p
         delta = slot_scales[s] * (x[t] @ A_i[s, :r].T) @ B_i[s, :, :r].T
         accumulate: y[t, cols_i] += delta;   otherwise: y[t, cols_i] = delta (0 for rows without LoRA)
 
-Why one launch: beside a 4-bit decode GEMM of a few microseconds (tinygemm, kernels/quant/int4_mma.py)
-the shrink → expand chain on the side stream, two dependent launches, became the critical path of
-the layer (docs/benchmarks.md, "single launch"). Here both phases are one grid of S + E programs:
+Why one launch: beside the short decode GEMMs of a quantized base (a 4-bit weight's tinygemm,
+kernels/quant/int4_mma.py; an fp8 weight's W8A16) the shrink → expand chain on the side stream, two
+dependent launches, became the critical path of the layer (docs/benchmarks.md, "single launch").
+Here both phases are one grid of S + E programs:
 
     ticket   each program first takes a ticket (an atomic counter): the first S to start shrink,
              the next E expand. Roles follow the order programs start in, not their ids, so a
@@ -57,7 +58,7 @@ from kernels.lora.tiles import (
 )
 
 # the most tokens a launch takes: every program holds all their rows at once ([T, R_PAD, BLOCK_K]),
-# which is right for the few tokens of steps beside tinygemm (paths.py says when it is used)
+# which is right for the few tokens of decode steps (paths.py says when it is used)
 MAX_TOKENS = 8
 # the workspace's counters: tickets taken, shrink programs done, expand programs done
 TICKETS: tl.constexpr = tl.constexpr(0)
