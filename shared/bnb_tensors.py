@@ -14,10 +14,9 @@ from typing import Any, NoReturn
 from shared.bnb_quantization import QUANT_STATE_SUFFIX, block_size, read_quant_state
 from shared.checkpoint_tables import checkpoint_tables
 from shared.errors import ErrorCode, LorafleetError
-from shared.model_info import PROJECTIONS, ModelInfo
+from shared.model_info import PROJECTIONS, ModelInfo, decoder_projection_name
 from shared.safetensors_table import TensorEntry
 
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _CODEBOOK_SIZE = 16
 _NESTED_CODEBOOK_SIZE = 256  # double quantization's 8-bit absmax codes
 
@@ -33,8 +32,7 @@ def check_bnb_tensors(model_dir: Path, info: ModelInfo) -> None:
     for layer in range(info.num_layers):
         for projection in PROJECTIONS:
             k, n = info.projection_shape(projection)
-            module = "self_attn" if projection in _ATTENTION else "mlp"
-            weight = f"model.layers.{layer}.{module}.{projection}.weight"
+            weight = f"{decoder_projection_name(layer, projection)}.weight"
             state_name = weight + QUANT_STATE_SUFFIX.removeprefix(".weight") + quant_type
             path, entry = _entry(model_dir, tables, state_name, what)
             state = read_quant_state(path, state_name, entry)

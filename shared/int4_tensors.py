@@ -12,11 +12,10 @@ from typing import NoReturn
 
 from shared.checkpoint_tables import checkpoint_tables
 from shared.errors import ErrorCode, LorafleetError
-from shared.model_info import PROJECTIONS, ModelInfo
+from shared.model_info import PROJECTIONS, ModelInfo, decoder_projection_name
 from shared.safetensors_table import TensorEntry
 
 _FLOAT_DTYPES = ("F16", "BF16", "F32")
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def check_int4_tensors(model_dir: Path, info: ModelInfo) -> None:
@@ -36,9 +35,8 @@ def check_int4_tensors(model_dir: Path, info: ModelInfo) -> None:
                 "qzeros": (("I32",), (k // group, n // 8)),
                 "scales": (_FLOAT_DTYPES, (k // group, n)),
             }
-            block = "self_attn" if projection in _ATTENTION else "mlp"
             for suffix, (dtypes, shape) in expected.items():
-                name = f"model.layers.{layer}.{block}.{projection}.{suffix}"
+                name = f"{decoder_projection_name(layer, projection)}.{suffix}"
                 _check(model_dir, tables, name, dtypes, shape, f"a {method} checkpoint in groups of {group}")
 
 

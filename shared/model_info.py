@@ -25,6 +25,7 @@ from shared.quantization import (
     KV_CACHE_DTYPES,
     checkpoint_quantization,
     checkpoint_scale_block,
+    checkpoint_unquantized,
     served_quantization,
 )
 
@@ -37,6 +38,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 
 # The seven projections an adapter may target, as PEFT names them.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# projections the worker runs as one GEMM (they share their input): one weight format for all of them
+PACKED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 # Each MoE family's names for an expert's (gate, up, down) projections, as its checkpoints and
 # per-expert PEFT adapters spell them: `mlp.experts.{e}.gate_proj` / `block_sparse_moe.experts.{e}.w1`.
@@ -89,6 +93,9 @@ class ModelInfo:
     # (outputs, inputs) of the weight blocks sharing one scale in a block-wise FP8 checkpoint, which
     # the loader turns into per-output-channel scales (shared/quantization.py); None otherwise
     weight_scale_block: tuple[int, int] | None = None
+    # decoder projections an FP8 checkpoint leaves in its own dtype (its `ignore` list), by their
+    # checkpoint names (decoder_projection_name): served unquantized beside the FP8 ones
+    unquantized: tuple[str, ...] = ()
     # affine 4-bit weights (int4, AWQ, GPTQ) also held in the tensor cores' layout for decode steps of
     # few sequences, where a bf16 model's widths allow (kernels/quant/int4_mma.py; EngineConfig.int4_decode_copy)
     int4_decode_copy: bool = False
@@ -118,6 +125,11 @@ class ModelInfo:
             "up_proj": (self.hidden_size, self.intermediate_size),
             "down_proj": (self.intermediate_size, self.hidden_size),
         }[projection]
+
+    def projection_quantization(self, layer: int, projection: str) -> str:
+        """How decoder layer `layer`'s `projection` (a name in PROJECTIONS) is served: as the model's
+        weights are, or "none" where the checkpoint left it unquantized."""
+        return "none" if decoder_projection_name(layer, projection) in self.unquantized else self.quantization
 
     def served(
         self, *, quantization: str | None, kv_cache_dtype: str, source: Path, int4_decode_copy: bool = False
@@ -157,6 +169,7 @@ class ModelInfo:
         data = json.loads(text)
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
+        data["unquantized"] = tuple(data.get("unquantized", ()))
         if data.get("weight_scale_block") is not None:
             data["weight_scale_block"] = tuple(data["weight_scale_block"])
         return cls(**data)
@@ -224,8 +237,49 @@ class ModelInfo:
             weight_group_size=group_size,
             weight_double_quant=double_quant,
             weight_scale_block=checkpoint_scale_block(config, path),
+            unquantized=_unquantized(config, path, architecture, moe),
             **moe,
         )
+
+
+def decoder_projection_name(layer: int, projection: str) -> str:
+    """The checkpoint's name for decoder layer `layer`'s `projection` (a name in PROJECTIONS)."""
+    block = "self_attn" if projection in ATTENTION_PROJECTIONS else "mlp"
+    return f"model.layers.{layer}.{block}.{projection}"
+
+
+def _unquantized(config: dict[str, Any], path: Path, architecture: str, moe: dict[str, Any]) -> tuple[str, ...]:
+    """The decoder projections the checkpoint (config.json at `path`) leaves unquantized. Raises
+    LorafleetError where they split a packed GEMM (q/k/v, gate/up) or include experts, which the
+    worker serves in one format."""
+    moe_layers = moe.get("moe_layers", ())
+    names = [
+        decoder_projection_name(layer, projection)
+        for layer in range(config["num_hidden_layers"])
+        for projection in (ATTENTION_PROJECTIONS if layer in moe_layers else PROJECTIONS)
+    ]
+    unquantized = checkpoint_unquantized(config, path, names)
+    experts = [
+        f"model.layers.{layer}.{MOE_BLOCK[architecture]}.experts.{expert}.{projection}"
+        for layer in moe_layers
+        for expert in range(moe["num_experts"])
+        for projection in EXPERT_PROJECTIONS[architecture]
+    ]
+    if left := checkpoint_unquantized(config, path, experts):
+        raise LorafleetError(
+            ErrorCode.INVALID_REQUEST,
+            f"{path}: {left[0]} is left unquantized: an FP8 model's experts are served in FP8 only",
+        )
+    for layer in range(config["num_hidden_layers"]):
+        for pack in PACKED_PROJECTIONS:
+            names = [decoder_projection_name(layer, projection) for projection in pack]
+            if 0 < sum(name in unquantized for name in names) < len(names):
+                raise LorafleetError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"{path}: of {', '.join(names)} only some are left unquantized: the worker runs them "
+                    "as one GEMM, in one format",
+                )
+    return unquantized
 
 
 def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:

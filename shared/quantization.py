@@ -12,13 +12,17 @@ bn outputs × bk inputs ([ceil(N / bn), ceil(K / bk)]). The kernels take one sca
 so a block-wise weight is dequantized at load and quantized again per channel
 (worker/model/fp8_weights.py): one more rounding onto e4m3, and no kernel of its own to keep.
 Their static `input_scale`s are not used: activations get a dynamic scale per token,
-never coarser than one fixed scale per tensor. 4-bit checkpoints (quant_method "awq" or "gptq")
-are checked by shared/int4_quantization.py, bitsandbytes' ("bitsandbytes", 4-bit NF4 or FP4) by
-shared/bnb_quantization.py. Anything else is refused at start, naming the file.
+never coarser than one fixed scale per tensor. Projections a checkpoint names as left unquantized
+(compressed-tensors' `ignore`, transformers' `modules_to_not_convert`, AutoFP8's `ignored_layers`)
+are served in the checkpoint's dtype beside the FP8 ones (checkpoint_unquantized). 4-bit checkpoints
+(quant_method "awq" or "gptq") are checked by shared/int4_quantization.py, bitsandbytes' ("bitsandbytes",
+4-bit NF4 or FP4) by shared/bnb_quantization.py. Anything else is refused at start, naming the file.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -93,6 +97,40 @@ def checkpoint_scale_block(config: dict[str, Any], path: Path) -> tuple[int, int
     if len({tuple(block) for block in blocks}) > 1:
         _refuse(path, f"compressed-tensors groups disagree on the FP8 weight block: {blocks}")
     return (int(blocks[0][0]), int(blocks[0][1])) if blocks else None
+
+
+def checkpoint_unquantized(config: dict[str, Any], path: Path, names: Iterable[str]) -> tuple[str, ...]:
+    """Those of `names` (modules as the checkpoint names them, `model.layers.0.self_attn.q_proj`)
+    that the FP8 checkpoint whose config.json (at `path`) is `config` leaves in its own dtype, in the
+    order given: compressed-tensors' `ignore` (whole names, or `re:` patterns matched from a name's
+    start, as compressed-tensors matches them), transformers' `modules_to_not_convert` (any part of a
+    name) and AutoFP8's `ignored_layers` (whole names). () for any other checkpoint. Entries naming
+    modules never quantized (`lm_head`, a router) match none of `names`. Raises LorafleetError for
+    a list that is not of strings, or a pattern that is not a regular expression."""
+    quant = config.get("quantization_config") or {}
+    keys = {"compressed-tensors": ("ignore",), "fp8": ("ignored_layers", "modules_to_not_convert")}
+    whole: list[str] = []
+    patterns: list[re.Pattern[str]] = []
+    parts: list[str] = []
+    for key in keys.get(quant.get("quant_method"), ()):
+        entries = quant.get(key) or []
+        if not isinstance(entries, list) or not all(isinstance(entry, str) for entry in entries):
+            _refuse(path, f"quantization_config.{key} must be a list of module names")
+        for entry in entries:
+            if key == "modules_to_not_convert":
+                parts.append(entry)
+            elif entry.startswith("re:"):
+                try:
+                    patterns.append(re.compile(entry.removeprefix("re:")))
+                except re.error as exc:
+                    _refuse(path, f"quantization_config.{key} entry {entry!r} is not a regular expression: {exc}")
+            else:
+                whole.append(entry)
+    return tuple(
+        name
+        for name in names
+        if name in whole or any(p.match(name) for p in patterns) or any(part in name for part in parts)
+    )
 
 
 def _positive_int(value: object) -> bool:

@@ -58,14 +58,22 @@ def _fake_quantize_input(_module: torch.nn.Module, args: tuple[torch.Tensor, ...
     return (dequantize(*quantize_per_token_reference(rows)).to(x.dtype).view(x.shape), *rest)
 
 
-def fp8_oracle(oracle: PeftModel, scales: str = "channel", *, quantize_activations: bool = True) -> PeftModel:
+def fp8_oracle(
+    oracle: PeftModel,
+    scales: str = "channel",
+    *,
+    quantize_activations: bool = True,
+    unquantized: tuple[str, ...] = (),
+) -> PeftModel:
     """A copy of `oracle` computing as the FP8 base does: per-channel ("channel") or per-tensor
     ("tensor") weight scales, per-token activation scales past W8A16_MAX_TOKENS tokens (never with
-    `quantize_activations` off: the weights alone, to show that a test's activations were quantized)."""
+    `quantize_activations` off: the weights alone, to show that a test's activations were quantized);
+    the projections named in `unquantized` (checkpoint names) left as they are."""
     quantized = copy.deepcopy(oracle)
     with torch.no_grad():
         for name, module in quantized.named_modules():
-            if isinstance(module, torch.nn.Linear) and _is_base_projection(name):
+            left = name.removesuffix(".base_layer").endswith(tuple(f".{projection}" for projection in unquantized))
+            if isinstance(module, torch.nn.Linear) and _is_base_projection(name) and not left:
                 module.weight.copy_(dequantize(*quantize(module.weight, scales)))
                 if quantize_activations:
                     module.register_forward_pre_hook(_fake_quantize_input)
@@ -112,19 +120,32 @@ def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight.float() / per_weight).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), block_scales
 
 
-def save_fp8_checkpoint(model_dir: Path, directory: Path, *, method: str, scales: str) -> Path:
+def save_fp8_checkpoint(
+    model_dir: Path,
+    directory: Path,
+    *,
+    method: str,
+    scales: str,
+    unquantized: tuple[str, ...] = (),
+    ignore: dict[str, list[str]] | None = None,
+) -> Path:
     """The plain checkpoint in `model_dir` written to `directory` pre-quantized, as `method` ("fp8":
     transformers / AutoFP8, or "compressed-tensors") publishes it, with per-"channel", per-"tensor"
     or per-"block" weight scales (and the static input scales both formats carry, which the engine
     does not use). The "fp8" format names block scales `weight_scale_inv`, as DeepSeek's and Qwen's
-    checkpoints do."""
+    checkpoints do. The projections named in `unquantized` (checkpoint names) keep their weights, and
+    `ignore` (quantization_config key → entries) says so in the config."""
     directory.mkdir(parents=True)
     tensors = load_file(model_dir / "model.safetensors")
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         parts = name.split(".")
         expert = len(parts) > 4 and parts[-4] == "experts"  # `experts.{e}.w1.weight`: Mixtral's names too
-        if parts[-1] != "weight" or not (parts[-2] in PROJECTIONS or expert):
+        if (
+            parts[-1] != "weight"
+            or not (parts[-2] in PROJECTIONS or expert)
+            or name.removesuffix(".weight") in unquantized
+        ):
             out[name] = tensor
             continue
         prefix = name.removesuffix(".weight")
@@ -137,7 +158,7 @@ def save_fp8_checkpoint(model_dir: Path, directory: Path, *, method: str, scales
         out[f"{prefix}.input_scale"] = torch.tensor(0.05)
     save_file(out, directory / "model.safetensors")
     config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = _quantization_config(method, scales)
+    config["quantization_config"] = _quantization_config(method, scales) | (ignore or {})
     (directory / "config.json").write_text(json.dumps(config))
     shutil.copy(model_dir / "tokenizer.json", directory / "tokenizer.json")
     return directory

@@ -15,6 +15,8 @@ happened at all: every row is more than ten tolerances from the unquantized orac
 
 from __future__ import annotations
 
+import json
+import re
 from functools import partial
 from pathlib import Path
 
@@ -85,6 +87,91 @@ def test_fp8_checkpoint_loads_as_it_is(llama: TinyCheckpoint, tmp_path: Path, me
     logits = prefill([seq for _, seq in seqs], model, make_kv_cache(model, num_blocks=32, block_size=4), BlockPool(32))
     for row, (adapter, seq) in enumerate(seqs):
         assert (logits[row] - oracle_logits(oracle, seq.token_ids, adapter)[-1]).abs().max() <= TOLERANCE
+
+
+LEFT_UNQUANTIZED = (
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.self_attn.k_proj",
+    "model.layers.0.self_attn.v_proj",
+    "model.layers.1.mlp.down_proj",
+)
+# the same four projections, as each format's config names them
+IGNORE_ENTRIES = {
+    "compressed-tensors": {"ignore": ["lm_head", r"re:model\.layers\.0\.self_attn\.[qkv]_proj", LEFT_UNQUANTIZED[3]]},
+    "fp8": {
+        "ignored_layers": [LEFT_UNQUANTIZED[3]],
+        "modules_to_not_convert": ["lm_head", "layers.0.self_attn.q_", "0.self_attn.k_proj", ".0.self_attn.v_proj"],
+    },
+}
+
+
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+def test_projections_a_checkpoint_leaves_unquantized_serve_in_its_dtype(
+    llama: TinyCheckpoint, tmp_path: Path, method: str
+) -> None:
+    """Mixed precision as published: the listed projections keep the checkpoint's weights and run
+    unquantized (activations too, past W8A16_MAX_TOKENS tokens), the others in FP8."""
+    model_dir = save_fp8_checkpoint(
+        llama.model_dir, tmp_path / "fp8", method=method, scales="channel",
+        unquantized=LEFT_UNQUANTIZED, ignore=IGNORE_ENTRIES[method],
+    )  # fmt: skip
+    info = ModelInfo.from_pretrained("llama", model_dir)
+    assert info.unquantized == LEFT_UNQUANTIZED
+    assert ModelInfo.from_json(info.to_json()) == info  # as a tensor-parallel follower receives it
+    model = fp8_model(model_dir, info, llama.adapters)
+    layers = model.model.layers
+    assert layers[0].self_attn.qkv_proj.weight_scale is None and layers[1].mlp.down_proj.weight_scale is None
+    assert layers[0].self_attn.o_proj.weight_scale is not None and layers[1].mlp.gate_up_proj.weight_scale is not None
+    oracle = fp8_oracle(llama.oracle, unquantized=LEFT_UNQUANTIZED)
+    all_fp8 = fp8_oracle(llama.oracle)
+    short = [seq for _, seq in mixed_sequences()[:3]]
+    long = PagedSequence(random_prompt(W8A16_MAX_TOKENS + 9, seed=3), slot=SLOTS["all_r8"])
+    for seqs, adapters in ((short, [adapter for adapter, _ in mixed_sequences()[:3]]), ([long], ["all_r8"])):
+        logits = prefill(seqs, model, make_kv_cache(model, num_blocks=64, block_size=4), BlockPool(64))
+        for row, (adapter, seq) in enumerate(zip(adapters, seqs, strict=True)):
+            assert (logits[row] - oracle_logits(oracle, seq.token_ids, adapter)[-1]).abs().max() <= TOLERANCE
+            fp8_everywhere = oracle_logits(all_fp8, seq.token_ids, adapter)[-1]
+            # they really ran unquantized: measured 9.8e-4 to 2.9e-2 from the all-FP8 oracle
+            assert (logits[row] - fp8_everywhere).abs().max() > 5 * TOLERANCE
+
+
+def config_with(model_dir: Path, directory: Path, quantization_config: dict) -> Path:
+    """A checkpoint directory holding `model_dir`'s config.json with `quantization_config` (what
+    ModelInfo reads at start, before any tensor)."""
+    directory.mkdir()
+    config = json.loads((model_dir / "config.json").read_text()) | {"quantization_config": quantization_config}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+CT = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}},
+}
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "problem"),
+    [
+        (CT | {"ignore": ["model.layers.1.self_attn.k_proj"]}, "self_attn.v_proj only some are left unquantized"),
+        ({"quant_method": "fp8", "modules_to_not_convert": ["up_proj"]}, "mlp.up_proj only some are left unquantized"),
+        (CT | {"ignore": ["re:model.layers.(["]}, "ignore entry 're:model.layers.([' is not a regular expression"),
+        (CT | {"ignore": "lm_head"}, "quantization_config.ignore must be a list of module names"),
+        ({"quant_method": "fp8", "ignored_layers": [3]}, "ignored_layers must be a list of module names"),
+    ],
+)
+def test_an_ignore_list_the_worker_cannot_serve_is_refused_naming_the_file(
+    llama: TinyCheckpoint, tmp_path: Path, quantization_config: dict, problem: str
+) -> None:
+    model_dir = config_with(llama.model_dir, tmp_path / "fp8", quantization_config)
+    with pytest.raises(LorafleetError, match=re.escape(problem)) as refused:
+        ModelInfo.from_pretrained("llama", model_dir)
+    assert str(refused.value).startswith(f"{model_dir / 'config.json'}: ")
+
+
+def test_ignore_entries_for_modules_never_quantized_change_nothing(llama: TinyCheckpoint, tmp_path: Path) -> None:
+    model_dir = config_with(llama.model_dir, tmp_path / "fp8", CT | {"ignore": ["lm_head", "re:.*mlp\\.gate$"]})
+    assert ModelInfo.from_pretrained("llama", model_dir).unquantized == ()
 
 
 @pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])

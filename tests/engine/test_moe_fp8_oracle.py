@@ -18,6 +18,8 @@ oracle with only the dense projections quantized.
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.quant import FP8_DTYPE
+from shared.errors import LorafleetError
 from shared.model_info import EXPERT_PROJECTIONS, MOE_BLOCK, ModelInfo
 from shared.schema import JobStatus, SamplingParams
 from tests.engine.engine_driver import BlockPool, make_kv_cache, prefill
@@ -203,3 +206,29 @@ def test_a_block_wise_expert_scale_under_a_per_channel_config_names_the_checkpoi
     save_file(tensors, model_dir / "model.safetensors")
     with pytest.raises(ValueError, match=rf"{info.name}: {key}\.weight_scale: weight scale of shape .* block-wise"):
         fp8_moe_model(model_dir, info, tiny_moe)
+
+
+def test_an_ignore_list_may_keep_attention_but_not_experts_unquantized(tiny_moe: TinyMoE, tmp_path: Path) -> None:
+    """An ignore list may keep attention projections (or a router, never quantized) in the checkpoint's
+    dtype; experts run in one grouped FP8 GEMM per block, so it may not keep experts."""
+    config = json.loads((tiny_moe.model_dir / "config.json").read_text())
+    block, expert_gate = MOE_BLOCK[tiny_moe.info.architecture], EXPERT_PROJECTIONS[tiny_moe.info.architecture][0]
+    for name, ignore in (
+        ("attention", [r"re:.*\.0\.self_attn\.", rf"re:.*{block}\.gate$"]),
+        ("experts", [r"re:.*experts\.1\."]),
+    ):
+        model_dir = tmp_path / name
+        model_dir.mkdir()
+        weights = {"num_bits": 8, "type": "float", "strategy": "channel"}
+        quantization = {
+            "quant_method": "compressed-tensors",
+            "config_groups": {"g": {"weights": weights}},
+            "ignore": ignore,
+        }
+        (model_dir / "config.json").write_text(json.dumps(config | {"quantization_config": quantization}))
+        if name == "attention":
+            left = ModelInfo.from_pretrained(tiny_moe.family, model_dir).unquantized
+            assert left == tuple(f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            continue
+        with pytest.raises(LorafleetError, match=re.escape(f"{block}.experts.1.{expert_gate} is left unquantized")):
+            ModelInfo.from_pretrained(tiny_moe.family, model_dir)

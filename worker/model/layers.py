@@ -68,6 +68,7 @@ class SelfAttention(nn.Module):
         self,
         info: ModelInfo,
         *,
+        layer_index: int,
         pages: LoRAPages,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -87,7 +88,7 @@ class SelfAttention(nn.Module):
             pages=pages,
             dtype=dtype,
             device=device,
-            quantization=info.quantization,
+            quantization=info.projection_quantization(layer_index, "q_proj"),
             group_size=info.weight_group_size,
             decode_copy=info.int4_decode_copy,
             shard=shard.linear("q_proj", "k_proj", "v_proj") if shard else None,
@@ -101,7 +102,7 @@ class SelfAttention(nn.Module):
             pages=pages,
             dtype=dtype,
             device=device,
-            quantization=info.quantization,
+            quantization=info.projection_quantization(layer_index, "o_proj"),
             group_size=info.weight_group_size,
             decode_copy=info.int4_decode_copy,
             shard=shard.linear("o_proj") if shard else None,
@@ -160,6 +161,7 @@ class GatedMLP(nn.Module):
         self,
         info: ModelInfo,
         *,
+        layer_index: int,
         pages: LoRAPages,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -174,7 +176,7 @@ class GatedMLP(nn.Module):
             pages=pages,
             dtype=dtype,
             device=device,
-            quantization=info.quantization,
+            quantization=info.projection_quantization(layer_index, "gate_proj"),
             group_size=info.weight_group_size,
             decode_copy=info.int4_decode_copy,
             shard=shard.linear("gate_proj", "up_proj") if shard else None,
@@ -186,7 +188,7 @@ class GatedMLP(nn.Module):
             pages=pages,
             dtype=dtype,
             device=device,
-            quantization=info.quantization,
+            quantization=info.projection_quantization(layer_index, "down_proj"),
             group_size=info.weight_group_size,
             decode_copy=info.int4_decode_copy,
             shard=shard.linear("down_proj") if shard else None,
@@ -211,12 +213,14 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = SelfAttention(info, pages=pages, dtype=dtype, device=device, shard=shard)
+        self.self_attn = SelfAttention(
+            info, layer_index=layer_index, pages=pages, dtype=dtype, device=device, shard=shard
+        )
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype=dtype, device=device)
         self.mlp: GatedMLP | MoEBlock = (
             MoEBlock(info, pages=pages, dtype=dtype, device=device, shard=shard)
             if layer_index in info.moe_layers
-            else GatedMLP(info, pages=pages, dtype=dtype, device=device, shard=shard)
+            else GatedMLP(info, layer_index=layer_index, pages=pages, dtype=dtype, device=device, shard=shard)
         )
 
     def lora_linears(self) -> tuple[LoRALinear, ...]:
