@@ -27,6 +27,7 @@ from shared.config import (
     WorkerConfig,
     default_worker_id,
 )
+from shared.model_info import PACKED_PROJECTIONS
 from shared.redis_client import sentinel_url
 from shared.tenants import hash_admin_key
 
@@ -365,6 +366,7 @@ class QuantizeConfig:
     window: int  # tokens per calibration sequence
     group_size: int | None  # None: the group --quantization int4 would take
     device: str | None  # None: cuda when torch sees a GPU, else cpu
+    unquantized: tuple[str, ...] = ()  # fp8: projections (PEFT names) left in the checkpoint's dtype
 
 
 def quantize_config(args: argparse.Namespace) -> QuantizeConfig:
@@ -372,6 +374,11 @@ def quantize_config(args: argparse.Namespace) -> QuantizeConfig:
         raise ConfigError("--calibration", f"{args.calibration} is not a file")
     if args.format == "fp8" and args.group_size is not None:
         raise ConfigError("--group-size", "--group-size is for --format int4: fp8 has a scale per output channel")
+    if args.unquantized and args.format != "fp8":
+        raise ConfigError("--unquantized", "--unquantized is for --format fp8 (a GPTQ 4-bit checkpoint quantizes all)")
+    for pack in PACKED_PROJECTIONS:
+        if 0 < len(set(pack) & set(args.unquantized)) < len(pack):
+            raise ConfigError("--unquantized", f"{' '.join(pack)} are one GEMM: leave all of them or none unquantized")
     return QuantizeConfig(
         model=args.model,
         format=args.format,
@@ -381,6 +388,7 @@ def quantize_config(args: argparse.Namespace) -> QuantizeConfig:
         window=args.window,
         group_size=args.group_size,
         device=None if args.device == "auto" else args.device,
+        unquantized=tuple(dict.fromkeys(args.unquantized)),
     )
 
 

@@ -37,7 +37,8 @@ def quantize_layers(
     on_layer: Callable[[int, float], None],
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Checkpoint projection name (`model.layers.0.self_attn.q_proj`, ...) → its checkpoint tensors by
-    suffix, rounded by GPTQ onto `target`, for every projection of `model` (unquantized, dense),
+    suffix, rounded by GPTQ onto `target`, for every projection of `model` (unquantized, dense) that
+    `target` rounds,
     calibrated on `windows` (token ids; each its own sequence from an empty cache). The model's
     projections are left holding their rounded weights. `on_layer(index, seconds)` after each layer."""
     stack = model.model
@@ -52,7 +53,11 @@ def quantize_layers(
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for index, (layer, key_cache, value_cache) in enumerate(zip(stack.layers, cache.key, cache.value, strict=True)):
         started = time.monotonic()
-        linears = layer.lora_linears()
+        linears = [
+            linear
+            for linear in layer.lora_linears()
+            if target.rounds(f"{names[linear].rpartition('.')[0]}.{linear.projections[0]}")
+        ]
         hessians = {linear: torch.zeros(linear.in_features, linear.in_features, device=device) for linear in linears}
         with inputs_observed(linears, partial(_accumulate, hessians)):
             for (hidden, residual), rope, batch in zip(states, ropes, batches, strict=True):

@@ -27,6 +27,10 @@ class Int4Target:
     def describe(self) -> str:
         return f"4-bit in groups of {self.group_size}"
 
+    def rounds(self, projection: str) -> bool:
+        """Whether the projection of checkpoint name `projection` is rounded: every one is."""
+        return True
+
     def quantize(self, weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, Int4Weight]:
         """(the weight [N, K] as rounded, float32, the Int4Weight standing for it)."""
         _, quantized = gptq_int4(weight, hessian, self.group_size)
@@ -56,10 +60,19 @@ class Int4Target:
 
 
 class Fp8Target:
-    """FP8 e4m3 weights with one scale per output channel."""
+    """FP8 e4m3 weights with one scale per output channel, but for the projections `unquantized`
+    (checkpoint names), which keep the source's weights and are named in the config's ignore list."""
+
+    def __init__(self, unquantized: tuple[str, ...] = ()) -> None:
+        self.unquantized = unquantized
 
     def describe(self) -> str:
-        return "FP8 e4m3 with a scale per output channel"
+        left = f", {len(self.unquantized)} projections left unquantized" if self.unquantized else ""
+        return f"FP8 e4m3 with a scale per output channel{left}"
+
+    def rounds(self, projection: str) -> bool:
+        """Whether the projection of checkpoint name `projection` is rounded."""
+        return projection not in self.unquantized
 
     def quantize(
         self, weight: torch.Tensor, hessian: torch.Tensor
@@ -83,7 +96,7 @@ class Fp8Target:
             "format": "float-quantized",
             "quantization_status": "compressed",
             "config_groups": {"group_0": scheme},
-            "ignore": ["lm_head"],
+            "ignore": ["lm_head", *self.unquantized],
         }
 
 

@@ -4,7 +4,8 @@ workers load as published, and other engines' readers too (cli/gptq_targets.py):
                    columns were rounded in act order, but each input's group is k // G, so no reader
                    needs a permutation)
     --format fp8   an FP8 checkpoint (compressed-tensors, per-channel weight scales, activations per
-                   token at run time): the same bytes and kernels as --quantization fp8 at load
+                   token at run time): the same bytes and kernels as --quantization fp8 at load;
+                   --unquantized keeps some projections in the source's dtype (its ignore list)
 Round to nearest at load rounds each weight alone; GPTQ spends a minute to hours once (with the model's
 size) to give the layers' outputs on real text a smaller error for the same bytes (docs/benchmarks.md,
 "GPTQ"). The pass runs the worker's own model (cli/gptq_layers.py) on this machine's GPU if it has
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from cli.config_from_args import QuantizeConfig
 from cli.errors import CommandError
 from shared.int4_quantization import check_int4_widths
-from shared.model_info import PROJECTIONS, ModelInfo
+from shared.model_info import PROJECTIONS, ModelInfo, decoder_projection_name
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +50,12 @@ def run_quantize(config: QuantizeConfig) -> int:
     from worker.switching.loader import new_model, served_info, stream_to_model
     from worker.switching.shard_reader import StagingRing
 
-    target = Fp8Target() if config.format == "fp8" else Int4Target(group_size)
+    unquantized = tuple(
+        decoder_projection_name(layer, projection)
+        for layer in range(info.num_layers)
+        for projection in config.unquantized
+    )
+    target = Fp8Target(unquantized) if config.format == "fp8" else Int4Target(group_size)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         text = config.calibration.read_text(encoding="utf-8")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from cli import commands, flag_types
 from shared.int4_quantization import GROUP_SIZES
+from shared.model_info import PROJECTIONS
 
 
 def add_quantize(subparsers: argparse._SubParsersAction) -> None:
@@ -45,6 +46,16 @@ def add_quantize(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         choices=GROUP_SIZES,
         help="int4: inputs per scale (default: the largest that divides every projection's input width)",
+    )
+    quantize.add_argument(
+        "--unquantized",
+        nargs="+",
+        choices=PROJECTIONS,
+        default=(),
+        metavar="PROJECTION",
+        help="fp8: projections left in the checkpoint's dtype in every layer, listed in the checkpoint's ignore "
+        "list (whole GEMMs: q_proj k_proj v_proj together, gate_proj up_proj together); they cost their bf16 "
+        "bytes at decode and spare their activations FP8's rounding in prefill",
     )
     quantize.add_argument(
         "--device", type=flag_types.device_name, default="auto", help="auto (cuda if there is one), cpu, cuda or cuda:N"

@@ -99,12 +99,15 @@ READERS = {"int4": gptq_reader_weight, "fp8": fp8_reader_weight}
 
 def published_oracle(oracle: PeftModel, tensors: dict[str, torch.Tensor], target: str) -> PeftModel:
     """A copy of `oracle` whose base projections hold the checkpoint's weights, dequantized (fp8: their
-    inputs quantized per token past W8A16_MAX_TOKENS tokens, as the engine's W8A8 does)."""
+    inputs quantized per token past W8A16_MAX_TOKENS tokens, as the engine's W8A8 does), but for those
+    an fp8 checkpoint left unquantized (no weight_scale), which hold the source's weights as they are."""
     published = copy.deepcopy(oracle)
     with torch.no_grad():
         for name, module in published.named_modules():
             if isinstance(module, torch.nn.Linear) and _is_base_projection(name):
                 prefix = name.removeprefix("base_model.model.").removesuffix(".base_layer")
+                if target == "fp8" and f"{prefix}.weight_scale" not in tensors:
+                    continue
                 module.weight.copy_(READERS[target](tensors, prefix))
                 if target == "fp8":
                     module.register_forward_pre_hook(_fake_quantize_input)
@@ -161,6 +164,33 @@ def test_the_engine_serves_it_as_transformers_and_peft_over_its_weights(
     check_mixed_batch(model, oracle, wide_llama.oracle)
 
 
+def test_projections_left_unquantized_keep_their_weights_and_serve_as_published(
+    wide_llama: TinyCheckpoint, calibration: Path, tmp_path: Path
+):
+    out = tmp_path / "mixed"
+    flags = ("--format", "fp8", "--unquantized", "q_proj", "k_proj", "v_proj", "down_proj")
+    assert quantize(wide_llama.model_dir, out, calibration, *flags) == 0
+    left = [
+        f"model.layers.{layer}.{module}"
+        for layer in range(wide_llama.info.num_layers)
+        for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj")
+    ]
+    assert sorted(json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]) == sorted(
+        ["lm_head", *left]
+    )
+    tensors, source = load_file(out / "model.safetensors"), load_file(wide_llama.model_dir / "model.safetensors")
+    for name in left:
+        assert (
+            torch.equal(tensors[f"{name}.weight"], source[f"{name}.weight"]) and f"{name}.weight_scale" not in tensors
+        )
+    assert tensors["model.layers.0.self_attn.o_proj.weight"].dtype == FP8_DTYPE
+    info = ModelInfo.from_pretrained("llama", out)
+    assert sorted(info.unquantized) == sorted(left)
+    model = load_model(out, info.served(quantization=None, kv_cache_dtype="auto", source=out),
+                       {slot: wide_llama.adapters[name] for name, slot in SLOTS.items()})  # fmt: skip
+    check_mixed_batch(model, published_oracle(wide_llama.oracle, tensors, "fp8"), wide_llama.oracle)
+
+
 @pytest.mark.parametrize("target", FORMATS)
 def test_on_its_calibration_text_it_is_closer_to_the_model_than_round_to_nearest(
     wide_llama: TinyCheckpoint, checkpoints: dict[str, Path], calibration: Path, target: str
@@ -198,6 +228,10 @@ def test_bad_requests_exit_2_naming_the_problem(
         ((wide_llama.model_dir, tmp_path / "none", calibration), ("--group-size", "96"), "invalid choice: 96"),
         ((wide_llama.model_dir, tmp_path / "none", calibration), ("--format", "fp8", "--group-size", "64"),
          "--group-size is for --format int4"),
+        ((wide_llama.model_dir, tmp_path / "none", calibration), ("--unquantized", "down_proj"),
+         "--unquantized is for --format fp8"),
+        ((wide_llama.model_dir, tmp_path / "none", calibration),
+         ("--format", "fp8", "--unquantized", "q_proj", "k_proj"), "q_proj k_proj v_proj are one GEMM"),
     ]  # fmt: skip
     no_tokenizer = tmp_path / "no-tokenizer"
     no_tokenizer.mkdir()
