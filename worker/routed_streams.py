@@ -50,6 +50,8 @@ _STEAL = (
     + f"""
 -- KEYS: another worker's stream   ARGV: this worker, count, steal_after_ms
 -- Read (for this worker) up to `count` of the entries that have waited undelivered longer than the bound.
+-- A stream handed over and deleted since it was listed is left deleted (the group is made with MKSTREAM).
+if redis.call('EXISTS', KEYS[1]) == 0 then return {{}} end
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local due = redis.call('XRANGE', KEYS[1], '(' .. last_delivered(KEYS[1]), tostring(now_ms - tonumber(ARGV[3])),

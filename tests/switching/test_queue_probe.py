@@ -78,3 +78,11 @@ async def test_jobs_routed_to_a_workers_stream_wait_beside_the_shared_streams(ar
     state = await probe(aredis, entry_ms(unread) + 4000)
     assert state.waiting == 3  # the routed one not read yet, the shared interactive one, the batch one
     assert state.oldest_wait_s == pytest.approx(4.0)  # the oldest waiting is the routed one
+
+
+async def test_a_listed_stream_deleted_since_holds_nothing(aredis: Redis) -> None:
+    # a dead worker's stream, handed over and deleted by another worker after this one listed it
+    await aredis.sadd(keys.worker_queues("m"), keys.worker_queue("m", "gone"))
+    entry = await aredis.xadd(STREAM, {"job": b"1"})
+    state = await probe(aredis, entry_ms(entry) + 1000)
+    assert state.waiting == 1 and state.oldest_wait_s == pytest.approx(1.0)

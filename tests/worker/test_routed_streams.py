@@ -92,3 +92,11 @@ async def test_a_stream_the_gateway_created_without_a_group_can_be_stolen_from(a
     [(from_stream, entries)] = await idle.steal(MODEL, 8, BOUND_MS)
 
     assert from_stream == stream and len(entries) == 1
+
+
+async def test_a_stream_handed_over_since_it_was_listed_is_not_brought_back_by_a_steal(aredis):
+    leaving, idle = await streams(aredis, "leaving", "idle")
+    await aredis.delete(leaving.own(MODEL))  # handed over and deleted, still listed as a reader last saw
+
+    assert await idle.steal(MODEL, 8, BOUND_MS) == []
+    assert not await aredis.exists(leaving.own(MODEL))

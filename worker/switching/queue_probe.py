@@ -8,61 +8,56 @@ waiting job's age comes from its stream id, which starts with the ms time it was
 queue is its streams of both priority classes together, each class's shared stream and (interactive)
 every worker's routed stream (shared/model_queues.py): batch work is work to switch for too, and so
 are jobs routed to a worker of the model that cannot take them as fast as they come.
+
+Each stream is measured by one script, so the figures are of one moment: a routed stream may be
+handed over and deleted (worker/routed_streams.py) at any point after the list of streams was read,
+and then it simply holds nothing.
 """
 
 from __future__ import annotations
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 
 from shared import keys
 from shared.model_queues import model_queues
 from shared.schema import PRIORITIES
 from worker.switching.switch_policy import QueueState
 
-
-def _entry_ms(entry_id: bytes | str) -> int:
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return int(text.split("-", 1)[0])
+_PROBE_STREAM = f"""
+-- KEYS: a stream   ARGV: claim_idle_ms
+-- Returns {{entries waiting, the ms the oldest of them was added at (-1: none waits)}}.
+local length = redis.call('XLEN', KEYS[1])
+if length == 0 then return {{0, -1}} end
+local function added_ms(entry_id) return tonumber(string.match(entry_id, '^%d+')) end
+local group = nil
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if ok then
+  for _, reply in ipairs(groups) do
+    local fields = {{}}
+    for i = 1, #reply, 2 do fields[reply[i]] = reply[i + 1] end
+    if fields['name'] == '{keys.WORKER_GROUP}' then group = fields end
+  end
+end
+if group == nil then  -- no worker has ever read it: every entry waits
+  local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+  return {{length, added_ms(first[1][1])}}
+end
+local undelivered = redis.call('XRANGE', KEYS[1], '(' .. group['last-delivered-id'], '+', 'COUNT', 1)
+local abandoned = redis.call('XPENDING', KEYS[1], '{keys.WORKER_GROUP}', 'IDLE', ARGV[1], '-', '+', length)
+local waiting = math.max(0, length - group['pending']) + #abandoned
+local oldest = -1
+if #undelivered > 0 then oldest = added_ms(undelivered[1][1]) end
+if #abandoned > 0 and (oldest < 0 or added_ms(abandoned[1][1]) < oldest) then oldest = added_ms(abandoned[1][1]) end
+if waiting == 0 then oldest = -1 end
+return {{waiting, oldest}}
+"""
 
 
 async def probe_queue(redis: Redis, model: str, *, now_ms: int, claim_idle_ms: int) -> QueueState:
-    states = [
-        await _probe_stream(redis, stream, now_ms=now_ms, claim_idle_ms=claim_idle_ms)
-        for priority in PRIORITIES
-        for stream in await model_queues(redis, model, priority)
-    ]
+    probe_stream = redis.register_script(_PROBE_STREAM)
+    states = []
+    for priority in PRIORITIES:
+        for stream in await model_queues(redis, model, priority):
+            waiting, oldest_ms = await probe_stream(keys=[stream], args=[claim_idle_ms])
+            states.append(QueueState(waiting, max(0, now_ms - oldest_ms) / 1000 if oldest_ms >= 0 else 0.0))
     return QueueState(sum(s.waiting for s in states), max(s.oldest_wait_s for s in states))
-
-
-async def _probe_stream(redis: Redis, stream: str, *, now_ms: int, claim_idle_ms: int) -> QueueState:
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.xlen(stream)
-        pipe.xinfo_groups(stream)
-        results = await pipe.execute(raise_on_error=False)
-    length, groups = results
-    if isinstance(length, ResponseError) or not length:
-        return QueueState(0, 0.0)
-    group = (
-        None
-        if isinstance(groups, ResponseError)
-        else next((g for g in groups if g["name"] in (keys.WORKER_GROUP, keys.WORKER_GROUP.encode())), None)
-    )
-    if group is None:  # no worker has ever read it: every entry waits
-        first = await redis.xrange(stream, count=1)
-        oldest = _entry_ms(first[0][0]) if first else now_ms
-        return QueueState(length, max(0, now_ms - oldest) / 1000)
-    pending = group["pending"]
-    undelivered = await redis.xrange(stream, min=f"({_id_text(group['last-delivered-id'])}", count=1)
-    abandoned = await redis.xpending_range(
-        stream, keys.WORKER_GROUP, min="-", max="+", count=length, idle=claim_idle_ms
-    )
-    waiting = max(0, length - pending) + len(abandoned)
-    oldest_ms = [_entry_ms(undelivered[0][0])] if undelivered else []
-    oldest_ms += [_entry_ms(entry["message_id"]) for entry in abandoned[:1]]
-    oldest = min(oldest_ms, default=now_ms)
-    return QueueState(waiting, max(0, now_ms - oldest) / 1000 if waiting else 0.0)
-
-
-def _id_text(entry_id: bytes | str) -> str:
-    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
