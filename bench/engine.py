@@ -4,7 +4,7 @@ transformers(+PEFT) on the same workload and the decode roofline.
     python -m bench.engine [--batches 1 8 32 64 128] [--prompts 128 1024] [--new-tokens 128]
                            [--adapters 0 8 32] [--hf-batch 32 --hf-prompt 128 --hf-new-tokens N --hf-adapters 0 8]
                            [--profile-batch 32] [--adapter-dir DIR]
-                           [--quantization none fp8 int4 nf4] [--kv-cache-dtype auto fp8]
+                           [--quantization none fp8 fp8-mixed int4 nf4] [--kv-cache-dtype auto fp8]
 
 Engine rows: all requests are added at once to an LLMEngine (scheduler, paged KV, multi-LoRA, the
 GPU sampler; greedy, ignore_eos) and stepped to completion. The engine is built as a worker builds
@@ -35,11 +35,13 @@ each sequence's K/V at its mean decode context, over the measured device-to-devi
 in each row's own formats (fp8 projections: one byte a weight; int4: half a byte a weight and a
 float16 scale and zero point per group of 128; nf4: half a byte a weight and a float32 absmax per
 block of 64; an fp8 KV cache: one byte an element).
---quantization / --kv-cache-dtype: engine rows for every combination given (weights "none": bf16),
-each with the KV blocks its memory plan gives on this GPU, and the issue's targets checked at the end
+--quantization / --kv-cache-dtype: engine rows for every combination given (weights "none": bf16;
+"fp8-mixed": FP8 with q/k/v and down kept in bf16, as a checkpoint's ignore list keeps them), each
+with the KV blocks its memory plan gives on this GPU, and the issue's targets checked at the end
 (FP8 decode >= 1.7x bf16 at batch 8-32 and >= 80% of its roofline; 8 adapters >= 0.9x the same
 quantized base; KV blocks >= 1.9x with an FP8 KV cache; 4-bit (int4, nf4: random weights quantized
-as at load, bench/int4.py) decode >= 2.5x bf16 at batch 1-8).
+as at load, bench/int4.py) decode >= 2.5x bf16 at batch 1-8); fp8-mixed's decode over bf16 is
+printed beside what its bytes allow.
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed-steps", type=int, help="time steps admitting requests beside this many decodes")
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 1024], help="prefill chunks (--mixed-steps)")
     parser.add_argument("--out", help="write the rows as JSON lines here")
-    parser.add_argument("--quantization", nargs="+", choices=("none", "fp8", "int4", "nf4"), default=["none"],
-                        help="engine rows for each weight format (none: bf16)")  # fmt: skip
+    parser.add_argument("--quantization", nargs="+", choices=("none", "fp8", "fp8-mixed", "int4", "nf4"),
+                        default=["none"], help="engine rows for each weight format (none: bf16)")  # fmt: skip
     parser.add_argument("--kv-cache-dtype", nargs="+", choices=("auto", "fp8"), default=["auto"],
                         help="engine rows for each KV cache dtype")  # fmt: skip
     parser.add_argument("--adapter-dir", help="where the adapters' PEFT files are written, or found from an "

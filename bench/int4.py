@@ -1,6 +1,5 @@
-"""The 4-bit (W4A16) side of bench/engine.py: the bytes a decode step reads from 4-bit projections,
-random weights quantized as a worker quantizes at load (int4: affine groups; nf4: bitsandbytes' NF4
-levels in blocks of 64), and the issue's 4-bit targets."""
+"""The 4-bit (W4A16) side of bench/engine.py: random weights quantized as a worker quantizes at load
+(int4: affine groups; nf4: bitsandbytes' NF4 levels in blocks of 64), and the issue's 4-bit targets."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import torch
 
 from kernels.quant.codebook import quantize_codebook
 from kernels.quant.int4_reference import quantize_int4
-from shared.model_info import PROJECTIONS, ModelInfo
 from worker.model.lora_linear import LoRALinear
 
 if TYPE_CHECKING:
@@ -19,14 +17,6 @@ if TYPE_CHECKING:
 # issue 22: 4-bit decode >= 2.5x bf16 at batch 1-8
 DECODE_OVER_BF16 = 2.5
 ADAPTERS_OVER_BASE = 0.9
-
-
-def int4_projection_bytes(info: ModelInfo) -> int:
-    """Bytes one layer's 4-bit projections take: half a byte a weight, plus per group of
-    weight_group_size inputs of each output a float16 scale and zero point (int4, AWQ, GPTQ) or a
-    float32 absmax (NF4, FP4)."""
-    weights = sum(k * n for k, n in (info.projection_shape(name) for name in PROJECTIONS))
-    return weights // 2 + 4 * weights // info.weight_group_size
 
 
 def quantize_random(module: LoRALinear, group_size: int) -> None:

@@ -5,6 +5,7 @@ other engine benchmarks and tests."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ from tokenizers import Tokenizer, models
 from bench.int4 import quantize_random
 from kernels.quant import quantize_weight
 from shared.config import EngineConfig
-from shared.model_info import ModelInfo
+from shared.model_info import ModelInfo, decoder_projection_name
 from worker.adapter_pool.host_adapter import max_adapter_bytes
 from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
@@ -49,13 +50,23 @@ RANK = 16
 PREFILL_TOKENS_PER_STEP = 16384  # longer prefills are chunked (the engine's max_num_batched_tokens)
 
 
+# "fp8-mixed": FP8 but for these projections, kept in bf16 in every layer: the set that kept W8A8 within
+# +1% of bf16 perplexity on the demo model (docs/benchmarks.md, "Mixed precision")
+MIXED_FP8_UNQUANTIZED = ("q_proj", "k_proj", "v_proj", "down_proj")
+
+
 def served(info: ModelInfo, weights: str, kv_cache: str) -> ModelInfo:
-    """`info` served with weights `weights` ("none": bf16, "fp8", "int4" or "nf4") and a `kv_cache` ("auto" or
-    "fp8") cache, as a CUDA worker serves it by default (int4's tensor-core copy held)."""
-    quantization = None if weights == "none" else weights
-    return info.served(
+    """`info` served with weights `weights` ("none": bf16, "fp8", "fp8-mixed", "int4" or "nf4") and a `kv_cache`
+    ("auto" or "fp8") cache, as a CUDA worker serves it by default (int4's tensor-core copy held); "fp8-mixed"
+    as an FP8 checkpoint whose ignore list names MIXED_FP8_UNQUANTIZED in every layer is served."""
+    quantization = {"none": None, "fp8-mixed": "fp8"}.get(weights, weights)
+    served_info = info.served(
         quantization=quantization, kv_cache_dtype=kv_cache, source=Path(info.name), int4_decode_copy=True
     )
+    if weights != "fp8-mixed":
+        return served_info
+    names = [decoder_projection_name(layer, p) for layer in range(info.num_layers) for p in MIXED_FP8_UNQUANTIZED]
+    return replace(served_info, unquantized=tuple(names))
 
 
 def random_model(info: ModelInfo, config: EngineConfig, tp: TensorParallel | None = None) -> CausalLM:

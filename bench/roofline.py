@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from bench.int4 import int4_projection_bytes
-from shared.model_info import ModelInfo
+from shared.int4_quantization import INT4_FORMATS
+from shared.model_info import PROJECTIONS, ModelInfo
 
 
 def copy_bandwidth() -> float:
@@ -24,17 +24,28 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / sorted(times[2:])[10]
 
 
+def projection_bytes(info: ModelInfo, layer: int, projection: str) -> int:
+    """Bytes of decoder layer `layer`'s `projection` in the format it is served in: one byte a weight and
+    a float32 scale per output row in fp8; half a byte a weight and, per group of weight_group_size
+    inputs of each output, a float16 scale and zero point (int4, AWQ, GPTQ) or a float32 absmax (NF4,
+    FP4) in 4 bits; two bytes a weight in bf16 (a checkpoint's ignore list keeps some so)."""
+    inputs, outputs = info.projection_shape(projection)
+    weights = inputs * outputs
+    quantization = info.projection_quantization(layer, projection)
+    if quantization == "fp8":
+        return weights + 4 * outputs
+    if quantization in INT4_FORMATS:
+        return weights // 2 + 4 * weights // info.weight_group_size
+    return 2 * weights
+
+
 def weight_bytes(info: ModelInfo) -> int:
-    """Bytes a decode step reads: every layer's weights and the lm_head (embedding rows are few); the
-    projections in one byte each (and a float32 scale per output row) when served in fp8, in half a
-    byte (and a float16 scale and zero point, or a float32 absmax, per group) in 4 bits."""
-    h, i, kv = info.hidden_size, info.intermediate_size, info.num_kv_heads * info.head_dim
-    rows = (h + 2 * kv) + h + 2 * i + h
-    projections = h * (h + 2 * kv) + h * h + 3 * h * i
-    projection_bytes = projections + 4 * rows if info.quantization == "fp8" else 2 * projections
-    if info.quantization in ("int4", "nf4"):
-        projection_bytes = int4_projection_bytes(info)
-    return info.num_layers * (projection_bytes + 2 * 2 * h) + 2 * (info.vocab_size * h + h)
+    """Bytes a decode step reads: every layer's projections (projection_bytes) and norms, and the lm_head
+    (embedding rows are few)."""
+    h = info.hidden_size
+    layers = range(info.num_layers)
+    projections = sum(projection_bytes(info, layer, projection) for layer in layers for projection in PROJECTIONS)
+    return projections + info.num_layers * 2 * 2 * h + 2 * (info.vocab_size * h + h)
 
 
 def roofline(info: ModelInfo, batch: int, context: float, bandwidth: float) -> float:
