@@ -131,6 +131,18 @@ class ModelInfo:
         weights are, or "none" where the checkpoint left it unquantized."""
         return "none" if decoder_projection_name(layer, projection) in self.unquantized else self.quantization
 
+    def unquantized_summary(self) -> list[str]:
+        """The decoder projections served unquantized, as people read them: one left so in every layer as
+        `model.layers.*.mlp.down_proj`, any other by its name; empty for a model served in one format."""
+        if not self.unquantized:
+            return []
+        layers = range(self.num_layers)
+        kept = set(self.unquantized)
+        everywhere = [p for p in PROJECTIONS if all(decoder_projection_name(n, p) in kept for n in layers)]
+        kept -= {decoder_projection_name(n, p) for n in layers for p in everywhere}
+        patterns = [decoder_projection_name("*", p) for p in everywhere]
+        return patterns + [name for name in self.unquantized if name in kept]
+
     def served(
         self, *, quantization: str | None, kv_cache_dtype: str, source: Path, int4_decode_copy: bool = False
     ) -> ModelInfo:
@@ -242,8 +254,9 @@ class ModelInfo:
         )
 
 
-def decoder_projection_name(layer: int, projection: str) -> str:
-    """The checkpoint's name for decoder layer `layer`'s `projection` (a name in PROJECTIONS)."""
+def decoder_projection_name(layer: int | str, projection: str) -> str:
+    """The checkpoint's name for decoder layer `layer`'s `projection` (a name in PROJECTIONS); layer "*":
+    the pattern of every layer's."""
     block = "self_attn" if projection in ATTENTION_PROJECTIONS else "mlp"
     return f"model.layers.{layer}.{block}.{projection}"
 

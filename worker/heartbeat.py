@@ -112,11 +112,15 @@ class Heartbeat:
                 forget_worker(pipe, spec.name, self._config.worker_id)
             await pipe.execute()
 
-    def _quantization(self) -> dict[str, dict[str, str]]:
-        """Per served model: its weights' format ("none", "fp8", "int4", "awq", "gptq", "nf4" or "fp4")
-        and its KV cache's dtype."""
+    def _quantization(self) -> dict[str, dict[str, object]]:
+        """Per served model: its weights' format ("none", "fp8", "int4", "awq", "gptq", "nf4" or "fp4"),
+        the projections a mixed-precision checkpoint leaves in its own dtype, and its KV cache's dtype."""
         return {
-            name: {"weights": info.quantization, "kv_cache": info.kv_cache_dtype}
+            name: {
+                "weights": info.quantization,
+                "unquantized_projections": info.unquantized_summary(),
+                "kv_cache": info.kv_cache_dtype,
+            }
             for name, info in self._residency.infos.items()
         }
 

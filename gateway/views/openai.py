@@ -65,8 +65,9 @@ async def models(request: web.Request) -> web.Response:
                 "max_lora_rank": None if limits is None else limits.max_rank,
                 # how its workers serve it: weights "none" (the checkpoint's dtype), "fp8", or 4-bit "int4"
                 # (quantized at load), "awq", "gptq", "nf4" (bitsandbytes', or quantized at load) or "fp4";
-                # KV "auto" or "fp8"
+                # KV "auto" or "fp8"; the projections a mixed-precision checkpoint leaves in its dtype
                 "quantization": info.quantization,
+                "unquantized_projections": info.unquantized_summary(),
                 "kv_cache_dtype": info.kv_cache_dtype,
             }
         )

@@ -48,6 +48,10 @@ def test_the_mixed_roofline_reads_the_projections_kept_in_bf16_at_two_bytes_a_we
 def test_the_mixed_model_serves_the_kept_projections_in_bf16_in_every_layer():
     info = served(LLAMA3_8B, "fp8-mixed", "auto")
     assert info.quantization == "fp8" and engine_system(info) == "lorafleet fp8-mixed/auto"
+    assert info.unquantized_summary() == [
+        "model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.v_proj",
+        "model.layers.*.mlp.down_proj",
+    ]  # fmt: skip
     for layer in range(LAYERS):
         kept = {p for p in PROJECTIONS if info.projection_quantization(layer, p) == "none"}
         assert kept == set(MIXED_FP8_UNQUANTIZED)

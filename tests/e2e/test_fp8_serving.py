@@ -24,7 +24,7 @@ def test_fp8_model_serves_jobs_and_reports_its_quantization(fleet: Fleet) -> Non
 
     with fleet.redis() as client:
         reported = json.loads(client.hget(keys.worker("w1"), "quantization"))
-    assert reported == {MODEL: {"weights": "fp8", "kv_cache": "fp8"}}
+    assert reported == {MODEL: {"weights": "fp8", "unquantized_projections": [], "kv_cache": "fp8"}}
     request = urllib.request.Request(
         f"{fleet.url}/v1/models", headers={"Authorization": f"Bearer {fleet.api_keys[TENANT]}"}
     )

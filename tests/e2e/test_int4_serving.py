@@ -77,5 +77,5 @@ def test_4bit_model_serves_jobs_and_reports_its_quantization(int4_fleet: tuple[F
     assert all(len(record.output.token_ids) == 6 for record in records), records
 
     heartbeat, model = reported_quantization(fleet)
-    assert heartbeat == {MODEL: {"weights": served, "kv_cache": "auto"}}
+    assert heartbeat == {MODEL: {"weights": served, "unquantized_projections": [], "kv_cache": "auto"}}
     assert (model["quantization"], model["kv_cache_dtype"]) == (served, "auto")

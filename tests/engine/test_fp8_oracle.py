@@ -117,6 +117,7 @@ def test_projections_a_checkpoint_leaves_unquantized_serve_in_its_dtype(
     )  # fmt: skip
     info = ModelInfo.from_pretrained("llama", model_dir)
     assert info.unquantized == LEFT_UNQUANTIZED
+    assert info.unquantized_summary() == list(LEFT_UNQUANTIZED)  # none is kept in every layer: each by name
     assert ModelInfo.from_json(info.to_json()) == info  # as a tensor-parallel follower receives it
     model = fp8_model(model_dir, info, llama.adapters)
     layers = model.model.layers

@@ -158,11 +158,16 @@ async def test_models_lists_bases_and_only_the_callers_adapters(client, fleet):
 
 
 async def test_models_says_how_a_base_model_is_quantized(client, fleet):
-    served = dataclasses.replace(fleet.models["other"], quantization="fp8", kv_cache_dtype="fp8")
+    kept = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj")
+    served = dataclasses.replace(fleet.models["other"], quantization="fp8", kv_cache_dtype="fp8", unquantized=kept)
     await publish_model(fleet.redis, served, fleet.tokenizer.to_str().encode())
     body = await (await client.get("/v1/models", headers=fleet.auth("acme"))).json()
-    other = next(model for model in body["data"] if model["id"] == "other")
-    assert (other["quantization"], other["kv_cache_dtype"]) == ("fp8", "fp8")
+    models = {model["id"]: model for model in body["data"]}
+    assert (models["other"]["quantization"], models["other"]["kv_cache_dtype"]) == ("fp8", "fp8")
+    # its one layer keeps q/k/v in the checkpoint's dtype: they are so in every layer
+    pattern = ["model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.v_proj"]
+    assert models["other"]["unquantized_projections"] == pattern
+    assert models["tiny"]["unquantized_projections"] == []
 
 
 async def test_bad_openai_input_is_a_400_naming_the_field(client, fleet):
