@@ -10,6 +10,8 @@ widths: parallel/sharding.py) and its `shard`; without, `shard` is None and noth
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,6 +65,35 @@ class VocabEmbedding(nn.Module):
         return out.copy_(logits)
 
 
+def decoder_projection(
+    info: ModelInfo,
+    layer_index: int,
+    in_features: int,
+    outputs: dict[str, int],
+    *,
+    bias: bool,
+    pages: LoRAPages,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    shard: ModelShard | None,
+) -> LoRALinear:
+    """Decoder layer `layer_index`'s projections `outputs` (PEFT name → out_features; several: one GEMM
+    over the input they share) of `in_features` inputs: in the format the model serves them in (one
+    for a pack: ModelInfo refuses checkpoints that split one), this rank's share of them with `shard`."""
+    return LoRALinear(
+        in_features,
+        outputs,
+        bias=bias,
+        pages=pages,
+        dtype=dtype,
+        device=device,
+        quantization=info.projection_quantization(layer_index, next(iter(outputs))),
+        group_size=info.weight_group_size,
+        decode_copy=info.int4_decode_copy,
+        shard=shard.linear(*outputs) if shard else None,
+    )
+
+
 class SelfAttention(nn.Module):
     def __init__(
         self,
@@ -81,32 +112,12 @@ class SelfAttention(nn.Module):
         self.scale = info.head_dim**-0.5
         q_width = info.num_heads * info.head_dim
         kv_width = info.num_kv_heads * info.head_dim
-        self.qkv_proj = LoRALinear(
-            info.hidden_size,
-            {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width},
-            bias=info.attention_bias,
-            pages=pages,
-            dtype=dtype,
-            device=device,
-            quantization=info.projection_quantization(layer_index, "q_proj"),
-            group_size=info.weight_group_size,
-            decode_copy=info.int4_decode_copy,
-            shard=shard.linear("q_proj", "k_proj", "v_proj") if shard else None,
-        )
+        build = partial(decoder_projection, info, layer_index, pages=pages, dtype=dtype, device=device, shard=shard)
+        self.qkv_proj = build(info.hidden_size, {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width},
+                              bias=info.attention_bias)  # fmt: skip
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v
         o_bias = info.attention_bias and info.architecture != "Qwen2ForCausalLM"
-        self.o_proj = LoRALinear(
-            q_width,
-            {"o_proj": info.hidden_size},
-            bias=o_bias,
-            pages=pages,
-            dtype=dtype,
-            device=device,
-            quantization=info.projection_quantization(layer_index, "o_proj"),
-            group_size=info.weight_group_size,
-            decode_copy=info.int4_decode_copy,
-            shard=shard.linear("o_proj") if shard else None,
-        )
+        self.o_proj = build(q_width, {"o_proj": info.hidden_size}, bias=o_bias)
         # float32 [2, num_kv_heads]: what an fp8 cache divides this layer's K (row 0) and V (row 1) by,
         # per KV head; from the checkpoint or calibrated when the engine is built (worker/model/kv_scales.py).
         # A fixed tensor, so the captured graphs read whatever it holds; unread by a cache in the dtype.
@@ -169,30 +180,9 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         width = info.intermediate_size
-        self.gate_up_proj = LoRALinear(
-            info.hidden_size,
-            {"gate_proj": width, "up_proj": width},
-            bias=False,
-            pages=pages,
-            dtype=dtype,
-            device=device,
-            quantization=info.projection_quantization(layer_index, "gate_proj"),
-            group_size=info.weight_group_size,
-            decode_copy=info.int4_decode_copy,
-            shard=shard.linear("gate_proj", "up_proj") if shard else None,
-        )
-        self.down_proj = LoRALinear(
-            width,
-            {"down_proj": info.hidden_size},
-            bias=False,
-            pages=pages,
-            dtype=dtype,
-            device=device,
-            quantization=info.projection_quantization(layer_index, "down_proj"),
-            group_size=info.weight_group_size,
-            decode_copy=info.int4_decode_copy,
-            shard=shard.linear("down_proj") if shard else None,
-        )
+        build = partial(decoder_projection, info, layer_index, pages=pages, dtype=dtype, device=device, shard=shard)
+        self.gate_up_proj = build(info.hidden_size, {"gate_proj": width, "up_proj": width}, bias=False)
+        self.down_proj = build(width, {"down_proj": info.hidden_size}, bias=False)
 
     def forward(self, hidden: torch.Tensor, lora: LoRABatch | None, residual: torch.Tensor) -> torch.Tensor:
         """[T, hidden_size] → [T, hidden_size]; residual [T, hidden_size] as in SelfAttention.forward."""
