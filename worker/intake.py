@@ -144,11 +144,19 @@ class Intake:
                 return 0
             if "NOGROUP" not in str(exc):
                 raise
-            log.error("consumer_group_missing", error=str(exc))  # Redis came back without its data
+            recreated = [
+                stream
+                for spec in self._config.models
+                for stream in shared_streams(spec.name)
+                if await ensure_group(self._redis, stream)
+            ]
             for spec in self._config.models:
-                for stream in shared_streams(spec.name):
-                    await ensure_group(self._redis, stream)
                 await self._streams.register(spec.name)
+            if recreated:  # shared streams are never deleted: Redis came back without its data
+                log.error("consumer_group_missing", streams=recreated, error=str(exc))
+            else:  # this worker's routed stream, handed over (at a switch, a stop, or by a worker that found its
+                # heartbeat gone), came back without its group when the gateway routed a job here again
+                log.info("routed_stream_regrouped", error=str(exc))
             return 0
         read, read_at = 0, time.time()
         for stream_key, entries in response or []:

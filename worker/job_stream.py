@@ -26,13 +26,15 @@ def shared_streams(model: str) -> list[str]:
     return [keys.queue(model, priority) for priority in PRIORITIES]
 
 
-async def ensure_group(redis: Redis, stream: str) -> None:
-    """The consumer group of `stream` (and the stream), created if missing."""
+async def ensure_group(redis: Redis, stream: str) -> bool:
+    """The consumer group of `stream` (and the stream), created if missing; True when it was."""
     try:
         await redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
     except ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
+        return False
+    return True
 
 
 async def autoclaim_page(
