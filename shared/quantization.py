@@ -103,33 +103,38 @@ def checkpoint_unquantized(config: dict[str, Any], path: Path, names: Iterable[s
     """Those of `names` (modules as the checkpoint names them, `model.layers.0.self_attn.q_proj`)
     that the FP8 checkpoint whose config.json (at `path`) is `config` leaves in its own dtype, in the
     order given: compressed-tensors' `ignore` (whole names, or `re:` patterns matched from a name's
-    start, as compressed-tensors matches them), transformers' `modules_to_not_convert` (any part of a
-    name) and AutoFP8's `ignored_layers` (whole names). () for any other checkpoint. Entries naming
-    modules never quantized (`lm_head`, a router) match none of `names`. Raises LorafleetError for
-    a list that is not of strings, or a pattern that is not a regular expression."""
+    start, as compressed-tensors matches them), transformers' `modules_to_not_convert` (as transformers
+    matches them: a regular expression from a name's start to a module boundary, so `model.layers.1`
+    is not `model.layers.11` and `mlp.gate` not `mlp.gate_proj`, or a suffix) and AutoFP8's
+    `ignored_layers` (whole names). () for any other checkpoint. Entries naming modules never
+    quantized (`lm_head`, a router) match none of `names`. Raises LorafleetError for a list that is
+    not of strings, or a pattern that is not a regular expression."""
     quant = config.get("quantization_config") or {}
     keys = {"compressed-tensors": ("ignore",), "fp8": ("ignored_layers", "modules_to_not_convert")}
     whole: list[str] = []
+    suffixes: list[str] = []
     patterns: list[re.Pattern[str]] = []
-    parts: list[str] = []
     for key in keys.get(quant.get("quant_method"), ()):
         entries = quant.get(key) or []
         if not isinstance(entries, list) or not all(isinstance(entry, str) for entry in entries):
             _refuse(path, f"quantization_config.{key} must be a list of module names")
         for entry in entries:
             if key == "modules_to_not_convert":
-                parts.append(entry)
+                suffixes.append(entry)
+                pattern = rf"(?:{entry})(?:(?<=\.)|(?=\.|$))"  # up to a module boundary
             elif entry.startswith("re:"):
-                try:
-                    patterns.append(re.compile(entry.removeprefix("re:")))
-                except re.error as exc:
-                    _refuse(path, f"quantization_config.{key} entry {entry!r} is not a regular expression: {exc}")
+                pattern = entry.removeprefix("re:")
             else:
                 whole.append(entry)
+                continue
+            try:
+                patterns.append(re.compile(pattern))
+            except re.error as exc:
+                _refuse(path, f"quantization_config.{key} entry {entry!r} is not a regular expression: {exc}")
     return tuple(
         name
         for name in names
-        if name in whole or any(p.match(name) for p in patterns) or any(part in name for part in parts)
+        if name in whole or any(p.match(name) for p in patterns) or any(name.endswith(s) for s in suffixes)
     )
 
 

@@ -100,7 +100,8 @@ IGNORE_ENTRIES = {
     "compressed-tensors": {"ignore": ["lm_head", r"re:model\.layers\.0\.self_attn\.[qkv]_proj", LEFT_UNQUANTIZED[3]]},
     "fp8": {
         "ignored_layers": [LEFT_UNQUANTIZED[3]],
-        "modules_to_not_convert": ["lm_head", "layers.0.self_attn.q_", "0.self_attn.k_proj", ".0.self_attn.v_proj"],
+        # transformers' matching: a suffix, and a regular expression from the name's start to a module boundary
+        "modules_to_not_convert": ["lm_head", "layers.0.self_attn.q_proj", r"model\.layers\.0\.self_attn\.[kv]_proj"],
     },
 }
 

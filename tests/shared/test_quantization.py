@@ -1,5 +1,6 @@
 """A checkpoint's quantization_config read at start: the FP8 formats accepted, everything else
-refused with the file named (shared/quantization.py); bitsandbytes 4-bit's codebook named."""
+refused with the file named (shared/quantization.py); bitsandbytes 4-bit's codebook named; the
+modules an FP8 checkpoint leaves unquantized, matched as the format's own reader matches them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from shared.errors import LorafleetError
-from shared.quantization import checkpoint_quantization, checkpoint_scale_block, served_quantization
+from shared.model_info import PROJECTIONS, decoder_projection_name
+from shared.quantization import (
+    checkpoint_quantization,
+    checkpoint_scale_block,
+    checkpoint_unquantized,
+    served_quantization,
+)
 
 PATH = Path("/models/m/config.json")
 
@@ -84,3 +91,47 @@ def test_served_quantization_is_the_checkpoints_or_the_requested() -> None:
     assert served_quantization("fp8", None, PATH) == "fp8"
     with pytest.raises(LorafleetError, match="cannot be served as --quantization none"):
         served_quantization("fp8", "none", PATH)
+
+
+NAMES = [decoder_projection_name(layer, projection) for layer in range(12) for projection in PROJECTIONS]
+
+
+def not_converted(entries: list[str]) -> list[str]:
+    config = {"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": entries}}
+    return list(checkpoint_unquantized(config, PATH, NAMES))
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ("model.layers.1", [n for n in NAMES if n.startswith("model.layers.1.")]),  # not layers 10 and 11
+        (
+            "model.layers.1.mlp",
+            ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"],
+        ),
+        (r"model\.layers\.\d+\.self_attn\.o_proj", [n for n in NAMES if n.endswith("o_proj")]),
+        ("down_proj", [n for n in NAMES if n.endswith("down_proj")]),  # a suffix
+        ("layers.0.self_attn.q_proj", ["model.layers.0.self_attn.q_proj"]),  # not layer 10's
+        ("mlp.gate", []),  # a router, not gate_proj
+        ("lm_head", []),
+    ],
+)
+def test_modules_to_not_convert_match_from_the_start_to_a_module_boundary_or_as_a_suffix(
+    entry: str, expected: list[str]
+) -> None:
+    assert not_converted([entry]) == expected
+
+
+def test_modules_to_not_convert_are_matched_as_transformers_matches_them() -> None:
+    quantizers_utils = pytest.importorskip("transformers.quantizers.quantizers_utils")
+    if not hasattr(quantizers_utils, "should_convert_module"):
+        pytest.skip("this transformers matches modules_to_not_convert as substrings (before 5.0)")
+    entries = ["lm_head", "model.layers.1", "layers.2.mlp", r"model\.layers\.[3-4]\.self_attn\.[qkv]_proj", "up_proj"]
+    for entry in entries:
+        expected = [name for name in NAMES if not quantizers_utils.should_convert_module(name, [entry])]
+        assert not_converted([entry]) == expected, entry
+
+
+def test_a_modules_to_not_convert_entry_that_is_no_regular_expression_is_refused() -> None:
+    with pytest.raises(LorafleetError, match=rf"^{PATH}: .*entry 'layers\.\(' is not a regular expression"):
+        not_converted(["layers.("])
