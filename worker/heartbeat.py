@@ -101,16 +101,17 @@ class Heartbeat:
             await pipe.execute(raise_on_error=False)  # a stream Redis lost: its jobs' results still store
 
     async def withdraw(self) -> None:
-        """At stop: the jobs routed here and not read go to the shared streams; this worker's record and its
-        adapter limits go (the record would expire anyway)."""
-        for spec in self._config.models:
-            await self._streams.hand_over_own(spec.name)
+        """At stop: this worker's record and its adapter limits go (the record would expire anyway), then the
+        jobs routed here and not read go to the shared streams. Deletions first: they pass even a Redis out
+        of memory, which refuses the hand-over's writes, and the gateway stops routing here the sooner."""
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.delete(keys.worker(self._config.worker_id))
             pipe.srem(keys.WORKERS, self._config.worker_id)
             for spec in self._config.models:
                 forget_worker(pipe, spec.name, self._config.worker_id)
             await pipe.execute()
+        for spec in self._config.models:
+            await self._streams.hand_over_own(spec.name)
 
     def _quantization(self) -> dict[str, dict[str, object]]:
         """Per served model: its weights' format ("none", "fp8", "int4", "awq", "gptq", "nf4" or "fp4"),

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from cli.demo_adapters import DEMO_ADAPTERS
 from shared import keys
 from shared.model_registry import ADAPTER_LIMITS
 from tests.e2e.processes import wait_until
@@ -52,11 +53,16 @@ def test_a_draining_worker_withdraws_its_heartbeat_at_once_and_keeps_its_jobs(fl
 
 def test_a_worker_whose_loops_fail_exits_nonzero_within_its_grace_period(fleet: Fleet):
     fleet.start_gateway()
-    worker = fleet.start_worker("doomed", "--drain-grace", "1")
-    job_ids = fleet.submit(jobs_for(16, max_tokens=200))
+    # room for 8 jobs (twice --max-num-seqs): of 16 routed to it (each through an adapter; it is their only
+    # worker), 8 or more wait unread on its stream, which its stop hands over to the shared stream: a write
+    # the full Redis refuses
+    worker = fleet.start_worker("doomed", "--drain-grace", "1", "--max-num-seqs", "4")
+    job_ids = fleet.submit([job | {"adapter": DEMO_ADAPTERS[0].name} for job in jobs_for(16, max_tokens=200)])
     wait_until(lambda: fleet.running_on("doomed", job_ids) >= 4, timeout_s=30, what="the worker to run jobs")
 
     with fleet.redis() as client:
+        routed = keys.worker_queue(MODEL, "doomed")
+        assert client.xlen(routed) > client.xpending(routed, keys.WORKER_GROUP)["pending"]
         # Redis now refuses every write that could grow its memory: the heartbeat's, the results', the hand-back's
         client.config_set("maxmemory", 1)
         try:
