@@ -34,7 +34,7 @@ from worker.engine.engine_request import EngineRequest
 from worker.engine_thread import EngineThread
 from worker.job_stream import ack, autoclaim_page, dead_letter, ensure_group, requeue, shared_streams
 from worker.metrics import AdapterTier, WorkerMetrics
-from worker.routed_streams import RoutedStreams
+from worker.routed_streams import Entries, RoutedStreams
 from worker.running_jobs import JobTimes, RunningJob, RunningJobs
 from worker.switching.switcher import ModelSwitcher
 
@@ -50,6 +50,10 @@ class Arrival(StrEnum):
     SHARED = "shared"  # read from the model's shared stream (base-model jobs, jobs handed back)
     STOLEN = "stolen"  # waited past the bound on another worker's stream (worker/routed_streams.py)
     RECLAIMED = "reclaimed"  # its worker died while running it
+
+
+# what a stream read holds: its model, its priority class, and how its jobs reach this worker
+StreamOrigin = tuple[str, Priority, Arrival]
 
 
 class Intake:
@@ -101,14 +105,12 @@ class Intake:
                         await self._claim_abandoned(model, priority, stream, self._room(priority))
             if self._running.room_left <= 0:
                 return
-        read = await self._read(readable, Priority.INTERACTIVE, block_ms=None)
+        read = await self._read_oldest(readable, Priority.INTERACTIVE)
         if self._running.batch_room_left > 0:
-            read += await self._read(readable, Priority.BATCH, block_ms=None)
+            read += await self._read_oldest(readable, Priority.BATCH)
         if not read:  # all empty: wait for the first entry of any of them
             with_batch = PRIORITIES if self._running.batch_room_left > 0 else (Priority.INTERACTIVE,)
-            # one entry (per stream: the count holds for each), so a read of several streams cannot take more
-            # than the rooms of their classes; the next turn's reads take the rest at once
-            await self._read(readable, *with_batch, block_ms=self._read_block_ms, count=1)
+            await self._wait_and_read(readable, *with_batch)
         await self._steal_if_idle(readable)
 
     def _room(self, priority: Priority) -> int:
@@ -120,28 +122,41 @@ class Intake:
         shared = {keys.queue(model, priority): Arrival.SHARED}
         return shared | {self._streams.own(model): Arrival.ROUTED} if priority is Priority.INTERACTIVE else shared
 
-    async def _read(
-        self, readable: list[str], *priorities: Priority, block_ms: int | None, count: int | None = None
-    ) -> int:
-        """Read and accept new entries of `readable` models' streams of `priorities` (at most the room
-        of the first class each); returns how many were read."""
-        streams = {
+    def _readable_streams(self, readable: list[str], *priorities: Priority) -> dict[str, StreamOrigin]:
+        """The streams of `readable` models' classes `priorities`: stream → (model, class, arrival)."""
+        return {
             stream: (model, priority, arrival)
             for priority in priorities
             for model in readable
             for stream, arrival in self._streams_of(model, priority).items()
         }
+
+    async def _read_oldest(self, readable: list[str], priority: Priority) -> int:
+        """Read and accept the oldest new entries over `readable` models' streams of class `priority`, as
+        many as the class has room for; returns how many were read."""
+        room = self._room(priority)
+        if room <= 0:
+            return 0
+        streams = self._readable_streams(readable, priority)
+        return await self._accept_read(await self._streams.read_oldest(list(streams), room), streams)
+
+    async def _wait_and_read(self, readable: list[str], *priorities: Priority) -> None:
+        """Wait up to the read block for the first new entry of `readable` models' streams of `priorities`,
+        and accept what comes: one entry a stream (the count holds for each), so no more than the rooms of
+        their classes unless entries reach several streams within the same moment; the next turn's reads
+        take the rest, oldest first."""
+        streams = self._readable_streams(readable, *priorities)
         try:
             response = await self._redis.xreadgroup(
                 keys.WORKER_GROUP,
                 self._config.worker_id,
                 dict.fromkeys(streams, ">"),
-                count=count or self._room(priorities[0]),
-                block=block_ms,
+                count=1,
+                block=self._read_block_ms,
             )
         except ResponseError as exc:
             if "UNBLOCKED" in str(exc):  # a stream read was deleted meanwhile (a routed stream handed over)
-                return 0
+                return
             if "NOGROUP" not in str(exc):
                 raise
             recreated = [
@@ -157,19 +172,22 @@ class Intake:
             else:  # this worker's routed stream, handed over (at a switch, a stop, or by a worker that found its
                 # heartbeat gone), came back without its group when the gateway routed a job here again
                 log.info("routed_stream_regrouped", error=str(exc))
-            return 0
-        read, read_at = 0, time.time()
-        for stream_key, entries in response or []:
-            stream = stream_key.decode()
+            return
+        await self._accept_read([(key.decode(), entries) for key, entries in response or []], streams)
+
+    async def _accept_read(self, read: list[tuple[str, Entries]], streams: dict[str, StreamOrigin]) -> int:
+        """Accept entries just read, (stream, entries) pairs of `streams`; returns how many there were."""
+        count, read_at = 0, time.time()
+        for stream, entries in read:
             model, priority, arrival = streams[stream]
             for entry_id, fields in entries:
-                read += 1
+                count += 1
                 if self._stopping.is_set() or not self._switcher.admitting(model):
                     # read during a stop or a switch
                     await requeue(self._redis, model, priority, stream, entry_id, fields)
                 else:
                     await self._accept(model, priority, stream, entry_id, fields, arrival, read_at)
-        return read
+        return count
 
     async def _steal_if_idle(self, readable: list[str]) -> None:
         """With free batch slots (jobs would run now, not queue), take entries that have waited past

@@ -1,4 +1,5 @@
-"""The routed streams of a model, from a worker's side (gateway/routing.py places jobs on them).
+"""The routed streams of a model, from a worker's side (gateway/routing.py places jobs on them), and the
+read of a worker's streams that takes only its room, oldest first.
 
 Each worker of a model reads the model's shared streams and its own stream `lf:wq:{model}:{worker}`,
 where the gateway puts interactive jobs whose adapter this worker holds, or whose consistent-hash home
@@ -62,6 +63,37 @@ return read[1][2]
 """
 )
 
+_READ_OLDEST = (
+    _LAST_DELIVERED
+    + f"""
+-- KEYS: streams   ARGV: this worker, count
+-- Read (for this worker) the `count` oldest undelivered entries over all the streams, by id (the ms each was
+-- added at, then its sequence). A stream that does not exist is skipped: one handed over and deleted stays so.
+local count = tonumber(ARGV[2])
+local waiting = {{}}
+for index, stream in ipairs(KEYS) do
+  if redis.call('EXISTS', stream) == 1 then
+    for _, entry in ipairs(redis.call('XRANGE', stream, '(' .. last_delivered(stream), '+', 'COUNT', count)) do
+      local ms, seq = string.match(entry[1], '^(%d+)-(%d+)$')
+      table.insert(waiting, {{tonumber(ms), tonumber(seq), index}})
+    end
+  end
+end
+table.sort(waiting, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
+local taken = {{}}
+for i = 1, math.min(count, #waiting) do taken[waiting[i][3]] = (taken[waiting[i][3]] or 0) + 1 end
+local read = {{}}
+for index, stream in ipairs(KEYS) do
+  if taken[index] then
+    local reply = redis.call('XREADGROUP', 'GROUP', '{keys.WORKER_GROUP}', ARGV[1], 'COUNT', taken[index],
+      'STREAMS', stream, '>')
+    table.insert(read, {{stream, reply[1][2]}})
+  end
+end
+return read
+"""
+)
+
 _HAND_OVER = (
     _LAST_DELIVERED
     + """
@@ -101,6 +133,7 @@ class RoutedStreams:
         self._redis = redis
         self._worker_id = worker_id
         self._steal = redis.register_script(_STEAL)
+        self._read_oldest = redis.register_script(_READ_OLDEST)
         self._hand_over = redis.register_script(_HAND_OVER)
 
     def own(self, model: str) -> str:
@@ -118,6 +151,14 @@ class RoutedStreams:
             pipe.sadd(keys.worker_queues(model), stream)
             pipe.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
             await pipe.execute(raise_on_error=False)  # BUSYGROUP: it exists already
+
+    async def read_oldest(self, streams: list[str], count: int) -> list[tuple[str, Entries]]:
+        """Up to `count` undelivered entries of `streams` (a model's shared and routed streams, of any models),
+        the oldest over all of them first, now pending for this worker, as (stream, entries) pairs: one
+        XREADGROUP of several streams takes its COUNT from each, so a worker reading them that way could
+        take several times its room, and the newest entries of one stream before older ones of another."""
+        read = await self._read_oldest(keys=streams, args=[self._worker_id, count])
+        return [(stream.decode(), [(entry, _fields(flat)) for entry, flat in entries]) for stream, entries in read]
 
     async def steal(self, model: str, count: int, steal_after_ms: int) -> list[tuple[str, Entries]]:
         """Up to `count` entries that waited on other workers' streams of `model` past the bound, as

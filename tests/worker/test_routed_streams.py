@@ -100,3 +100,36 @@ async def test_a_stream_handed_over_since_it_was_listed_is_not_brought_back_by_a
 
     assert await idle.steal(MODEL, 8, BOUND_MS) == []
     assert not await aredis.exists(leaving.own(MODEL))
+
+
+async def test_a_read_of_several_streams_takes_the_oldest_entries_over_all_of_them_and_no_more(aredis):
+    (reader,) = await streams(aredis, "reader")
+    shared = keys.queue(MODEL)
+    for stream, entry_id in [(shared, "1000-0"), (reader.own(MODEL), "1500-0"), (shared, "2000-0"),
+                             (reader.own(MODEL), "2500-0"), (shared, "3000-0")]:  # fmt: skip
+        await aredis.xadd(stream, {"job": entry_id.encode()}, id=entry_id)
+
+    first = await reader.read_oldest([shared, reader.own(MODEL)], 3)
+    second = await reader.read_oldest([shared, reader.own(MODEL)], 3)
+
+    assert {stream: [f[b"job"] for _, f in entries] for stream, entries in first} == {
+        shared: [b"1000-0", b"2000-0"], reader.own(MODEL): [b"1500-0"]
+    }  # fmt: skip
+    assert {stream: [f[b"job"] for _, f in entries] for stream, entries in second} == {
+        shared: [b"3000-0"], reader.own(MODEL): [b"2500-0"]
+    }  # fmt: skip
+    pending = await aredis.xpending(shared, keys.WORKER_GROUP)
+    assert pending["pending"] == 3 and pending["consumers"] == [{"name": b"reader", "pending": 3}]
+    assert await reader.read_oldest([shared, reader.own(MODEL)], 3) == []
+
+
+async def test_a_read_skips_a_deleted_stream_and_reads_one_the_gateway_created_without_a_group(aredis):
+    (reader,) = await streams(aredis, "reader")
+    await aredis.delete(reader.own(MODEL))  # handed over meanwhile
+    created = keys.worker_queue("other", "reader")
+    await aredis.xadd(created, {"job": b"1"})  # routed here by its first entry: the stream has no group yet
+
+    [(stream, entries)] = await reader.read_oldest([reader.own(MODEL), created], 8)
+
+    assert stream == created and [f[b"job"] for _, f in entries] == [b"1"]
+    assert not await aredis.exists(reader.own(MODEL))
