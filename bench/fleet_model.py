@@ -154,10 +154,10 @@ class FleetModel:
             job.started_at = self.now
             heapq.heappush(worker.running, (self.now + self.shape.service_s, next(self._order), job))
         room = worker.capacity - worker.in_flight
-        for source in (worker.stream, self.shared):
-            while room > 0 and source:
-                self._read(worker, source.popleft())
-                room -= 1
+        while room > 0 and (worker.stream or self.shared):  # the oldest first, as the worker's read_oldest
+            sources = [source for source in (worker.stream, self.shared) if source]
+            self._read(worker, min(sources, key=lambda source: source[0].at).popleft())
+            room -= 1
         free = min(room, self.shape.max_num_seqs - worker.in_flight)
         steal_every = self.shape.steal_after_ms / 4000
         if self.routed and free > 0 and self.now - worker.last_steal >= steal_every:
