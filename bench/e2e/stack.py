@@ -26,7 +26,8 @@ from shared import keys
 from shared.adapter_registry import register_adapter
 from shared.config import EngineConfig, ModelSpec
 from shared.model_info import ModelInfo
-from shared.schema import JobTrace
+from shared.model_queues import model_queue_depth
+from shared.schema import JobTrace, Priority
 from shared.tenants import create_tenant
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -92,11 +93,11 @@ class Stack:
         return scrape(self.metrics_url)
 
     def probe(self) -> dict[str, float]:
-        """The gauges sampled during a run: the model's stream length (queued + running jobs: workers
-        delete an entry once it finishes), running and waiting sequences, the device's utilisation,
-        clocks, power, temperature and slowdowns (bench/e2e/device_clocks.py)."""
-        with redis.Redis.from_url(self.redis_url) as client:
-            queue = client.xlen(keys.queue(self.model.name))
+        """The gauges sampled during a run (on a thread of its own): the entries of the model's interactive
+        streams, the shared one and the workers' routed ones, where adapter jobs wait (queued + running
+        jobs: workers delete an entry once it finishes), running and waiting sequences, the device's
+        utilisation, clocks, power, temperature and slowdowns (bench/e2e/device_clocks.py)."""
+        queue = asyncio.run(self._queue_depth())
         snapshot = self.worker_metrics()
         return {
             "queue": queue,
@@ -104,6 +105,11 @@ class Stack:
             "waiting_seqs": gauge(snapshot, "lorafleet_worker_waiting_seqs"),
             **device_probe(snapshot),
         }
+
+    async def _queue_depth(self) -> int:
+        async with aioredis.Redis.from_url(self.redis_url) as client:
+            entries, _ = await model_queue_depth(client, self.model.name, Priority.INTERACTIVE)
+        return entries
 
     def job_times(self, job_ids: list[str]) -> dict[str, JobTimes]:
         """The timestamps of these jobs' records."""

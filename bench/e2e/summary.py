@@ -58,7 +58,7 @@ class RunSummary:
     delivery_p50_ms: float  # result stored -> the client read the end event
     gpu_util_pct: float  # mean of the worker's NVML utilisation, sampled once a second (nan: not sampled)
     distinct_adapters: int
-    peak_queue: int  # most entries seen in the model's stream (queued + running)
+    peak_queue: int  # most entries seen in the model's interactive streams, shared and routed (queued + running)
     failures: dict[str, int]  # status -> count, for the failed ones
     worker: WorkerStats | None  # from the worker's metrics, before and after the run
     clocks: DeviceClocks | None  # the device's clocks, power and slowdowns, sampled once a second (None: no GPU)

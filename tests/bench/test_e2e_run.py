@@ -31,6 +31,8 @@ def test_the_tiny_preset_runs_every_phase_and_its_numbers_add_up(tmp_path: Path)
         *[("load", mode) for _ in range(3) for mode in ("base", "zipf")],
         ("engine-alone", "base"),
     ]  # fmt: skip
+    # a closed loop keeps max_num_seqs jobs in the streams, adapter jobs on the worker's routed stream
+    assert all(r["peak_queue"] > 0 for r in runs if r["phase"] == "calibration"), runs
     loads = [r for r in runs if r["phase"] == "load"]
     assert [r["offered_rps"] for r in loads] == sorted(r["offered_rps"] for r in loads)
     for run in loads:
