@@ -20,6 +20,21 @@ log = structlog.get_logger(__name__)
 
 DEAD_LETTER_MAXLEN = 10_000
 
+# Lua for the scripts that read a stream's group state: the fields (name → value) of the workers' consumer
+# group of `stream`, nil when it has none (or there is no such stream)
+GROUP_FIELDS_LUA = f"""
+local function group_fields(stream)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if not ok then return nil end
+  for _, group in ipairs(groups) do
+    local fields = {{}}
+    for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
+    if fields['name'] == '{keys.WORKER_GROUP}' then return fields end
+  end
+  return nil
+end
+"""
+
 
 def shared_streams(model: str) -> list[str]:
     """`model`'s shared streams, one per priority class, interactive first."""

@@ -28,23 +28,21 @@ from redis.asyncio import Redis
 from shared import keys
 from shared.model_queues import model_queues
 from shared.schema import Priority
+from worker.job_stream import GROUP_FIELDS_LUA
 
 # Lua shared by the scripts: the group's last delivered id, the group created (from the stream's
 # start) when the stream has none: a stream the gateway created by its first entry has no group yet
-_LAST_DELIVERED = f"""
+_LAST_DELIVERED = (
+    GROUP_FIELDS_LUA
+    + f"""
 local function last_delivered(stream)
-  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
-  if ok then
-    for _, group in ipairs(groups) do
-      local fields = {{}}
-      for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
-      if fields['name'] == '{keys.WORKER_GROUP}' then return fields['last-delivered-id'] end
-    end
-  end
+  local group = group_fields(stream)
+  if group then return group['last-delivered-id'] end
   redis.call('XGROUP', 'CREATE', stream, '{keys.WORKER_GROUP}', '0', 'MKSTREAM')
   return '0-0'
 end
 """
+)
 
 _STEAL = (
     _LAST_DELIVERED

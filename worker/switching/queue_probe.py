@@ -21,23 +21,18 @@ from redis.asyncio import Redis
 from shared import keys
 from shared.model_queues import model_queues
 from shared.schema import PRIORITIES
+from worker.job_stream import GROUP_FIELDS_LUA
 from worker.switching.switch_policy import QueueState
 
-_PROBE_STREAM = f"""
+_PROBE_STREAM = (
+    GROUP_FIELDS_LUA
+    + f"""
 -- KEYS: a stream   ARGV: claim_idle_ms
 -- Returns {{entries waiting, the ms the oldest of them was added at (-1: none waits)}}.
 local length = redis.call('XLEN', KEYS[1])
 if length == 0 then return {{0, -1}} end
 local function added_ms(entry_id) return tonumber(string.match(entry_id, '^%d+')) end
-local group = nil
-local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
-if ok then
-  for _, reply in ipairs(groups) do
-    local fields = {{}}
-    for i = 1, #reply, 2 do fields[reply[i]] = reply[i + 1] end
-    if fields['name'] == '{keys.WORKER_GROUP}' then group = fields end
-  end
-end
+local group = group_fields(KEYS[1])
 if group == nil then  -- no worker has ever read it: every entry waits
   local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
   return {{length, added_ms(first[1][1])}}
@@ -51,6 +46,7 @@ if #abandoned > 0 and (oldest < 0 or added_ms(abandoned[1][1]) < oldest) then ol
 if waiting == 0 then oldest = -1 end
 return {{waiting, oldest}}
 """
+)
 
 
 async def probe_queue(redis: Redis, model: str, *, now_ms: int, claim_idle_ms: int) -> QueueState:
