@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 
 from shared import keys
 from shared.schema import Priority
-from worker.switching.queue_probe import probe_queue
+from worker.switching.queue_probe import QueueProbe
 
 STREAM = keys.queue("m")
 
@@ -19,7 +19,7 @@ def entry_ms(entry_id: bytes) -> int:
 
 
 async def probe(aredis: Redis, now_ms: int, claim_idle_ms: int = 60_000):
-    return await probe_queue(aredis, "m", now_ms=now_ms, claim_idle_ms=claim_idle_ms)
+    return await QueueProbe(aredis, claim_idle_ms=claim_idle_ms).measure("m", now_ms=now_ms)
 
 
 async def test_a_missing_stream_has_nothing_waiting(aredis: Redis) -> None:

@@ -49,11 +49,20 @@ return {{waiting, oldest}}
 )
 
 
-async def probe_queue(redis: Redis, model: str, *, now_ms: int, claim_idle_ms: int) -> QueueState:
-    probe_stream = redis.register_script(_PROBE_STREAM)
-    states = []
-    for priority in PRIORITIES:
-        for stream in await model_queues(redis, model, priority):
-            waiting, oldest_ms = await probe_stream(keys=[stream], args=[claim_idle_ms])
-            states.append(QueueState(waiting, max(0, now_ms - oldest_ms) / 1000 if oldest_ms >= 0 else 0.0))
-    return QueueState(sum(s.waiting for s in states), max(s.oldest_wait_s for s in states))
+class QueueProbe:
+    """Measures models' queues for one worker; the script is registered once, not at every probe (the
+    switcher probes each model four times a second)."""
+
+    def __init__(self, redis: Redis, *, claim_idle_ms: int) -> None:
+        self._redis = redis
+        self._claim_idle_ms = claim_idle_ms
+        self._probe_stream = redis.register_script(_PROBE_STREAM)
+
+    async def measure(self, model: str, *, now_ms: int) -> QueueState:
+        """`model`'s jobs waiting over all its streams, and how long the oldest has waited at `now_ms`."""
+        states = []
+        for priority in PRIORITIES:
+            for stream in await model_queues(self._redis, model, priority):
+                waiting, oldest_ms = await self._probe_stream(keys=[stream], args=[self._claim_idle_ms])
+                states.append(QueueState(waiting, max(0, now_ms - oldest_ms) / 1000 if oldest_ms >= 0 else 0.0))
+        return QueueState(sum(s.waiting for s in states), max(s.oldest_wait_s for s in states))

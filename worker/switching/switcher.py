@@ -26,7 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.jobstore import now_ms
 from worker.engine_thread import EngineThread
-from worker.switching.queue_probe import probe_queue
+from worker.switching.queue_probe import QueueProbe
 from worker.switching.residency import ModelResidency
 from worker.switching.switch_policy import CandidateModel, ResidentModel, SwitchDecision, choose_switch
 
@@ -69,8 +69,7 @@ class ModelSwitcher:
         model's shared stream (worker/routed_streams.py), where a worker serving it takes them."""
         self.residency = residency
         self._engine_thread = engine_thread
-        self._redis = redis
-        self._claim_idle_ms = claim_idle_ms
+        self._queues = QueueProbe(redis, claim_idle_ms=claim_idle_ms)
         self._grace_s = switch_grace_s
         self._in_flight = in_flight
         self._hand_back = hand_back
@@ -140,10 +139,7 @@ class ModelSwitcher:
 
     async def _decide(self) -> SwitchDecision | None:
         now = now_ms()
-        queues = {
-            name: await probe_queue(self._redis, name, now_ms=now, claim_idle_ms=self._claim_idle_ms)
-            for name in self.residency.specs
-        }
+        queues = {name: await self._queues.measure(name, now_ms=now) for name in self.residency.specs}
         resident = self.residency.resident
         since = self.residency.resident_since
         residents = [
